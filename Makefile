@@ -1,0 +1,26 @@
+# One command per job, each doing its own set-up on a fresh machine:
+#   make run    -- the main job
+#   make test   -- the test suite (what .ci/run calls)
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: venv run test lint
+
+$(STAMP): requirements.txt
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -r requirements.txt
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/python -m hcjax.main $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests
+	$(VENV)/bin/python -m pytest -q tests $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests

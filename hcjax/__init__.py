@@ -1,0 +1,1 @@
+"""hcjax: an asynchronous RL post-training system for MoE models in JAX."""

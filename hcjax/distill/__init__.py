@@ -1,0 +1,1 @@
+"""hcjax.distill package."""

@@ -1,0 +1,1 @@
+"""hcjax.envs package."""
