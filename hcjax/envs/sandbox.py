@@ -1,0 +1,450 @@
+"""Run untrusted programs in a throw-away Linux sandbox and classify how each run ended.
+
+Design (no extra Debian package needed): `unshare` (util-linux) gives fresh network, PID, mount,
+IPC and UTS namespaces; a tiny Python init, still root inside them, mounts private size-capped
+tmpfs on /tmp, /var/tmp and /dev/shm, binds the run's work directory at /tmp/work, makes every
+other mount read-only, then forks the program as an unprivileged per-run uid with
+`no_new_privs` and rlimits (CPU, address space, processes, file size, open files).  The init is
+PID 1, so when it exits the kernel kills everything the program left behind; the parent also
+kills the whole process group at the wall-clock deadline or when output exceeds its cap.  When
+namespaces cannot be made (not root, no `unshare`, kernel refusal) the run is classified as an
+infrastructure error (`aborted`), never run unsandboxed.  Disk usage inside the work directory is
+bounded per file (RLIMIT_FSIZE), not in total.  Must not import JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+
+OK = "ok"
+TIMEOUT = "timeout"
+MEMORY = "memory"
+CRASH = "crash"
+OUTPUT_LIMIT = "output_limit"
+INFRA_ERROR = "infra_error"
+STATUSES = (OK, TIMEOUT, MEMORY, CRASH, OUTPUT_LIMIT, INFRA_ERROR)
+
+# The sandbox sees a fixed, minimal PATH: the host's (possibly root-only) toolchains stay hidden.
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+INSIDE_DIR = "/tmp/work"  # where the work directory appears inside the sandbox
+_SHELL = ["/bin/sh", "-c"]
+_UID_BASE = 2_000_000  # far above any real account, so RLIMIT_NPROC counts only this run
+_MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
+
+# Runs as root inside the new namespaces (argv[1] is a JSON config).  It reports over the status
+# pipe: "ready" once the filesystem is locked down, then "exit <wait status>" for the program.
+_INIT_SOURCE = r"""
+import ctypes, json, os, re, resource, signal, sys, warnings  # warnings: execvpe needs it after setuid
+cfg = json.loads(sys.argv[1])
+status = cfg["status_fd"]
+def report(line):
+    os.write(status, (line + "\n").encode())
+libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 32, 4096, 16384, 1 << 18
+MS_NODEV = 4
+def mount(src, target, flags, fstype=None, data=None):
+    if libc.mount(src, target.encode(), fstype, flags, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "mount %s: %s" % (target, os.strerror(err)))
+def unescape(path):
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
+try:
+    work_fd = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+    mount(None, "/", MS_REC | MS_PRIVATE)
+    # Private, size-capped scratch dirs: writes there vanish with the sandbox, and host
+    # sockets or files living in them are out of reach.
+    private = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)]
+    for d in private:
+        mount(b"tmpfs", d, MS_NOSUID | MS_NODEV, b"tmpfs",
+              ("size=%dm,mode=1777" % cfg["tmp_mb"]).encode())
+    work = cfg["inside"]
+    os.mkdir(work)
+    mount(("/proc/self/fd/%d" % work_fd).encode(), work, MS_BIND)
+    os.close(work_fd)
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            points.append(unescape(line.split()[4]))
+    for point in points:
+        if point in private or point == work or point == "/proc" or point.startswith("/proc/"):
+            continue
+        mount(None, point, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+    mount(None, work, MS_REMOUNT | MS_BIND | MS_NOSUID)
+except OSError as e:
+    report("error " + str(e))
+    sys.exit(125)
+report("ready")
+pid = os.fork()
+if pid == 0:
+    try:
+        for name, soft, hard in cfg["rlimits"]:
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        # Python ignores these two; a plain program (and `yes | head`) expects the defaults.
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot regain root
+        os.chdir(work)
+        os.setgroups([])
+        os.setgid(cfg["uid"])
+        os.setuid(cfg["uid"])
+        os.close(status)
+        os.execvpe(cfg["argv"][0], cfg["argv"], cfg["env"])
+    except BaseException as e:
+        os.write(2, ("sandbox: cannot execute %r: %s\n" % (cfg["argv"][0], e)).encode())
+        os._exit(127)
+_, wait_status = os.waitpid(pid, 0)
+report("exit %d" % wait_status)
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How one sandboxed run ended.  `returncode` is the exit code, or -signal if killed."""
+
+    status: str
+    stdout: str
+    stderr: str
+    returncode: int | None
+    wall_s: float
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def aborted(self) -> bool:
+        """Infrastructure failures are aborted: the RL side drops them, never scores them 0."""
+        return self.status == INFRA_ERROR
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-run resource limits (the wall-clock timeout and memory are passed to `run`)."""
+
+    max_procs: int = 64
+    max_file_mb: int = 64
+    max_output_bytes: int = 1 << 20
+    max_open_files: int = 256
+    tmp_mb: int = 64  # size of each private tmpfs (/tmp, /var/tmp, /dev/shm)
+    cpu_s: float | None = None  # defaults to the wall-clock timeout
+
+    def __post_init__(self) -> None:
+        for name in ("max_procs", "max_file_mb", "max_output_bytes", "max_open_files", "tmp_mb"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} is not a positive integer")
+        if self.cpu_s is not None and not self.cpu_s > 0:
+            raise ValueError(f"cpu_s={self.cpu_s!r} is not positive")
+
+
+def fresh_uid() -> int:
+    """A random unprivileged uid for one sandbox (so process limits are per sandbox)."""
+    return _UID_BASE + secrets.randbelow(1 << 24)
+
+
+def write_files(root: str, files: Mapping[str, str | bytes]) -> None:
+    """Write `files` (relative path -> content) under `root`; paths must stay inside it."""
+    for rel, content in files.items():
+        path = resolve_inside(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = content.encode() if isinstance(content, str) else bytes(content)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            os.unlink(path)  # a new inode: never write through a hard link the sandbox made
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def resolve_inside(root: str, rel: str) -> str:
+    """The real path of `rel` under `root`; ValueError if it (or a symlink in it) escapes."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise ValueError(f"path={rel!r} is not a non-empty string")
+    if os.path.isabs(rel):
+        raise ValueError(f"path={rel!r} is absolute; expected a path relative to the sandbox")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, rel))
+    if os.path.commonpath([real_root, real]) != real_root or real == real_root:
+        raise ValueError(f"path={rel!r} resolves outside the sandbox directory")
+    return real
+
+
+def _chown_tree(root: str, uid: int) -> None:
+    os.chown(root, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            # Only root's own fresh files: a hard link the sandbox made to a host file (nlink
+            # > 1) must not hand that file to the sandbox's uid.
+            if st.st_uid == 0 and (stat.S_ISDIR(st.st_mode) or st.st_nlink == 1):
+                os.chown(path, uid, uid, follow_symlinks=False)
+
+
+def _infra(detail: str, start: float, stderr: str = "") -> Outcome:
+    return Outcome(INFRA_ERROR, "", stderr, None, time.monotonic() - start, detail)
+
+
+def _rlimits(timeout_s: float, memory_mb: int, limits: Limits) -> list[tuple[str, int, int]]:
+    cpu = math.ceil(limits.cpu_s if limits.cpu_s is not None else timeout_s)
+    mem = memory_mb << 20
+    fsize = limits.max_file_mb << 20
+    return [
+        # Soft CPU limit sends SIGXCPU (classified as timeout); the hard one a second later kills.
+        ("RLIMIT_CPU", cpu, cpu + 1),
+        ("RLIMIT_AS", mem, mem),
+        ("RLIMIT_NPROC", limits.max_procs, limits.max_procs),
+        ("RLIMIT_FSIZE", fsize, fsize),
+        ("RLIMIT_NOFILE", limits.max_open_files, limits.max_open_files),
+        ("RLIMIT_CORE", 0, 0),
+    ]
+
+
+def run(
+    command: str | Sequence[str],
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    files: Mapping[str, str | bytes] | None = None,
+    stdin: str | bytes | None = None,
+    workdir: str | None = None,
+    uid: int | None = None,
+    env: Mapping[str, str] | None = None,
+    limits: Limits | None = None,
+    unshare_path: str = "/usr/bin/unshare",
+) -> Outcome:
+    """Run `command` (a shell string for /bin/sh, or an argv list) in a fresh sandbox.
+
+    `files` are written into the work directory first.  With `workdir=None` a temporary
+    directory is created and removed afterwards; otherwise that directory is used and kept (its
+    owner must be `uid`, see `Workspace`).  Never raises for problems of the run itself: they
+    come back as an `Outcome` whose status is one of STATUSES.
+    """
+    if isinstance(command, str):
+        argv = [*_SHELL, command]
+    else:
+        argv = [str(a) for a in command]
+        if not argv:
+            raise ValueError("command=[] is empty")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} is not positive")
+    if not isinstance(memory_mb, int) or memory_mb < 16:
+        raise ValueError(f"memory_mb={memory_mb!r} is not an integer >= 16")
+    limits = limits or Limits()
+    start = time.monotonic()
+    if os.geteuid() != 0:
+        return _infra(f"sandbox needs root for namespaces; euid={os.geteuid()}", start)
+    if not os.path.exists(unshare_path):
+        return _infra(f"unshare_path={unshare_path!r} does not exist", start)
+
+    own_dir = workdir is None
+    if own_dir:
+        workdir = tempfile.mkdtemp(prefix="hcjax-sbx-")
+        uid = fresh_uid() if uid is None else uid
+    elif uid is None:
+        uid = os.stat(workdir).st_uid
+    workdir = os.path.realpath(workdir)
+    try:
+        if files:
+            write_files(workdir, files)
+        if own_dir or files:
+            _chown_tree(workdir, uid)
+        return _run_in(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env,
+                       unshare_path, start)
+    except OSError as e:
+        return _infra(f"sandbox set-up failed: {e}", start)
+    finally:
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_in(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env, unshare_path, start):
+    status_r, status_w = os.pipe()
+    run_env = {"PATH": SANDBOX_PATH, "HOME": INSIDE_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+    run_env.update(env or {})
+    cfg = {"status_fd": status_w, "workdir": workdir, "inside": INSIDE_DIR, "uid": uid,
+           "argv": argv, "env": run_env, "tmp_mb": limits.tmp_mb,
+           "rlimits": _rlimits(timeout_s, memory_mb, limits)}
+    unshare = [unshare_path, "--net", "--pid", "--fork", "--mount-proc", "--mount", "--ipc",
+               "--uts", "--kill-child"]
+    stdin_file = tempfile.TemporaryFile()
+    if stdin is not None:
+        stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
+        stdin_file.seek(0)
+    try:
+        proc = subprocess.Popen(
+            [*unshare, sys.executable, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(cfg)],
+            stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(status_w,), start_new_session=True, cwd=workdir,
+            env={"PATH": SANDBOX_PATH})
+    except OSError as e:
+        os.close(status_r)
+        return _infra(f"cannot start unshare: {e}", start)
+    finally:
+        os.close(status_w)
+        stdin_file.close()
+    try:
+        out, err, status_text, killed_for = _collect(proc, status_r, start + timeout_s,
+                                                     limits.max_output_bytes)
+    finally:
+        _kill_group(proc)
+        os.close(status_r)
+    wall = time.monotonic() - start
+    stdout = out.decode("utf-8", "replace")
+    stderr = err.decode("utf-8", "replace")
+    return _classify(status_text, killed_for, stdout, stderr, wall, shell=argv[:2] == _SHELL)
+
+
+def _collect(proc, status_r, deadline, max_output):
+    """Read stdout/stderr/status until all close, the deadline passes, or output overflows."""
+    chunks = {"out": bytearray(), "err": bytearray(), "status": bytearray()}
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    sel.register(status_r, selectors.EVENT_READ, "status")
+    killed_for = None
+    try:
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                killed_for = TIMEOUT
+                break
+            for key, _ in sel.select(timeout=remaining):
+                fd = key.fd
+                data = os.read(fd, 65536)
+                if not data:
+                    sel.unregister(key.fileobj)
+                    continue
+                chunks[key.data] += data
+            if len(chunks["out"]) + len(chunks["err"]) > max_output:
+                killed_for = OUTPUT_LIMIT
+                break
+    finally:
+        sel.close()
+    if killed_for:
+        _kill_group(proc)
+    out, err = bytes(chunks["out"]), bytes(chunks["err"])
+    if killed_for == OUTPUT_LIMIT:
+        out, err = out[:max_output], err[: max(0, max_output - len(out))]
+    return out, err, chunks["status"].decode(errors="replace"), killed_for
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the run and return only once none of its processes is left.
+
+    The namespace's init (unshare's child) is killed first and unshare reaps it: a PID
+    namespace's init finishes exiting only after the kernel has killed and reaped every process
+    inside, even ones that left the process group.  The group kill then catches the rest (an
+    init that never started, unshare itself).
+    """
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            inits = [int(pid) for pid in f.read().split()]
+    except OSError:
+        inits = []
+    for pid in inits:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if inits:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:  # once unshare is reaped its group id may be reused: leave it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None and not stream.closed:
+            stream.close()
+
+
+def _classify(status_text: str, killed_for, stdout: str, stderr: str, wall: float,
+              shell: bool) -> Outcome:
+    lines = status_text.splitlines()
+    if "ready" not in lines:
+        detail = next((ln for ln in lines if ln.startswith("error")), "namespace set-up failed")
+        return Outcome(INFRA_ERROR, stdout, stderr, None, wall, detail)
+    if killed_for == OUTPUT_LIMIT:
+        return Outcome(OUTPUT_LIMIT, stdout, stderr, None, wall, "output exceeded the cap")
+    if killed_for == TIMEOUT:
+        return Outcome(TIMEOUT, stdout, stderr, None, wall, "wall-clock timeout")
+    exits = [ln for ln in lines if ln.startswith("exit ")]
+    if not exits:
+        return Outcome(INFRA_ERROR, stdout, stderr, None, wall, "sandbox init died unexpectedly")
+    wait_status = int(exits[-1].split()[1])
+    sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
+    if shell and os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) > 128:
+        # /bin/sh reports a child killed by signal n as exit status 128 + n.
+        sig = os.WEXITSTATUS(wait_status) - 128
+    if sig:
+        rc = -sig
+        if sig in (signal.SIGXCPU, signal.SIGKILL) and "MemoryError" not in stderr:
+            # SIGKILL only comes from the hard CPU limit here (the OOM killer is not in play:
+            # RLIMIT_AS makes allocations fail first).
+            return Outcome(TIMEOUT, stdout, stderr, rc, wall, "CPU time limit")
+        if sig == signal.SIGXFSZ:
+            return Outcome(OUTPUT_LIMIT, stdout, stderr, rc, wall, "file size limit")
+    else:
+        rc = os.WEXITSTATUS(wait_status)
+        if rc == 0:
+            return Outcome(OK, stdout, stderr, 0, wall)
+    if any(marker in stderr for marker in _MEMORY_MARKERS):
+        return Outcome(MEMORY, stdout, stderr, rc, wall, "memory limit")
+    if "File too large" in stderr:  # EFBIG handled by the program itself
+        return Outcome(OUTPUT_LIMIT, stdout, stderr, rc, wall, "file size limit")
+    return Outcome(CRASH, stdout, stderr, rc, wall,
+                   f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}")
+
+
+class Workspace:
+    """A sandbox directory that persists across runs (one uid for its lifetime), for tools."""
+
+    def __init__(self, files: Mapping[str, str | bytes] | None = None) -> None:
+        self.uid = fresh_uid()
+        self.path = os.path.realpath(tempfile.mkdtemp(prefix="hcjax-ws-"))
+        if files:
+            write_files(self.path, files)
+        _chown_tree(self.path, self.uid)
+
+    def run(self, command: str | Sequence[str], *, timeout_s: float, memory_mb: int,
+            **kwargs) -> Outcome:
+        return run(command, timeout_s=timeout_s, memory_mb=memory_mb, workdir=self.path,
+                   uid=self.uid, **kwargs)
+
+    def write(self, files: Mapping[str, str | bytes]) -> None:
+        write_files(self.path, files)
+        _chown_tree(self.path, self.uid)
+
+    def read(self, rel: str) -> str:
+        with open(resolve_inside(self.path, rel), encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""Math answer grader: extract the final answer (last `<answer>` block, then last `\\boxed{}`) and
+decide equivalence with math-verify (sympy: fractions, decimals, radicals, intervals, sets,
+equations, units stripped) under a wall-clock limit.  Must not import JAX."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import math_verify
+import math_verify.grader
+import math_verify.parser
+
+from hcjax.rewards.timelimit import TimeLimitExceeded, call_with_time_limit
+from hcjax.rewards.types import Grade
+
+# We enforce our own limit around the whole comparison (math-verify's alarm-based one only works
+# in the main thread), so silence its "timeout disabled" warning.
+math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers, and would only feed the parser
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} with balanced braces, or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i]
+    return None
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer: inside the last <answer>...</answer>, the last \\boxed{} if any, else
+    the whole block; without answer tags, the last \\boxed{} of the response; else None."""
+    tagged = _ANSWER_TAG.findall(response)
+    if tagged:
+        block = tagged[-1]
+        boxed = _last_boxed(block)
+        answer = boxed if boxed is not None else block
+    else:
+        answer = _last_boxed(response)
+    if answer is None:
+        return None
+    answer = answer.strip().strip("$").strip()
+    return answer or None
+
+
+def _parse(text: str) -> list:
+    parsed = math_verify.parse(f"${text}$", parsing_timeout=None)
+    if not parsed:  # plain expressions such as "1/2" or "sqrt(2)"
+        parsed = math_verify.parse(text, parsing_timeout=None)
+    return parsed
+
+
+def _equivalent(answer: str, reference: str) -> bool:
+    gold = _parse(reference)
+    pred = _parse(answer)
+    if not gold or not pred:
+        return False
+    return bool(math_verify.verify(gold, pred, timeout_seconds=None))
+
+
+def grade(response: str, reference: str, *, timeout_s: float = 5.0) -> Grade:
+    """1.0 when the response's final answer equals `reference` mathematically, else 0.0."""
+    if not isinstance(reference, str) or not reference.strip():
+        raise ValueError(f"reference={reference!r} is not a non-empty string")
+    answer = extract_answer(response)
+    if answer is None:
+        return Grade(0.0, "no final answer (<answer> tags or \\boxed{})")
+    if len(answer) > MAX_ANSWER_CHARS:
+        return Grade(0.0, f"answer has {len(answer)} chars > {MAX_ANSWER_CHARS}")
+    try:
+        same = call_with_time_limit(_equivalent, (answer, reference), timeout_s)
+    except TimeLimitExceeded:
+        return Grade(0.0, f"comparison exceeded {timeout_s} s")
+    except Exception as e:  # malformed LaTeX that the parser chokes on is a wrong answer
+        return Grade(0.0, f"could not compare: {type(e).__name__}: {e}")
+    if same:
+        return Grade(1.0, f"answer {answer!r} equals {reference!r}")
+    return Grade(0.0, f"answer {answer!r} differs from {reference!r}")
+
+
+def verify(response: str, reference: str, *, timeout_s: float = 5.0) -> bool:
+    """True when the response's final answer is equivalent to `reference`."""
+    return grade(response, reference, timeout_s=timeout_s).score == 1.0

@@ -1,0 +1,222 @@
+"""Sandbox containment: every hostile program is stopped, classified and cleaned up."""
+
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+from hcjax.envs import sandbox
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root namespaces")
+
+SMALL = sandbox.Limits(max_procs=16, max_output_bytes=64 * 1024)
+
+
+def _processes_of(uid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    pids.append(int(name))
+            except FileNotFoundError:
+                pass
+    return pids
+
+
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch):
+    """Sandbox work dirs go under tmp_path, so a test can see that they were removed."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_ok_run_with_files_and_stdin(own_tmp):
+    out = sandbox.run("cat data.txt; read x; echo got=$x; id -u", timeout_s=20, memory_mb=256,
+                      files={"data.txt": "hello\n"}, stdin="42\n", uid=2_345_678)
+    assert out.status == sandbox.OK and out.returncode == 0
+    assert out.stdout == "hello\ngot=42\n2345678\n"
+    assert list(own_tmp.iterdir()) == []  # the temporary work dir is gone
+
+
+def test_argv_command_and_nonzero_exit_is_crash():
+    out = sandbox.run(["/bin/sh", "-c", "echo oops >&2; exit 3"], timeout_s=20, memory_mb=256)
+    assert (out.status, out.returncode, out.stderr) == (sandbox.CRASH, 3, "oops\n")
+    missing = sandbox.run(["definitely-not-a-command"], timeout_s=20, memory_mb=256)
+    assert missing.status == sandbox.CRASH and missing.returncode == 127
+
+
+def test_segfault_is_crash():
+    out = sandbox.run("kill -SEGV $$", timeout_s=20, memory_mb=256)
+    assert out.status == sandbox.CRASH and out.returncode == -11
+
+
+def test_infinite_loop_times_out_and_is_killed():
+    uid = 2_345_001
+    start = time.monotonic()
+    out = sandbox.run("while :; do :; done", timeout_s=1.0, memory_mb=256, uid=uid)
+    assert out.status == sandbox.TIMEOUT and out.detail == "wall-clock timeout"
+    assert time.monotonic() - start < 10
+    assert _processes_of(uid) == []
+
+
+def test_cpu_limit_is_timeout():
+    busy = "python3 -c 'while True: pass'"
+    # The wall-clock limit is far away, so only the 1 s CPU limit can stop it.
+    out = sandbox.run(busy, timeout_s=60, memory_mb=256, limits=sandbox.Limits(cpu_s=1))
+    assert out.status == sandbox.TIMEOUT and out.detail == "CPU time limit"
+    assert out.returncode == -24  # SIGXCPU
+
+
+@pytest.mark.parametrize("bomb", [
+    "bomb() { bomb | bomb & }; bomb; sleep 30",
+    "python3 -c '\nimport os, time\nwhile True:\n    try:\n        os.fork()\n"
+    "    except OSError:\n        time.sleep(0.01)\n'",
+])
+def test_fork_bomb_is_contained(bomb):
+    uid = 2_345_002
+    host_before = len(os.listdir("/proc"))
+    out = sandbox.run(bomb, timeout_s=1.5, memory_mb=256, uid=uid, limits=SMALL)
+    # The bomb hits RLIMIT_NPROC; it runs into the wall-clock deadline, or the shell itself
+    # fails to fork and exits (crash). Either way nothing survives it.
+    assert out.status in (sandbox.TIMEOUT, sandbox.CRASH) and out.wall_s < 10
+    assert _processes_of(uid) == []
+    assert len(os.listdir("/proc")) < host_before + 16
+
+
+def test_memory_bomb_is_memory():
+    out = sandbox.run("python3 -c 'x = bytearray(1 << 30)'", timeout_s=20, memory_mb=256)
+    assert out.status == sandbox.MEMORY and "MemoryError" in out.stderr
+    growing = "python3 -c '\nx = []\nwhile True:\n    x.append(bytearray(1 << 20))\n'"
+    assert sandbox.run(growing, timeout_s=20, memory_mb=128).status == sandbox.MEMORY
+
+
+def test_network_is_unreachable():
+    # A listener on the host's loopback must not see a connection from inside the sandbox.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept():
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    code = ("import socket\n"
+            f"for addr in [('127.0.0.1', {port}), ('1.1.1.1', 80)]:\n"
+            "    try:\n"
+            "        socket.create_connection(addr, timeout=1)\n"
+            "        print('connected', addr)\n"
+            "    except OSError as e:\n"
+            "        print('refused', e.errno)\n")
+    out = sandbox.run(["python3", "-c", code], timeout_s=20, memory_mb=256)
+    thread.join()
+    server.close()
+    assert out.status == sandbox.OK
+    assert "connected" not in out.stdout and out.stdout.count("refused") == 2
+    assert accepted == []
+
+
+def test_writes_outside_work_dir_never_reach_the_host(own_tmp):
+    here = os.path.dirname(os.path.abspath(__file__))
+    # Read-only: the host's own directories, including this repository and the work dir's
+    # parent on the host (hidden inside the sandbox behind the private /tmp).
+    refused = ["/etc/hcjax-escape", os.path.join(here, "hcjax-escape"),
+               str(own_tmp / "hcjax-escape"), "/root/hcjax-escape"]
+    # Private scratch space: writable inside, discarded afterwards.
+    private = ["/tmp/hcjax-escape", "/dev/shm/hcjax-escape", "/var/tmp/hcjax-escape",
+               "../hcjax-escape"]
+    script = "".join(f"echo x > {p} 2>/dev/null && echo wrote {p}; " for p in refused + private)
+    script += "echo inside > ok.txt && cat ok.txt; chmod 777 /etc 2>/dev/null && echo chmod"
+    out = sandbox.run(script, timeout_s=20, memory_mb=256)
+    assert out.stdout == "".join(f"wrote {p}\n" for p in private) + "inside\n"
+    for path in refused + private[:3]:
+        assert not os.path.exists(path), path
+    assert list(own_tmp.iterdir()) == []  # "../hcjax-escape" did not land next to the work dir
+    assert os.stat("/etc").st_mode & 0o777 == 0o755
+
+
+def test_private_tmp_is_size_capped():
+    limits = sandbox.Limits(tmp_mb=2)
+    out = sandbox.run("head -c 3000000 /dev/zero > /tmp/fill", timeout_s=20, memory_mb=256,
+                      limits=limits)
+    assert out.status == sandbox.CRASH and "No space left" in out.stderr
+
+
+def test_symlink_escape_from_files_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="outside the sandbox"):
+        sandbox.write_files(str(tmp_path), {"../evil.txt": "x"})
+    with pytest.raises(ValueError, match="absolute"):
+        sandbox.write_files(str(tmp_path), {"/etc/evil.txt": "x"})
+    os.symlink("/etc", tmp_path / "link")
+    with pytest.raises(ValueError, match="outside the sandbox"):
+        sandbox.resolve_inside(str(tmp_path), "link/passwd")
+
+
+def test_huge_output_is_capped():
+    out = sandbox.run("yes", timeout_s=60, memory_mb=256, limits=SMALL)
+    assert out.status == sandbox.OUTPUT_LIMIT and out.detail == "output exceeded the cap"
+    assert len(out.stdout) + len(out.stderr) <= SMALL.max_output_bytes
+    assert out.wall_s < 20  # killed at the cap, long before the deadline
+
+
+def test_file_size_limit_is_output_limit():
+    limits = sandbox.Limits(max_file_mb=1)
+    out = sandbox.run("head -c 3000000 /dev/zero > big", timeout_s=20, memory_mb=256,
+                      limits=limits)
+    assert out.status == sandbox.OUTPUT_LIMIT and out.returncode == -25  # SIGXFSZ
+    handled = sandbox.run(["python3", "-c", "open('big', 'wb').write(bytes(3000000))"],
+                          timeout_s=20, memory_mb=256, limits=limits)
+    assert handled.status == sandbox.OUTPUT_LIMIT and "File too large" in handled.stderr
+    pipe = sandbox.run("yes | head -n 2", timeout_s=20, memory_mb=256)  # SIGPIPE ends `yes`
+    assert pipe.status == sandbox.OK and pipe.stdout == "y\ny\n"
+
+
+def test_infrastructure_errors_are_aborted(monkeypatch):
+    missing = sandbox.run("true", timeout_s=20, memory_mb=256, unshare_path="/no/unshare")
+    assert missing.status == sandbox.INFRA_ERROR and missing.aborted
+    failing = sandbox.run("true", timeout_s=20, memory_mb=256, unshare_path="/bin/false")
+    assert failing.status == sandbox.INFRA_ERROR and "set-up" in failing.detail
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    not_root = sandbox.run("true", timeout_s=20, memory_mb=256)
+    assert not_root.aborted and "euid=1000" in not_root.detail
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        sandbox.run("true", timeout_s=0, memory_mb=256)
+    with pytest.raises(ValueError, match="memory_mb=4"):
+        sandbox.run("true", timeout_s=1, memory_mb=4)
+    with pytest.raises(ValueError, match="max_procs=0"):
+        sandbox.Limits(max_procs=0)
+
+
+def test_workspace_keeps_state_and_background_jobs_die():
+    with sandbox.Workspace({"a.txt": "1"}) as ws:
+        out = ws.run("cat a.txt > b.txt; echo 2 >> b.txt; sleep 60 & echo started",
+                     timeout_s=20, memory_mb=256)
+        assert out.status == sandbox.OK
+        assert ws.read("b.txt") == "12\n"
+        assert _processes_of(ws.uid) == []  # the backgrounded sleep died with the sandbox
+        path = ws.path
+    assert not os.path.exists(path)
+
+
+def test_hard_links_to_host_files_are_neither_chowned_nor_written(tmp_path):
+    host_file = tmp_path / "host.txt"
+    host_file.write_text("secret")
+    with sandbox.Workspace() as ws:
+        os.link(host_file, os.path.join(ws.path, "linked"))  # as a sandbox might, given the chance
+        ws.write({"other.txt": "x"})
+        assert os.stat(host_file).st_uid == 0
+        ws.write({"linked": "overwritten"})
+        assert host_file.read_text() == "secret" and ws.read("linked") == "overwritten"
