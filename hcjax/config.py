@@ -1,0 +1,175 @@
+"""gin plumbing shared by every entry point: flags, binding with clear errors, config files out.
+
+Entry points call `parse_flags(argv)` then `bind(flags)`; both fail before any JAX compile when a
+binding is wrong, naming the binding. This module must not import the model or any JAX code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import gin
+
+__all__ = [
+    "ConfigError",
+    "Flags",
+    "add_gin_flags",
+    "bind",
+    "parse_flags",
+    "write_config",
+    "write_operative_config",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration mistake (bad gin file or binding, invalid value)."""
+
+
+@dataclasses.dataclass
+class Flags:
+    gin_files: list[str]
+    gin_params: list[str]
+    output_dir: str | None
+    extra: argparse.Namespace
+
+
+def add_gin_flags(parser: argparse.ArgumentParser, default_gin_files: Sequence[str] = ()) -> None:
+    parser.add_argument(
+        "--gin_file",
+        action="append",
+        default=None,
+        help="gin file to parse (repeatable; later files override earlier ones). A bare name is "
+        f"looked up in {CONFIG_DIR}. Default: {list(default_gin_files)}",
+    )
+    parser.add_argument(
+        "--gin_param",
+        action="append",
+        default=[],
+        help="one gin binding, e.g. \"ModelConfig.num_layers = 4\" (repeatable; applied last)",
+    )
+    parser.add_argument("--output_dir", default=None, help="folder for config, metrics, outputs")
+
+
+def parse_flags(
+    argv: Sequence[str] | None,
+    *,
+    description: str,
+    default_gin_files: Sequence[str] = (),
+    extra_args: callable | None = None,
+) -> Flags:
+    """Parse `--gin_file`, `--gin_param`, `--output_dir` plus entry-point specific flags."""
+    parser = argparse.ArgumentParser(description=description)
+    add_gin_flags(parser, default_gin_files)
+    if extra_args is not None:
+        extra_args(parser)
+    ns = parser.parse_args(argv)
+    gin_files = ns.gin_file if ns.gin_file else list(default_gin_files)
+    return Flags(
+        gin_files=gin_files, gin_params=list(ns.gin_param), output_dir=ns.output_dir, extra=ns
+    )
+
+
+def resolve_gin_file(name: str) -> Path:
+    """A gin file path as given, or a bare name (with or without `.gin`) under configs/."""
+    candidates = [Path(name)]
+    if not Path(name).is_absolute():
+        candidates.append(CONFIG_DIR / name)
+        if not name.endswith(".gin"):
+            candidates.append(CONFIG_DIR / f"{name}.gin")
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ConfigError(f"gin file {name!r} not found (looked at {[str(c) for c in candidates]})")
+
+
+def bind(gin_files: Sequence[str], gin_params: Sequence[str], *, finalize: bool = True) -> None:
+    """Clear gin state, then parse files and bindings; any mistake raises ConfigError naming it.
+
+    The configurables referred to must already be registered, i.e. their modules imported; call
+    `hcjax.config.import_configurables()` (done here) so every name in the project is known.
+    """
+    import_configurables()
+    gin.clear_config()
+    gin.add_config_file_search_path(str(CONFIG_DIR))
+    for f in gin_files:
+        path = resolve_gin_file(f)
+        # gin logs an ERROR for each include it first tries relative to the working directory
+        # before finding it on the search path; those lines are noise, so mute them here.
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.CRITICAL)
+        try:
+            gin.parse_config_file(str(path))
+        except Exception as e:  # gin raises several exception types; all are config mistakes
+            raise ConfigError(f"in gin file {str(path)!r}: {e}") from e
+        finally:
+            root.setLevel(level)
+    for p in gin_params:
+        try:
+            gin.parse_config(p)
+        except Exception as e:
+            raise ConfigError(f"bad --gin_param {p!r}: {e}") from e
+    if finalize:
+        gin.finalize()
+
+
+def import_configurables() -> None:
+    """Import every module that registers gin configurables so that bindings can be checked."""
+    import importlib
+
+    for mod in _CONFIGURABLE_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            # Modules of later issues may not exist yet in a given checkout; a missing module of
+            # ours is fine, a missing third-party dependency is not.
+            if not (e.name or "").startswith("hcjax"):
+                raise
+
+
+# Modules whose import registers configurables. Keep in sync with new gin-configurable modules.
+_CONFIGURABLE_MODULES = [
+    "hcjax.sharding",
+    "hcjax.model.config",
+    "hcjax.rl.losses",
+    "hcjax.rl.learner",
+    "hcjax.rl.sampling",
+    "hcjax.rollout.engine",
+    "hcjax.rollout.server",
+    "hcjax.data.tasks",
+    "hcjax.data.pipeline",
+    "hcjax.distill.sft",
+    "hcjax.checkpoint",
+    "hcjax.profiling",
+]
+
+
+def write_config(output_dir: str | os.PathLike, flags: Flags | None = None) -> Path:
+    """Write all parsed bindings (before anything ran) to `output_dir/config.gin`."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    header = ""
+    if flags is not None:
+        header = (
+            f"# gin files: {flags.gin_files}\n# gin params: {flags.gin_params}\n"
+        )
+    path = out / "config.gin"
+    path.write_text(header + gin.config_str())
+    return path
+
+
+def write_operative_config(output_dir: str | os.PathLike) -> Path:
+    """Write the operative config (the values actually used) to `output_dir/operative_config.gin`."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "operative_config.gin"
+    path.write_text(gin.operative_config_str())
+    return path

@@ -1,0 +1,28 @@
+"""The MAI-style MoE transformer: `ModelConfig`, `Transformer`, KV cache and sharded creation."""
+
+from hcjax.model.config import ModelConfig
+from hcjax.model.moe import load_balance_loss, load_balance_loss_from_stats
+from hcjax.model.transformer import (
+    ModelOutput,
+    Transformer,
+    abstract_model,
+    cache_bytes,
+    create_sharded,
+    init_cache,
+    param_shardings,
+    shard_state,
+)
+
+__all__ = [
+    "ModelConfig",
+    "ModelOutput",
+    "Transformer",
+    "abstract_model",
+    "cache_bytes",
+    "create_sharded",
+    "init_cache",
+    "load_balance_loss",
+    "load_balance_loss_from_stats",
+    "param_shardings",
+    "shard_state",
+]

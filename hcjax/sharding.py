@@ -1,0 +1,171 @@
+"""Meshes from configuration, and the one table that maps logical axis names to mesh axes.
+
+A mesh is described by `MeshConfig` (axis sizes plus the slice of `jax.devices()` it uses), so a
+learner mesh and an inference mesh can live on disjoint devices of one process. Parameters carry
+logical axis names (e.g. ("embed", "mlp")); `logical_to_spec` turns them into a `PartitionSpec`
+through `LOGICAL_RULES`. This module must not hard-code device counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import gin
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None for replicated). One table for the
+# whole model, as in MaxText's logical axis rules.
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "latent": None,
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    "router_experts": None,
+    "norm": None,
+    "layers": None,
+}
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """A named device mesh over devices [device_offset, device_offset + product(sizes)).
+
+    A size of -1 on at most one axis means "all remaining devices" (of `num_devices`, or of every
+    device after `device_offset` when num_devices is None).
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+    device_offset: int = 0
+    num_devices: int | None = None
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert}
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build a `Mesh` with axes (data, fsdp, tensor, expert) from `config`; errors name bad sizes."""
+    config = config or MeshConfig()
+    all_devices = list(devices) if devices is not None else jax.devices()
+    if config.device_offset < 0 or config.device_offset >= len(all_devices):
+        raise ValueError(
+            f"MeshConfig.device_offset={config.device_offset} is outside the "
+            f"{len(all_devices)} available devices"
+        )
+    available = all_devices[config.device_offset :]
+    if config.num_devices is not None:
+        if config.num_devices <= 0 or config.num_devices > len(available):
+            raise ValueError(
+                f"MeshConfig.num_devices={config.num_devices} is not in [1, {len(available)}] "
+                f"(devices after offset {config.device_offset})"
+            )
+        available = available[: config.num_devices]
+    sizes = config.sizes()
+    for name, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ValueError(f"mesh axis {name}={size} must be positive or -1 (fill)")
+    fill = [n for n, s in sizes.items() if s == -1]
+    if len(fill) > 1:
+        raise ValueError(f"at most one mesh axis may be -1 (fill), got {fill}")
+    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+    if fill:
+        n = len(available)
+        if n % fixed:
+            raise ValueError(
+                f"mesh axes {sizes} do not divide the {n} available devices "
+                f"(the fixed axes multiply to {fixed})"
+            )
+        sizes[fill[0]] = n // fixed
+    total = int(np.prod(list(sizes.values())))
+    if config.num_devices is not None and total != config.num_devices:
+        raise ValueError(
+            f"mesh axes {sizes} multiply to {total}, not MeshConfig.num_devices={config.num_devices}"
+        )
+    if total > len(available):
+        raise ValueError(
+            f"mesh axes {sizes} need {total} devices but only {len(available)} are available "
+            f"from device_offset={config.device_offset}"
+        )
+    grid = np.array(available[:total], dtype=object).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES)
+
+
+def disjoint_meshes(
+    learner: MeshConfig, inference: MeshConfig, devices: Sequence[jax.Device] | None = None
+) -> tuple[Mesh, Mesh]:
+    """A learner mesh and an inference mesh; raises if they share a device."""
+    lm, im = make_mesh(learner, devices), make_mesh(inference, devices)
+    shared = {d.id for d in lm.devices.flat} & {d.id for d in im.devices.flat}
+    if shared:
+        raise ValueError(f"learner and inference meshes share devices {sorted(shared)}")
+    return lm, im
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None] | None,
+    rules: Mapping[str, str | tuple[str, ...] | None] | None = None,
+) -> PartitionSpec:
+    """Map logical axis names to a PartitionSpec; a mesh axis is used at most once per array."""
+    rules = LOGICAL_RULES if rules is None else rules
+    if logical_axes is None:
+        return PartitionSpec()
+    used: set[str] = set()
+    out = []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(f"logical axis {name!r} has no rule (known: {sorted(rules)})")
+        target = rules[name]
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        targets = tuple(t for t in targets if t not in used)
+        used.update(targets)
+        out.append(None if not targets else targets[0] if len(targets) == 1 else targets)
+    return PartitionSpec(*out)
+
+
+def check_divisible(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh, what: str) -> None:
+    """Raise a clear error when a dimension is not divisible by the mesh axes it is sharded over."""
+    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+        if axes is None:
+            continue
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+        n = int(np.prod([mesh.shape[a] for a in axes_t]))
+        if size % n:
+            raise ValueError(
+                f"{what}: dimension {dim} of shape {tuple(shape)} has size {size}, not divisible "
+                f"by mesh axes {axes_t} of total size {n}"
+            )
+
+
+def named_sharding(
+    mesh: Mesh,
+    logical_axes: Sequence[str | None] | None,
+    shape: Sequence[int] | None = None,
+    rules: Mapping[str, str | tuple[str, ...] | None] | None = None,
+    what: str = "array",
+) -> NamedSharding:
+    spec = logical_to_spec(logical_axes, rules)
+    if shape is not None:
+        check_divisible(shape, spec, mesh, what)
+    return NamedSharding(mesh, spec)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding for [batch, ...] arrays: batch over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))

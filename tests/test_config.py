@@ -1,0 +1,103 @@
+"""gin plumbing, model summary and the main entry point: clear errors, files written, counts right."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hcjax import config as hcfg
+from hcjax.model.summary import main as summary_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_unknown_configurable_is_named():
+    with pytest.raises(hcfg.ConfigError, match="NoSuchThing"):
+        hcfg.bind(["tiny_cpu.gin"], ["NoSuchThing.size = 3"])
+
+
+def test_unknown_parameter_is_named():
+    with pytest.raises(hcfg.ConfigError, match="ModelConfig.num_layerz"):
+        hcfg.bind(["tiny_cpu.gin"], ["ModelConfig.num_layerz = 3"])
+
+
+def test_malformed_binding_is_named():
+    with pytest.raises(hcfg.ConfigError, match="ModelConfig.num_layers = = 3"):
+        hcfg.bind(["tiny_cpu.gin"], ["ModelConfig.num_layers = = 3"])
+
+
+def test_missing_gin_file():
+    with pytest.raises(hcfg.ConfigError, match="no_such_file.gin"):
+        hcfg.bind(["no_such_file.gin"], [])
+
+
+def test_bad_value_fails_at_construction_naming_the_field():
+    from hcjax.model import ModelConfig
+
+    hcfg.bind(["tiny_cpu.gin"], ["ModelConfig.num_kv_heads = 3"])
+    with pytest.raises(ValueError, match="num_heads=4 is not a multiple of num_kv_heads=3"):
+        ModelConfig()
+
+
+def test_bindings_apply_and_config_is_written(tmp_path):
+    from hcjax.model import ModelConfig
+
+    flags = hcfg.parse_flags(
+        ["--gin_param", "ModelConfig.num_layers = 2", "--output_dir", str(tmp_path)],
+        description="t",
+        default_gin_files=["tiny_cpu.gin"],
+    )
+    hcfg.bind(flags.gin_files, flags.gin_params)
+    assert ModelConfig().num_layers == 2 and ModelConfig().d_model == 128
+    path = hcfg.write_config(tmp_path, flags)
+    text = path.read_text()
+    assert "ModelConfig.num_layers = 2" in text and "ModelConfig.d_model = 128" in text
+    op = hcfg.write_operative_config(tmp_path).read_text()
+    assert "ModelConfig.num_layers = 2" in op
+
+
+def test_flagship_summary_is_about_1t_total_35b_active(capsys):
+    s = summary_main(["--gin_file", "mai_base_1t_a35b.gin"])
+    assert 0.95e12 <= s["total_params"] <= 1.05e12
+    assert 33e9 <= s["active_params"] <= 37e9
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last)["total_params"] == s["total_params"]
+
+
+def test_tiny_summary_counts_match_real_parameters():
+    import jax
+    from flax import nnx
+
+    from hcjax.model import ModelConfig, Transformer
+
+    s = summary_main(["--gin_file", "tiny_cpu.gin"])
+    hcfg.bind(["tiny_cpu.gin"], [])
+    model = Transformer(ModelConfig(), rngs=nnx.Rngs(0))
+    assert s["total_params"] == sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+
+
+@pytest.mark.slow
+def test_main_job_runs_and_writes_outputs(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hcjax.main", "--steps", "3", "--batch", "4", "--seq_len", "16",
+         "--output_dir", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 3
+    assert (tmp_path / "config.gin").is_file() and (tmp_path / "operative_config.gin").is_file()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_cli_config_error_is_one_clear_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hcjax.model.summary", "--gin_param", "ModelConfig.bogus = 1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "ModelConfig.bogus" in proc.stderr and "Traceback" not in proc.stderr
