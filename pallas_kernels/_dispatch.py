@@ -1,0 +1,53 @@
+"""Shared choice of implementation, lowering and interpret mode for every kernel in this package.
+
+Kept free of any kernel logic so each kernel module reads as reference + kernel + dispatcher.
+"""
+
+from __future__ import annotations
+
+import jax
+
+IMPLS = ("auto", "pallas", "reference")
+LOWERINGS = ("gpu", "tpu")
+
+
+def backend() -> str:
+    """The platform JAX runs on by default: "cpu", "gpu" or "tpu"."""
+    return jax.default_backend()
+
+
+def resolve_impl(impl: str, kernel: str) -> str:
+    """Maps `impl` to "pallas" or "reference": auto means Pallas on TPU/GPU, the reference on CPU."""
+    if impl not in IMPLS:
+        raise ValueError(f"{kernel}: impl={impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        return "pallas" if backend() in LOWERINGS else "reference"
+    return impl
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """interpret=None means interpret iff running on CPU (no Pallas backend to compile for)."""
+    if interpret is None:
+        return backend() not in LOWERINGS
+    return bool(interpret)
+
+
+def resolve_lowering(lowering: str | None, kernel: str) -> str:
+    """Which Pallas program to build: the TPU one on TPU, otherwise the GPU (Triton) one.
+
+    On CPU both can run in interpret mode; the GPU program is the default there because it is the
+    kernel written in this package end to end.
+    """
+    if lowering is None:
+        return "tpu" if backend() == "tpu" else "gpu"
+    if lowering not in LOWERINGS:
+        raise ValueError(f"{kernel}: lowering={lowering!r} is not one of {LOWERINGS}")
+    return lowering
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple

@@ -1,0 +1,74 @@
+"""The GPU (Triton) and TPU (Mosaic) programs lower from this CPU-only machine.
+
+Cross-platform export runs Pallas's own lowering to Triton / Mosaic IR, which catches unsupported
+operations, block shapes and index maps without an accelerator. It does not run the Triton or
+Mosaic compilers, so it is no substitute for running on the hardware.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+import pallas_kernels as pk
+
+B, T, HQ, HKV, D = 1, 256, 8, 2, 128
+Q = jax.ShapeDtypeStruct((B, T, HQ, D), jnp.bfloat16)
+KV = jax.ShapeDtypeStruct((B, T, HKV, D), jnp.bfloat16)
+SEG = jax.ShapeDtypeStruct((B, T), jnp.int32)
+LHS = jax.ShapeDtypeStruct((500, 256), jnp.bfloat16)
+RHS = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+SIZES = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+
+def _lower(fn, *args, platform):
+    # Triton kernels travel as custom calls without a stability guarantee; that is fine here,
+    # nothing is serialised for later.
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = export.export(jax.jit(fn), platforms=(platform,), disabled_checks=checks)(*args)
+    return exported.mlir_module()
+
+
+def _attention_grads(lowering):
+    def loss(q, k, v, seg):
+        out = pk.flash_attention(
+            q, k, v, window=64, segment_ids=seg, impl="pallas", interpret=False, lowering=lowering
+        )
+        return out.astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def _gmm_grads(lowering):
+    def loss(lhs, rhs, sizes):
+        out = pk.gmm(lhs, rhs, sizes, impl="pallas", interpret=False, lowering=lowering)
+        return out.astype(jnp.float32).sum()
+
+    return jax.grad(loss, argnums=(0, 1))
+
+
+@pytest.mark.parametrize("platform,lowering", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_attention_forward_and_backward_lower(platform, lowering):
+    module = _lower(_attention_grads(lowering), Q, KV, KV, SEG, platform=platform)
+    assert ("triton" if platform == "cuda" else "tpu_custom_call") in module
+
+
+@pytest.mark.parametrize("platform,lowering", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_gmm_forward_and_backward_lower(platform, lowering):
+    module = _lower(_gmm_grads(lowering), LHS, RHS, SIZES, platform=platform)
+    assert ("triton" if platform == "cuda" else "tpu_custom_call") in module
+
+
+@pytest.mark.parametrize("platform,lowering", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_decode_lowers(platform, lowering):
+    q = jax.ShapeDtypeStruct((4, HQ, D), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((4, 1024, HKV, D), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def decode(q, k, v, n):
+        return pk.decode_attention(
+            q, k, v, n, window=512, impl="pallas", interpret=False, lowering=lowering
+        )
+
+    module = _lower(decode, q, cache, cache, lengths, platform=platform)
+    assert ("triton" if platform == "cuda" else "tpu_custom_call") in module
