@@ -137,8 +137,9 @@ def test_global_layers_use_no_positions_local_layers_use_rope():
         assert (not np.allclose(a, b, atol=1e-6)) == should_change, kind
 
 
-def test_dropless_moe_equals_dense_reference():
-    model = make_model()
+@pytest.mark.parametrize("impl", ["ragged", "blocked"])
+def test_dropless_moe_equals_dense_reference(impl):
+    model = make_model(dataclasses.replace(BASE, moe_impl=impl))
     x = tokens(3, 9)
     ragged = fwd(model, x)
     dense_model = make_model(dataclasses.replace(BASE, moe_impl="dense"))
@@ -293,3 +294,31 @@ def test_config_errors_are_clear():
     cfg = dataclasses.replace(BASE, num_kv_heads=2)  # 2 KV heads cannot split over tensor=4
     with pytest.raises(ValueError, match=r"parameter blocks/0/attn/wk.*not divisible"):
         create_sharded(cfg, mesh)
+
+
+def test_blocked_and_ragged_dispatch_with_skewed_routing_and_empty_experts():
+    from hcjax.model.moe import (
+        _expert_swiglu_blocked,
+        _expert_swiglu_dense,
+        _expert_swiglu_grouped,
+        _ragged_dot,
+    )
+
+    n, k, e, r, f = 37, 3, 6, 8, 12
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (n, r))
+    wg, wu = (jax.random.normal(kk, (e, r, f)) for kk in keys[1:3])
+    wo = jax.random.normal(keys[3], (e, f, r))
+    # Experts 1 and 4 get nothing; expert 0 gets every token; distinct experts per token.
+    expert_nk = jnp.stack([jnp.zeros(n, jnp.int32), 2 + jnp.arange(n) % 2, jnp.full(n, 5)], 1)
+    gates = jax.nn.softmax(jax.random.normal(keys[4], (n, k)), -1)
+    combine = jnp.sum(jax.nn.one_hot(expert_nk, e) * gates[..., None], 1)
+    ref = _expert_swiglu_dense(x, wg, wu, wo, combine)
+    blocked = _expert_swiglu_blocked(x, wg, wu, wo, expert_nk, gates)
+    ragged = _expert_swiglu_grouped(x, wg, wu, wo, expert_nk, gates, _ragged_dot)
+    np.testing.assert_allclose(blocked, ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ragged, ref, rtol=1e-5, atol=1e-4)
+    grad_b = jax.grad(lambda w: jnp.sum(_expert_swiglu_blocked(x, w, wu, wo, expert_nk, gates)))(wg)
+    grad_d = jax.grad(lambda w: jnp.sum(_expert_swiglu_dense(x, w, wu, wo, combine)))(wg)
+    np.testing.assert_allclose(grad_b, grad_d, rtol=1e-4, atol=1e-4)
+    assert float(jnp.abs(grad_b[1]).max()) == 0.0  # an empty expert gets no gradient

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hcjax.model.config import ModelConfig
+import pallas_kernels
+from hcjax.model.config import ModelConfig, use_pallas
 from hcjax.model.layers import param, rope
 
 _MASKED = -1e30  # finite, so a fully masked row (a padding query) gives no NaN
@@ -82,7 +83,7 @@ class Attention(nnx.Module):
         self.window = cfg.window if kind == "local" else None
         self.rope_theta = cfg.rope_theta
         self.dtype = cfg.compute_dtype
-        self.impl = cfg.attention_impl
+        self.use_kernel = use_pallas(cfg.attention_impl)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, cache: dict | None = None):
         dt = self.dtype
@@ -97,6 +98,14 @@ class Attention(nnx.Module):
         new_cache = None
         if cache is None:
             out = self._attend_self(q, k, v, positions_bt, segment_ids_bt)
+        elif self.use_kernel and q.shape[1] == 1:
+            # One-token decode on the Pallas kernel: store first, then attend over the cache.
+            new_cache = write_cache(cache, k, v, positions_bt, ring=self.kind == "local")
+            lengths = jnp.maximum(positions_bt[:, 0] + 1, 0)
+            out = pallas_kernels.decode_attention(
+                q[:, 0], new_cache["k"].astype(dt), new_cache["v"].astype(dt), lengths,
+                window=self.window, ring=self.kind == "local", impl="pallas",
+            )[:, None]
         else:
             # Attend to what the cache held before this chunk plus the chunk itself, then store
             # the chunk; one row = one sequence, so segment ids are not used here.
@@ -110,9 +119,7 @@ class Attention(nnx.Module):
         return y, new_cache
 
     def _attend_self(self, q, k, v, positions_bt, segment_ids_bt):
-        if self.impl == "pallas":
-            import pallas_kernels
-
+        if self.use_kernel:
             # The kernel masks by index (causal, window) and segment ids; rows whose positions
             # restart per document are handled by the segment ids.
             return pallas_kernels.flash_attention(

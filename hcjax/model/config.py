@@ -14,8 +14,18 @@ import jax.numpy as jnp
 ATTENTION_KINDS = ("local", "global")
 FFN_KINDS = ("moe", "dense")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-MOE_IMPLS = ("ragged", "dense", "pallas")
-ATTENTION_IMPLS = ("reference", "pallas")
+# "auto" = the Pallas kernels on TPU/GPU, the XLA path on CPU ("blocked" for the MoE, which is the
+# fastest there); "pallas" forces the kernels (interpret mode on CPU, for tests);
+# "reference"/"ragged"/"blocked"/"dense" are XLA-only paths.
+MOE_IMPLS = ("ragged", "blocked", "dense", "pallas", "auto")
+ATTENTION_IMPLS = ("reference", "pallas", "auto")
+
+
+def use_pallas(impl: str) -> bool:
+    """Whether an implementation switch selects our Pallas kernels on this backend."""
+    import jax
+
+    return impl == "pallas" or (impl == "auto" and jax.default_backend() in ("gpu", "tpu"))
 
 
 @gin.configurable

@@ -1,7 +1,8 @@
 """LatentMoE (RECIPE §2): down-project, fp32 router top-k, dropless experts in latent space, up-project.
 
 Dispatch is dropless: the (token, expert) assignments are sorted by expert and run as grouped
-matmuls over variable-size groups (`jax.lax.ragged_dot`, or our Pallas `gmm`); no capacity factor,
+matmuls over variable-size groups (`jax.lax.ragged_dot`, or our Pallas `gmm`, or "blocked": groups
+padded to whole tiles and run as batched dense matmuls, the fast path on CPU); no capacity factor,
 no token dropped. A dense one-hot path computes every expert for every token and is the reference
 in tests. The router can be forced to given experts (routing replay); the gates then still come
 from the current router logits at those experts, so the router keeps its gradient.
@@ -17,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hcjax.model.config import ModelConfig
+import pallas_kernels
+from hcjax.model.config import ModelConfig, use_pallas
 from hcjax.model.layers import param
 
 
@@ -72,13 +74,40 @@ def _expert_swiglu_grouped(x_nr, w_gate, w_up, w_out, expert_nk, gates_nk, matmu
     return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_nkr.dtype), y_nkr)
 
 
+def _expert_swiglu_blocked(x_nr, w_gate, w_up, w_out, expert_nk, gates_nk):
+    """Dropless with dense batched matmuls: each expert's rows are padded to whole tiles, every tile
+    belongs to one expert and multiplies that expert's weights. Padding is at most tile-1 rows per
+    expert, so no token is ever dropped; it is the fast path on CPU, where ragged_dot is slow."""
+    n, k = expert_nk.shape
+    num_experts, latent, _ = w_gate.shape
+    assignments = n * k
+    tile = int(min(128, max(8, 1 << max(0, (assignments // num_experts - 1).bit_length()))))
+    flat_expert = expert_nk.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    sorted_expert = flat_expert[order]
+    sizes = jnp.bincount(flat_expert, length=num_experts)
+    padded = (sizes + tile - 1) // tile * tile
+    start = jnp.cumsum(sizes) - sizes
+    padded_end = jnp.cumsum(padded)
+    dest = (padded_end - padded)[sorted_expert] + jnp.arange(assignments) - start[sorted_expert]
+    rows = -(-(assignments + num_experts * (tile - 1)) // tile) * tile
+    num_tiles = rows // tile
+    xs = jnp.zeros((rows, latent), x_nr.dtype).at[dest].set(x_nr[order // k])
+    tile_expert = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * tile, side="right")
+    tile_expert = jnp.minimum(tile_expert, num_experts - 1)  # trailing all-padding tiles
+    xt = xs.reshape(num_tiles, tile, latent)
+    h = jax.nn.silu(jnp.einsum("tbr,trf->tbf", xt, w_gate[tile_expert]))
+    h = h * jnp.einsum("tbr,trf->tbf", xt, w_up[tile_expert])
+    y = jnp.einsum("tbf,tfr->tbr", h, w_out[tile_expert]).reshape(rows, latent)
+    y_assign = jnp.zeros((assignments, latent), y.dtype).at[order].set(y[dest])
+    return jnp.einsum("nk,nkr->nr", gates_nk.astype(y.dtype), y_assign.reshape(n, k, latent))
+
+
 def _ragged_dot(lhs, rhs, group_sizes):
     return jax.lax.ragged_dot(lhs, rhs, group_sizes)
 
 
 def _pallas_gmm(lhs, rhs, group_sizes):
-    import pallas_kernels
-
     return pallas_kernels.gmm(lhs, rhs, group_sizes, impl="pallas")
 
 
@@ -118,8 +147,10 @@ class LatentMoE(nnx.Module):
         if self.impl == "dense":
             combine = jnp.sum(jax.nn.one_hot(expert_nk, self.num_experts) * gates[..., None], 1)
             y = _expert_swiglu_dense(latent, w_gate, w_up, w_out, combine)
+        elif self.impl == "blocked" or (self.impl == "auto" and not use_pallas("auto")):
+            y = _expert_swiglu_blocked(latent, w_gate, w_up, w_out, expert_nk, gates)
         else:
-            matmul = _pallas_gmm if self.impl == "pallas" else _ragged_dot
+            matmul = _pallas_gmm if use_pallas(self.impl) else _ragged_dot
             y = _expert_swiglu_grouped(latent, w_gate, w_up, w_out, expert_nk, gates, matmul)
         out = (y.astype(dt) @ self.w_up_proj[...].astype(dt)).reshape(b, t, d)
 
