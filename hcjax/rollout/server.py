@@ -1,0 +1,547 @@
+"""The continuous-batching rollout server: a bounded request queue and JetStream-style prefill,
+generate and result threads around one `Engine`, with versioned weights and partial rollouts.
+
+New samples join free slots between generate steps while others are still running. Transport
+(gRPC) lives in service.py; this module is in-process and knows nothing of losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import gin
+import jax
+import numpy as np
+
+from hcjax.rollout.engine import Engine, SamplingParams
+from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
+
+__all__ = ["QueueFull", "RequestHandle", "RolloutServer", "ServerStopped"]
+
+
+class QueueFull(RuntimeError):
+    """The bounded request queue is full (back-pressure): retry later or elsewhere."""
+
+
+class ServerStopped(RuntimeError):
+    """The server stopped (or failed) before the request finished."""
+
+
+_DONE = object()
+
+
+class RequestHandle:
+    """A submitted request: stream its events or wait for its records."""
+
+    def __init__(self, request: GenerateRequest, seed: int) -> None:
+        self.request = request
+        self.seed = seed
+        self._events: queue.Queue = queue.Queue()
+        self._records: dict[int, SampledRollout] = {}
+        self._remaining = request.n
+        self._finished = threading.Event()
+        self._error: str | None = None
+        self.cancelled = threading.Event()
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent | SampledRollout]:
+        """TokenEvents as tokens are generated and each sample's record when it ends."""
+        while True:
+            item = self._events.get(timeout=timeout)
+            if item is _DONE:
+                if self._error is not None:
+                    raise ServerStopped(self._error)
+                return
+            yield item
+
+    def poll(self, timeout: float) -> tuple[list, bool]:
+        """(events available now, waiting up to `timeout` for the first; request finished?).
+
+        Raises ServerStopped when the request failed or was cancelled.
+        """
+        try:
+            batch = [self._events.get(timeout=timeout)]
+        except queue.Empty:
+            return [], False
+        while True:
+            try:
+                batch.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        finished = batch[-1] is _DONE
+        if finished:
+            batch.pop()
+            if self._error is not None:
+                raise ServerStopped(self._error)
+        return batch, finished
+
+    def result(self, timeout: float | None = None) -> list[SampledRollout]:
+        """The n records, ordered by sample index."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.request.request_id!r} not done in {timeout}s")
+        if self._error is not None:
+            raise ServerStopped(self._error)
+        return [self._records[i] for i in sorted(self._records)]
+
+    def cancel(self) -> None:
+        """Stop generating and free the slots; waiting on the handle raises ServerStopped."""
+        self.cancelled.set()
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    # Called by the server's threads.
+    def _token(self, event: TokenEvent) -> None:
+        self._events.put(event)
+
+    def _sample_done(self, record: SampledRollout) -> None:
+        self._records[record.sample_index] = record
+        self._events.put(record)
+        self._remaining -= 1
+        if self._remaining == 0:
+            self._finished.set()
+            self._events.put(_DONE)
+
+    def _fail(self, message: str) -> None:
+        if self._finished.is_set():
+            return
+        self._error = message
+        self._finished.set()
+        self._events.put(_DONE)
+
+
+@dataclasses.dataclass
+class _Sample:
+    """Host-side state of one sample while it occupies a slot."""
+
+    handle: RequestHandle
+    sample_index: int
+    prompt: np.ndarray
+    prompt_routing: np.ndarray  # [L, P', k] experts of everything prefilled (prompt + resumed)
+    prior: SampledRollout | None  # the partial record being continued, if any
+    sampling: SamplingParams
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    raw_logprobs: list = dataclasses.field(default_factory=list)
+    n_kept: list = dataclasses.field(default_factory=list)
+    thresholds: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    routing: list = dataclasses.field(default_factory=list)
+    finished: bool = False
+
+
+@dataclasses.dataclass
+class _Job:
+    """A prefilled prompt waiting for slots: the samples still to insert and their budget."""
+
+    prefix: Any
+    samples: list  # of _Sample, not yet in a slot
+    budget: int
+
+
+@gin.configurable
+class RolloutServer:
+    """Serves GenerateRequests on one engine; thread-safe `submit`, `update_weights`, `metrics`.
+
+    min_step_seconds throttles the generate loop (a stand-in for a slower device in tests).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        params: Any = None,
+        *,
+        version: int = 0,
+        max_queue: int = 64,
+        max_pending_prefills: int = 2,
+        min_step_seconds: float = 0.0,
+    ) -> None:
+        if max_queue <= 0:
+            raise ValueError(f"max_queue={max_queue} must be positive")
+        self.engine = engine
+        self._params = engine.load_params() if params is None else params
+        self._version = int(version)
+        self._weights_lock = threading.Lock()
+        self._pending_weights: tuple[Any, int] | None = None
+        self._requests: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._jobs: queue.Queue = queue.Queue(maxsize=max_pending_prefills)
+        self._results: queue.Queue = queue.Queue(maxsize=2)  # bounds how far generate runs ahead
+        self._freed: queue.Queue = queue.Queue()
+        self._min_step = min_step_seconds
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self._threads: list[threading.Thread] = []
+        self._handles: set[RequestHandle] = set()
+        self._handles_lock = threading.Lock()
+        self._occupied = 0
+        self._tokens_total = 0
+        self._steps = 0
+        self._requests_total = 0
+        self._started_at = time.monotonic()
+        self._recent: list[tuple[float, int]] = []
+
+    # Lifecycle -------------------------------------------------------------------------------
+    def start(self) -> RolloutServer:
+        """Start the three threads (idempotent: `with RolloutServer(...).start()` is fine)."""
+        if self._threads:
+            return self
+        for name, fn in [
+            ("prefill", self._prefill_loop),
+            ("generate", self._generate_loop),
+            ("results", self._result_loop),
+        ]:
+            t = threading.Thread(target=self._guard(fn), name=f"rollout-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout)
+        self._fail_all("server stopped")
+
+    def __enter__(self) -> RolloutServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except Exception as e:  # a dead thread must not leave clients waiting forever
+                self._error = f"{threading.current_thread().name} failed: {e!r}"
+                self._stop.set()
+                self._fail_all(self._error)
+
+        return run
+
+    def _fail_all(self, message: str) -> None:
+        with self._handles_lock:
+            handles = list(self._handles)
+            self._handles.clear()
+        for h in handles:
+            h._fail(message)
+
+    # Public API ------------------------------------------------------------------------------
+    def submit(
+        self, request: GenerateRequest, *, block: bool = True, timeout: float | None = None
+    ) -> RequestHandle:
+        """Queue a request; raises QueueFull when the bounded queue stays full."""
+        if self._stop.is_set():
+            raise ServerStopped(self._error or "server stopped")
+        self._check_limits(request)
+        seed = request.seed if request.seed is not None else random.randrange(2**32)
+        handle = RequestHandle(request, seed)
+        with self._handles_lock:
+            self._handles.add(handle)
+        try:
+            self._requests.put(handle, block=block, timeout=timeout)
+        except queue.Full:
+            with self._handles_lock:
+                self._handles.discard(handle)
+            raise QueueFull(f"request queue is full ({self._requests.maxsize} waiting)") from None
+        with self._handles_lock:
+            self._requests_total += 1
+        return handle
+
+    def generate(self, request: GenerateRequest, timeout: float | None = None) -> list:
+        return self.submit(request).result(timeout)
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """Serve `params` as `version` from the next generate step on (atomic swap)."""
+        with self._weights_lock:
+            if version < self._version:
+                raise ValueError(f"version={version} is older than the served {self._version}")
+            self._pending_weights = (params, int(version))
+
+    @property
+    def version(self) -> int:
+        with self._weights_lock:
+            pending = self._pending_weights
+            return pending[1] if pending is not None else self._version
+
+    def health(self) -> dict:
+        alive = all(t.is_alive() for t in self._threads) and not self._stop.is_set()
+        return {"ok": alive and self._error is None, "error": self._error}
+
+    def metrics(self) -> dict:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._recent if now - t <= 5.0]
+        window = max(1e-9, min(5.0, now - self._started_at))
+        return {
+            "queue_depth": self._requests.qsize(),
+            "slots_total": self.engine.max_concurrent_decodes,
+            "slots_occupied": self._occupied,
+            "slot_occupancy": self._occupied / self.engine.max_concurrent_decodes,
+            "tokens_total": self._tokens_total,
+            "tokens_per_second": sum(n for _, n in recent) / window,
+            "generate_steps": self._steps,
+            "requests_total": self._requests_total,
+            "version": self.version,
+        }
+
+    def _check_limits(self, request: GenerateRequest) -> None:
+        eng = self.engine
+        if not request.continue_from and len(request.prompt) > eng.max_prefill_length:
+            raise ValueError(
+                f"prompt length {len(request.prompt)} exceeds max_prefill_length="
+                f"{eng.max_prefill_length}"
+            )
+        if len(request.prompt) + request.max_tokens > eng.max_target_length:
+            raise ValueError(
+                f"prompt length {len(request.prompt)} + max_tokens {request.max_tokens} exceeds "
+                f"max_target_length={eng.max_target_length}"
+            )
+        if eng.vocab_size is not None:
+            bad = [t for t in request.prompt if t >= eng.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:4]} are >= vocab_size={eng.vocab_size}")
+        if len(request.stop_tokens) > eng.max_stop_tokens:
+            raise ValueError(
+                f"{len(request.stop_tokens)} stop tokens exceed max_stop_tokens="
+                f"{eng.max_stop_tokens}"
+            )
+
+    # Prefill thread --------------------------------------------------------------------------
+    def _current_weights(self) -> tuple[Any, int]:
+        with self._weights_lock:
+            if self._pending_weights is not None:
+                return self._pending_weights
+            return self._params, self._version
+
+    def _prefill_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                handle = self._requests.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            req = handle.request
+            sampling = SamplingParams(
+                temperature=float(req.temperature), top_p=float(req.top_p), seed=handle.seed,
+                max_tokens=req.max_tokens, stop_tokens=req.stop_tokens,
+            )
+            try:
+                if req.continue_from:
+                    for rec in req.continue_from:
+                        tokens = np.concatenate([rec.prompt_ids, rec.response_ids])
+                        self._put_job(handle, sampling, tokens, [rec.sample_index], rec)
+                else:
+                    tokens = np.asarray(req.prompt, np.int32)
+                    self._put_job(handle, sampling, tokens, list(range(req.n)), None)
+            except Exception as e:  # one bad request must not take the server down
+                handle._fail(f"prefill of request {req.request_id!r} failed: {e!r}")
+                with self._handles_lock:
+                    self._handles.discard(handle)
+
+    def _put_job(self, handle, sampling, tokens, indices, prior) -> None:
+        if handle.cancelled.is_set():
+            self._cancel(handle)
+            return
+        params, version = self._current_weights()
+        prefix, _ = self.engine.prefill(
+            params=params, padded_tokens=tokens, true_length=len(tokens), sampling=sampling,
+            version=version,
+        )
+        routing = np.asarray(prefix.routing)
+        already = 0 if prior is None else prior.response_len
+        budget = sampling.max_tokens - already
+        if handle.request.token_budget is not None:
+            budget = min(budget, handle.request.token_budget)
+        prompt = np.asarray(handle.request.prompt, np.int32)
+        samples = [_Sample(handle, i, prompt, routing, prior, sampling) for i in indices]
+        job = _Job(prefix, samples, budget)
+        while not self._stop.is_set():
+            try:
+                self._jobs.put(job, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        handle._fail(f"request {handle.request.request_id!r} was cancelled")
+        with self._handles_lock:
+            self._handles.discard(handle)
+
+    # Generate thread -------------------------------------------------------------------------
+    def _generate_loop(self) -> None:
+        owners: dict[int, _Sample] = {}
+        try:
+            self._generate_steps(owners)
+        finally:  # the engine may be reused by another server: give its slots back
+            for slot in owners:
+                self.engine.free_resource(slot)
+
+    def _generate_steps(self, owners: dict[int, _Sample]) -> None:
+        eng = self.engine
+        state = eng.init_decode_state()
+        job: _Job | None = None
+        while not self._stop.is_set():
+            step_start = time.monotonic()
+            with self._weights_lock:
+                if self._pending_weights is not None:
+                    self._params, self._version = self._pending_weights
+                    self._pending_weights = None
+                params, version = self._params, self._version
+            while True:  # slots the result thread has released
+                try:
+                    slot, deactivate = self._freed.get_nowait()
+                except queue.Empty:
+                    break
+                if deactivate:
+                    state = eng.deactivate(state, slot)
+                owners.pop(slot, None)
+                eng.free_resource(slot)
+            while eng.num_free_slots:
+                if job is None:
+                    try:  # block briefly only when idle, so running slots never wait
+                        job = self._jobs.get_nowait() if owners else self._jobs.get(timeout=0.02)
+                    except queue.Empty:
+                        break
+                slots = eng.allocate_slots(len(job.samples))
+                placed, job.samples = job.samples[: len(slots)], job.samples[len(slots):]
+                state = eng.bulk_insert(
+                    job.prefix, state, slots, sample_indices=[s.sample_index for s in placed],
+                    max_tokens=job.budget,
+                )
+                owners.update(zip(slots, placed))
+                if not job.samples:
+                    job = None
+            self._occupied = len(owners)
+            if not owners:
+                continue
+            state, result = eng.generate(params, state, version=version)
+            self._steps += 1
+            self._put_result((result, dict(owners)))
+            if self._min_step:
+                time.sleep(max(0.0, self._min_step - (time.monotonic() - step_start)))
+
+    def _put_result(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._results.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    # Result thread ---------------------------------------------------------------------------
+    def _result_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                result, owners = self._results.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            host = jax.device_get(result)
+            produced = 0
+            for slot, sample in owners.items():
+                if sample.finished:
+                    continue
+                if sample.handle.cancelled.is_set():
+                    sample.finished = True
+                    self._cancel(sample.handle)
+                    self._freed.put((slot, True))
+                    continue
+                if not host.valid[slot]:
+                    continue
+                produced += 1
+                self._append(sample, host, slot)
+                if host.done[slot]:
+                    self._finish(sample, self._finish_reason(sample))
+                    self._freed.put((slot, False))
+            self._tokens_total += produced
+            now = time.monotonic()
+            self._recent = [(t, n) for t, n in self._recent if now - t <= 5.0] + [(now, produced)]
+
+    def _append(self, sample: _Sample, host, slot: int) -> None:
+        event = TokenEvent(
+            sample_index=sample.sample_index,
+            token=int(host.tokens[slot]),
+            logprob=float(host.logprobs[slot]),
+            raw_logprob=float(host.raw_logprobs[slot]),
+            n_kept=int(host.n_kept[slot]),
+            threshold_logit=float(host.threshold_logit[slot]),
+            routing=np.asarray(host.routing[slot]),
+            position=int(host.positions[slot]),
+            version=int(host.versions[slot]),
+        )
+        sample.tokens.append(event.token)
+        sample.logprobs.append(event.logprob)
+        sample.raw_logprobs.append(event.raw_logprob)
+        sample.n_kept.append(event.n_kept)
+        sample.thresholds.append(event.threshold_logit)
+        sample.versions.append(event.version)
+        sample.routing.append(event.routing)
+        sample.handle._token(event)
+
+    @staticmethod
+    def _finish_reason(sample: _Sample) -> str:
+        if sample.tokens and sample.tokens[-1] in sample.sampling.stop_tokens:
+            return "stop"
+        return "length"
+
+    def _finish(self, sample: _Sample, reason: str) -> None:
+        sample.finished = True
+        sample.handle._sample_done(_make_record(sample, reason))
+        if sample.handle.done:
+            with self._handles_lock:
+                self._handles.discard(sample.handle)
+
+
+def _make_record(sample: _Sample, reason: str) -> SampledRollout:
+    prior = sample.prior
+    sp = sample.sampling
+
+    def joined(name: str, new: list, dtype) -> np.ndarray:
+        old = np.zeros((0,), dtype) if prior is None else np.asarray(getattr(prior, name), dtype)
+        return np.concatenate([old, np.asarray(new, dtype)])
+
+    response = joined("response_ids", sample.tokens, np.int32)
+    total = response.size
+    partial = reason == "length" and total < sp.max_tokens and not (
+        sample.tokens and sample.tokens[-1] in sp.stop_tokens
+    )
+    routing = None
+    if sample.prompt_routing.shape[0]:
+        # The learner feeds prompt + response minus its last token: the prefill covered the
+        # prompt (and any resumed tokens); each generated token's experts were recorded when it
+        # was fed, and the last one is never an input.
+        new = [r[:, None, :] for r in sample.routing]
+        parts = [sample.prompt_routing] + new
+        routing = np.concatenate(parts, axis=1)[:, : sample.prompt.size + total - 1]
+        if prior is not None and prior.routing is not None:
+            # Keep the experts recorded when the earlier tokens were sampled.
+            keep = prior.routing.shape[1]
+            routing[:, :keep] = prior.routing
+    raw_old = None if prior is None else prior.raw_logprobs
+    raw = np.concatenate(
+        [np.zeros((0,), np.float32) if raw_old is None else raw_old,
+         np.asarray(sample.raw_logprobs, np.float32)]
+    )
+    return SampledRollout(
+        prompt_ids=sample.prompt,
+        response_ids=response,
+        logprobs=joined("logprobs", sample.logprobs, np.float32),
+        n_kept=joined("n_kept", sample.n_kept, np.int32),
+        threshold_logit=joined("threshold_logit", sample.thresholds, np.float32),
+        loss_mask=np.ones((total,), bool),
+        versions=joined("versions", sample.versions, np.int32),
+        finish_reason=reason,
+        routing=routing,
+        temperature=sp.temperature,
+        group_id=sample.handle.request.group_id,
+        raw_logprobs=raw,
+        seed=sp.seed,
+        sample_index=sample.sample_index,
+        top_p=sp.top_p,
+        max_tokens=sp.max_tokens,
+        stop_tokens=sp.stop_tokens,
+        partial=partial,
+    )

@@ -1,0 +1,69 @@
+"""`python -m hcjax.serve`: a standalone rollout server (engine + continuous batching + gRPC).
+
+Builds the gin-configured model on the inference mesh, serves it until SIGTERM/SIGINT, and prints
+one JSON line {"event": "serving", "port": ...} once it is compiled and accepts requests (launchers and tests read
+it). Weights are the seeded initialisation, optionally with noise (`--init_noise`, for tests and
+benchmarks of an untrained model); new weights arrive through `RolloutServer.update_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+
+from hcjax import config as hcfg
+
+
+def _extra_args(parser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    parser.add_argument("--init_noise", type=float, default=0.0,
+                        help="std of noise added to every weight (0: plain initialisation)")
+    parser.add_argument("--version", type=int, default=0, help="version of the served weights")
+    parser.add_argument("--no_warmup", dest="warmup", action="store_false",
+                        help="announce readiness before compiling the engine")
+
+
+def main(argv=None) -> None:
+    flags = hcfg.parse_flags(
+        argv, description=__doc__.splitlines()[0], default_gin_files=["tiny_cpu.gin"],
+        extra_args=_extra_args,
+    )
+    hcfg.bind(flags.gin_files, flags.gin_params)
+    if flags.output_dir:
+        hcfg.write_config(flags.output_dir, flags)
+
+    from flax import nnx
+
+    from hcjax.model import ModelConfig, create_sharded
+    from hcjax.rollout import Engine, GenerateRequest, RolloutServer
+    from hcjax.rollout.service import serve_grpc
+    from hcjax.rollout.testing import perturbed
+    from hcjax.sharding import MeshConfig, make_mesh
+
+    args = flags.extra
+    mesh = make_mesh(MeshConfig())
+    model = create_sharded(ModelConfig(), mesh, seed=args.seed)
+    if args.init_noise > 0:
+        nnx.update(model, perturbed(nnx.state(model), args.seed + 1, args.init_noise))
+    engine = Engine(model, mesh=mesh)
+    server = RolloutServer(engine, version=args.version).start()
+    if args.warmup:  # compile prefill, insert and generate before announcing readiness
+        server.generate(GenerateRequest(prompt=[0], max_tokens=2, temperature=0.0, seed=0))
+    grpc_server, port = serve_grpc(server, f"{args.host}:{args.port}")
+    if flags.output_dir:
+        hcfg.write_operative_config(flags.output_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(json.dumps({"event": "serving", "port": port, "version": args.version}), flush=True)
+    stop.wait()
+    grpc_server.stop(grace=2.0).wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,157 @@
+"""Router logic with in-memory replicas (no model, no network): per-replica flow control,
+least-loaded choice, circuit breaker open/probe/re-admit, no retry of invalid requests."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from hcjax.rollout import GenerateRequest
+from hcjax.rollout.router import NoReplicaAvailable, Router
+
+
+class FakeReplica:
+    def __init__(self, delay=0.0, fail=False):
+        self.delay, self.fail, self.healthy = delay, fail, True
+        self.inflight = self.peak = self.calls = 0
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        self.release.set()
+
+    def generate(self, request, timeout=None, on_event=None):
+        with self.lock:
+            self.inflight += 1
+            self.calls += 1
+            self.peak = max(self.peak, self.inflight)
+        try:
+            self.release.wait()
+            time.sleep(self.delay)
+            if self.fail:
+                raise ConnectionError("replica died")
+            return [f"record-{request.seed}"]
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+    def health(self, timeout=None):
+        if not self.healthy:
+            raise ConnectionError("down")
+        return {"ok": True}
+
+    def close(self):
+        pass
+
+
+def _router(fakes, **kw):
+    router = Router([f"fake:{i}" for i in range(len(fakes))], **kw)
+    for i, fake in enumerate(fakes):
+        router._replicas[f"fake:{i}"].client = fake
+    return router
+
+
+def _run_many(router, n, threads=8):
+    out, errors = [], []
+
+    def worker(w):
+        try:
+            for i in range(w, n, threads):
+                out.append(router.generate(GenerateRequest(prompt=[1], seed=i), timeout=30))
+        except Exception as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return out, errors
+
+
+def test_flow_control_caps_inflight_per_replica():
+    fakes = [FakeReplica(delay=0.01), FakeReplica(delay=0.01)]
+    with _router(fakes, max_inflight_per_replica=2) as router:
+        out, errors = _run_many(router, 40)
+    assert not errors and len(out) == 40
+    assert all(f.peak <= 2 for f in fakes)
+    assert sum(f.calls for f in fakes) == 40
+
+
+def test_least_loaded_replica_gets_new_requests():
+    busy, idle = FakeReplica(), FakeReplica()
+    busy.release.clear()
+    with _router([busy, idle], max_inflight_per_replica=8) as router:
+        blocker = threading.Thread(
+            target=lambda: router.generate(GenerateRequest(prompt=[1], seed=0))
+        )
+        # Load fake:0 first by making it the only choice, then add the idle one back.
+        router._replicas["fake:1"].state = "open"
+        router._replicas["fake:1"].open_until = float("inf")
+        blocker.start()
+        while busy.inflight == 0:
+            time.sleep(0.01)
+        router._replicas["fake:1"].state = "closed"
+        for i in range(5):
+            router.generate(GenerateRequest(prompt=[1], seed=i + 1), timeout=10)
+        assert idle.calls == 5 and busy.calls == 1
+        busy.release.set()
+        blocker.join(10)
+
+
+def test_breaker_opens_retries_elsewhere_and_readmits_after_probe():
+    flaky, good = FakeReplica(fail=True), FakeReplica()
+    with _router([flaky, good], probe_interval=0.05) as router:
+        flaky.healthy = False
+        out, errors = _run_many(router, 20, threads=4)
+        assert not errors and len(out) == 20
+        m = router.metrics()
+        assert m["replicas"]["fake:0"]["state"] == "open"
+        assert m["retries"] == flaky.calls >= 1
+        assert good.calls == 20
+        calls_while_open = flaky.calls
+        time.sleep(0.3)
+        assert flaky.calls == calls_while_open  # an open replica gets no traffic
+        flaky.fail, flaky.healthy = False, True
+        deadline = time.monotonic() + 10
+        while router.metrics()["replicas"]["fake:0"]["state"] != "closed":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert router.metrics()["replicas"]["fake:0"]["readmissions"] == 1
+
+
+def test_every_replica_failing_raises_after_max_attempts():
+    fakes = [FakeReplica(fail=True), FakeReplica(fail=True)]
+    with _router(fakes, max_attempts=2, probe_interval=60) as router:
+        with pytest.raises(NoReplicaAvailable):
+            router.generate(GenerateRequest(prompt=[1], seed=0), timeout=2)
+        assert router.metrics()["failed_requests"] == 1
+
+
+def test_invalid_request_is_not_retried():
+    class Invalid(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return "n=0 must be a positive integer"
+
+    calls = []
+
+    def invalid(*args, **kwargs):
+        calls.append(1)
+        raise Invalid()
+
+    fakes = [FakeReplica(), FakeReplica()]
+    for f in fakes:
+        f.generate = invalid
+    with _router(fakes) as router:
+        with pytest.raises(ValueError, match="n=0"):
+            router.generate(GenerateRequest(prompt=[1], seed=0), timeout=5)
+        m = router.metrics()
+    assert len(calls) == 1 and m["retries"] == 0
+    assert all(r["state"] == "closed" for r in m["replicas"].values())
+
+
+def test_router_rejects_bad_settings():
+    with pytest.raises(ValueError, match="max_inflight_per_replica=0"):
+        Router([], max_inflight_per_replica=0)
