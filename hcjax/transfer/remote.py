@@ -1,0 +1,292 @@
+"""Cross-process executor: learner processes offer the slices of their entries, each inference
+process pulls exactly its entries' slices, in bounded chunks, over `jax.experimental.transfer`.
+
+Flow control uses the same transport: after pulling a chunk the receiver offers a one-element
+acknowledgement, and the sender keeps at most `window` unacknowledged chunks alive.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from hcjax.transfer.local import (
+    ExecutionResult,
+    SourceShards,
+    TransferError,
+    assemble_shard,
+    slice_source,
+    source_leaves,
+)
+from hcjax.transfer.plan import TransferEntry, TransferPlan, _to_box
+
+_PROCESS_BITS, _CHUNK_BITS = 10, 16
+
+
+class TransferBackend(Protocol):
+    """What the executors need from a transport: offer arrays under an id, pull them by id."""
+
+    @property
+    def address(self) -> str: ...
+
+    def offer(self, uuid: int, arrays: Sequence[jax.Array]) -> None: ...
+
+    def pull(
+        self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct]
+    ) -> list[jax.Array]: ...
+
+
+class JaxTransferBackend:
+    """A `jax.experimental.transfer` server for this process.
+
+    Seen with jax 0.10.2 on CPU: two single-process runtimes on 127.0.0.1 connect, a pull lands
+    directly on the local device named in its ShapeDtypeStruct's sharding, a pull of an id not
+    offered yet waits for it, and a pull from a peer that exits raises 'Connection closed'.
+    `address` is where this server listens; `transport_address` the address peers send bulk
+    data to (by default the same host, any free port).
+    """
+
+    def __init__(self, address: str = "127.0.0.1:0", transport_address: str | None = None):
+        from jax.experimental import transfer
+
+        client = jax.local_devices()[0].client
+        transport = transport_address or address.rsplit(":", 1)[0] + ":0"
+        self._server = transfer.start_transfer_server(client, address, [transport])
+        self._connections: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return self._server.address()
+
+    def offer(self, uuid: int, arrays: Sequence[jax.Array]) -> None:
+        self._server.await_pull(uuid, list(arrays))
+
+    def pull(self, peer: str, uuid: int, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+        with self._lock:
+            if peer not in self._connections:
+                self._connections[peer] = self._server.connect(peer)
+            connection = self._connections[peer]
+        return connection.pull(uuid, list(specs))
+
+
+def transfer_uuid(version: int, src_process: int, dst_process: int, chunk: int, ack: bool) -> int:
+    """One id per (version, sender, receiver, chunk, data-or-ack); fits in 63 bits."""
+    limit = 1 << _PROCESS_BITS
+    if not (0 <= src_process < limit and 0 <= dst_process < limit):
+        raise ValueError(f"process indices ({src_process}, {dst_process}) must be in [0, {limit})")
+    if not 0 <= chunk < 1 << _CHUNK_BITS:
+        raise ValueError(f"chunk={chunk} is out of range; raise max_bytes_per_pull")
+    if not 0 <= version < 1 << (62 - 2 * _PROCESS_BITS - _CHUNK_BITS):
+        raise ValueError(f"version={version} is out of range for a transfer id")
+    uuid = (version << _PROCESS_BITS | src_process) << _PROCESS_BITS | dst_process
+    return (uuid << _CHUNK_BITS | chunk) << 1 | int(ack)
+
+
+def chunk_entries(entries: Sequence[TransferEntry], max_bytes: int) -> list[list[TransferEntry]]:
+    """Consecutive chunks of at most `max_bytes` (an entry larger than that travels alone)."""
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes_per_pull={max_bytes} must be positive")
+    chunks: list[list[TransferEntry]] = []
+    size = 0
+    for entry in entries:
+        if not chunks or size + entry.nbytes > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(entry)
+        size += entry.nbytes
+    return chunks
+
+
+def _pair_entries(
+    entries: Sequence[TransferEntry], plan: TransferPlan
+) -> dict[tuple[int, int], list[TransferEntry]]:
+    """Entries by (src process, dst process), in one order both sides compute alike."""
+    order = {path: i for i, path in enumerate(plan.dst_paths)}
+    pairs: dict[tuple[int, int], list[TransferEntry]] = defaultdict(list)
+    for entry in sorted(
+        entries, key=lambda e: (order[e.dst_leaf], e.dst_device, e.src_leaf, e.src_device)
+    ):
+        pairs[(entry.src_process, entry.dst_process)].append(entry)
+    return pairs
+
+
+_ACK = np.ones((1,), np.int32)
+
+
+class PlanSender:
+    """Learner side: serves the slices of this process's entries to each receiver process."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        process_index: int,
+        backend: TransferBackend,
+        peers: Mapping[int, str],
+        entries: Sequence[TransferEntry] | None = None,
+        max_bytes_per_pull: int = 16 << 20,
+        window: int = 2,
+    ):
+        if window <= 0:
+            raise ValueError(f"window={window} must be positive")
+        self.plan, self.process_index, self.backend = plan, process_index, backend
+        self.peers, self.window = dict(peers), window
+        pairs = _pair_entries(plan.entries if entries is None else entries, plan)
+        self.chunks = {
+            dst: chunk_entries(es, max_bytes_per_pull)
+            for (src, dst), es in pairs.items()
+            if src == process_index
+        }
+        missing = sorted(set(self.chunks) - set(self.peers))
+        if missing:
+            raise ValueError(f"no address for receiver processes {missing}")
+        self.bytes_sent = 0
+
+    def send(self, source: Any, version: int) -> int:
+        """Serve `version` of `source` to every receiver; returns when all chunks are acked."""
+        leaves = source_leaves(self.plan, source)
+        shard_of = SourceShards(leaves)
+        ack_device = jax.local_devices()[0]
+
+        def serve(dst: int) -> int:
+            sent, unacked = 0, deque()
+            for c, chunk in enumerate(self.chunks[dst]):
+                if len(unacked) >= self.window:
+                    self._wait_ack(version, dst, unacked.popleft(), ack_device)
+                pieces = []
+                for e in chunk:
+                    route = self.plan.routes[(e.src_leaf, e.dst_leaf)]
+                    try:
+                        data, box = shard_of(e.src_leaf, e.src_device)
+                        pieces.append(slice_source(e, route, data, box))
+                    except Exception as err:
+                        raise TransferError(f"version {version}: entry {e} failed: {err}") from err
+                self.backend.offer(
+                    transfer_uuid(version, self.process_index, dst, c, False), pieces
+                )
+                unacked.append(c)
+                sent += sum(e.nbytes for e in chunk)
+            while unacked:
+                self._wait_ack(version, dst, unacked.popleft(), ack_device)
+            return sent
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self.chunks))) as pool:
+            sent = sum(pool.map(serve, sorted(self.chunks)))
+        self.bytes_sent += sent
+        return sent
+
+    def _wait_ack(self, version: int, dst: int, chunk: int, device: Any) -> None:
+        spec = jax.ShapeDtypeStruct(
+            _ACK.shape, _ACK.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+        )
+        uuid = transfer_uuid(version, self.process_index, dst, chunk, True)
+        self.backend.pull(self.peers[dst], uuid, [spec])[0].block_until_ready()
+
+
+class PlanReceiver:
+    """Inference side: pulls exactly this process's entries and assembles fresh arrays."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        process_index: int,
+        backend: TransferBackend,
+        peers: Mapping[int, str],
+        entries: Sequence[TransferEntry] | None = None,
+        dst_shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+        max_bytes_per_pull: int = 16 << 20,
+    ):
+        self.plan, self.process_index, self.backend = plan, process_index, backend
+        self.peers = dict(peers)
+        pairs = _pair_entries(plan.entries if entries is None else entries, plan)
+        self.chunks = {
+            src: chunk_entries(es, max_bytes_per_pull)
+            for (src, dst), es in pairs.items()
+            if dst == process_index
+        }
+        missing = sorted(set(self.chunks) - set(self.peers))
+        if missing:
+            raise ValueError(f"no address for sender processes {missing}")
+        self.dst_shardings = dict(
+            dst_shardings or {p: s.sharding for p, s in plan.dst_leaves.items()}
+        )
+        mine = [e for chunks in self.chunks.values() for chunk in chunks for e in chunk]
+        self.leaves = sorted({e.dst_leaf for e in mine})
+        self.expected: dict[tuple[str, int], int] = defaultdict(int)
+        for e in mine:
+            self.expected[(e.dst_leaf, e.dst_device)] += 1
+        self.bytes_received = 0
+        self.chunks_pulled = 0  # over all versions, failed ones included
+
+    def receive(self, version: int) -> ExecutionResult:
+        """Pull `version` from every sender; returns this process's destination leaves."""
+        devices = {d.id: d for d in jax.local_devices()}
+        ack = {d: jax.device_put(_ACK, d) for d in devices.values()}
+        arrived: dict[tuple[str, int], list[tuple[TransferEntry, jax.Array]]] = defaultdict(list)
+        shards: dict[str, dict[int, jax.Array]] = defaultdict(dict)
+        lock = threading.Lock()
+
+        def pull_from(src: int) -> int:
+            received = 0
+            for c, chunk in enumerate(self.chunks[src]):
+                specs = [
+                    jax.ShapeDtypeStruct(
+                        tuple(s.stop - s.start for s in e.src_index),
+                        np.dtype(e.wire_dtype),
+                        sharding=jax.sharding.SingleDeviceSharding(devices[e.dst_device]),
+                    )
+                    for e in chunk
+                ]
+                uuid = transfer_uuid(version, src, self.process_index, c, False)
+                try:
+                    pieces = self.backend.pull(self.peers[src], uuid, specs)
+                except Exception as err:
+                    raise TransferError(
+                        f"pull of version {version} chunk {c} from process {src} failed: {err}"
+                    ) from err
+                jax.block_until_ready(pieces)
+                with lock:
+                    self.chunks_pulled += 1
+                self.backend.offer(
+                    transfer_uuid(version, src, self.process_index, c, True),
+                    [ack[devices[chunk[0].dst_device]]],
+                )
+                received += sum(e.nbytes for e in chunk)
+                for e, piece in zip(chunk, pieces, strict=True):
+                    key = (e.dst_leaf, e.dst_device)
+                    with lock:
+                        arrived[key].append((e, piece))
+                        if len(arrived[key]) == self.expected[key]:
+                            self._assemble(key, arrived.pop(key), shards, devices)
+            return received
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self.chunks))) as pool:
+            received = sum(pool.map(pull_from, sorted(self.chunks)))
+        self.bytes_received += received
+
+        out = {}
+        for path in self.leaves:
+            spec, sharding = self.plan.dst_leaves[path], self.dst_shardings[path]
+            arrays = [
+                shards[path][d.id] for d in sharding.addressable_devices_indices_map(spec.shape)
+            ]
+            out[path] = jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays)
+        largest_chunk = max(
+            (sum(e.nbytes for e in chunk) for chunks in self.chunks.values() for chunk in chunks),
+            default=0,
+        )
+        return ExecutionResult(jax.block_until_ready(out), received, largest_chunk)
+
+    def _assemble(self, key, group, shards, devices) -> None:
+        path, dst_id = key
+        spec, sharding = self.plan.dst_leaves[path], self.dst_shardings[path]
+        shard_box = _to_box(sharding.devices_indices_map(spec.shape)[devices[dst_id]], spec.shape)
+        entries = [e for e, _ in group]
+        pieces = [p for _, p in group]
+        shards[path][dst_id] = assemble_shard(self.plan, entries, pieces, shard_box, spec.dtype)

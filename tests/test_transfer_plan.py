@@ -1,0 +1,449 @@
+"""Transfer plans on 8 fake CPU devices: random reshards against jax.device_put, each transform
+against hand-written numpy, byte counts against the ideal, and validation errors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hcjax.transfer import (
+    Cast,
+    PlanError,
+    Reshape,
+    Split,
+    Stack,
+    TransferError,
+    Transpose,
+    Unstack,
+    make_plan,
+)
+
+DEVICES = np.array(jax.devices())
+BF16 = jnp.bfloat16
+
+
+def mesh(ids, shape, names):
+    return Mesh(DEVICES[list(ids)].reshape(shape), names)
+
+
+LEARNER = mesh(range(4), (2, 2), ("fsdp", "tensor"))
+INFERENCE = mesh(range(4, 8), (4,), ("tensor",))
+
+
+def put(x, m, spec):
+    return jax.device_put(x, NamedSharding(m, spec))
+
+
+def assert_same_as_device_put(out, expected_host, sharding):
+    """Exactly what jax.device_put of the transformed array gives, shard by shard."""
+    ref = jax.device_put(expected_host, sharding)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert out.sharding.is_equivalent_to(sharding, out.ndim)
+    ref_shards = {s.device: s for s in ref.addressable_shards}
+    assert len(out.addressable_shards) == len(ref_shards)
+    for shard in out.addressable_shards:
+        expected = ref_shards[shard.device]
+        assert shard.index == expected.index
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(expected.data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Property test: random meshes, specs, dtypes and (cast, transpose) transforms.
+
+MESH_SHAPES = {1: [(1,)], 2: [(2,), (1, 2), (2, 1)], 4: [(4,), (2, 2), (1, 4)]}
+
+
+@st.composite
+def reshard_case(draw):
+    perm_devices = draw(st.permutations(range(8)))
+    same = draw(st.booleans())
+    n_src = draw(st.sampled_from([1, 2, 4]))
+    n_dst = n_src if same else draw(st.sampled_from([1, 2, 4]))
+    src_ids = perm_devices[:n_src]
+    dst_ids = draw(st.permutations(src_ids)) if same else perm_devices[4 : 4 + n_dst]
+    src_shape = draw(st.sampled_from(MESH_SHAPES[n_src]))
+    dst_shape = draw(st.sampled_from(MESH_SHAPES[n_dst]))
+    src_mesh = mesh(src_ids, src_shape, ("a", "b")[: len(src_shape)])
+    dst_mesh = mesh(dst_ids, dst_shape, ("x", "y")[: len(dst_shape)])
+    ndim = draw(st.integers(1, 3))
+
+    def spec(m):
+        axes = list(m.axis_names) + [None] * ndim
+        chosen = draw(st.permutations(axes))[:ndim]
+        return P(*chosen)
+
+    src_spec = spec(src_mesh)
+    perm = tuple(draw(st.permutations(range(ndim)))) if draw(st.booleans()) else None
+    dst_spec = spec(dst_mesh)
+    # Each source dim must divide by its source mesh axis and by the destination axis it becomes.
+    inv = {p: k for k, p in enumerate(perm)} if perm else {i: i for i in range(ndim)}
+    shape = []
+    for i in range(ndim):
+        a, b = src_spec[i], dst_spec[inv[i]]
+        div_a = src_mesh.shape[a] if a else 1
+        div_b = dst_mesh.shape[b] if b else 1
+        shape.append(math.lcm(div_a, div_b) * draw(st.integers(1, 3)))
+    src_dtype = draw(st.sampled_from([np.float32, np.int32, BF16]))
+    cast = draw(st.sampled_from([None, np.float32, BF16, np.int8]))
+    return src_mesh, src_spec, dst_mesh, dst_spec, tuple(shape), src_dtype, perm, cast, same
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=reshard_case(), seed=st.integers(0, 2**16))
+def test_random_reshard_equals_device_put(case, seed):
+    src_mesh, src_spec, dst_mesh, dst_spec, shape, src_dtype, perm, cast, same = case
+    rng = np.random.default_rng(seed)
+    # Within int8 range: out-of-range float->int casts differ between numpy and XLA.
+    host = np.clip(rng.standard_normal(shape) * 40, -120, 120).astype(src_dtype)
+    chain = ([Transpose(perm)] if perm else []) + ([Cast(cast)] if cast else [])
+    source = {"w": put(host, src_mesh, src_spec)}
+    dst_sharding = NamedSharding(dst_mesh, dst_spec)
+    plan = make_plan(source, {"w": dst_sharding}, {"w": chain} if chain else None)
+
+    expected = host.transpose(perm) if perm else host
+    expected = expected.astype(cast) if cast else expected
+    out = plan.execute(source)["w"]
+    assert_same_as_device_put(out, expected, dst_sharding)
+
+    # Ideal bytes: every destination shard once, in the narrower of the two dtypes.
+    wire = min(np.dtype(src_dtype).itemsize, np.dtype(cast or src_dtype).itemsize)
+    shard_elements = math.prod(dst_sharding.shard_shape(expected.shape))
+    ideal = len(dst_sharding.device_set) * shard_elements * wire
+    assert plan.bytes_moved == plan.ideal_bytes == ideal
+    assert plan.bytes_across_devices <= plan.bytes_moved
+    if (
+        same
+        and not perm
+        and src_spec == dst_spec
+        and src_mesh.devices.shape == dst_mesh.devices.shape
+    ):
+        if (src_mesh.devices == dst_mesh.devices).all():
+            assert plan.bytes_across_devices == 0  # every shard is already where it is needed
+
+    # Executed twice, the plan gives fresh, equal buffers (it is compiled once, run many times).
+    again = plan.execute(source)["w"]
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Each transform, against hand-written numpy.
+
+
+def arange(shape, dtype=np.float32):
+    return np.arange(math.prod(shape), dtype=dtype).reshape(shape)
+
+
+def test_cast_runs_on_the_narrow_side():
+    x = arange((8, 12))
+    source = {
+        "down": put(x, LEARNER, P("fsdp", "tensor")),
+        "up": put(x.astype(BF16), LEARNER, P("fsdp")),
+    }
+    dst = {
+        "down": NamedSharding(INFERENCE, P(None, "tensor")),
+        "up": NamedSharding(INFERENCE, P("tensor")),
+    }
+    plan = make_plan(source, dst, {"down": Cast(BF16), "up": Cast(np.float32)})
+    by_leaf = {e.dst_leaf: e for e in plan.entries}
+    assert (
+        by_leaf["down"].wire_dtype == "bfloat16"
+        and by_leaf["down"].transform == "cast(bfloat16)@src"
+    )
+    assert by_leaf["up"].wire_dtype == "bfloat16" and by_leaf["up"].transform == "cast(float32)@dst"
+    out = plan.execute(source)
+    assert_same_as_device_put(out["down"], x.astype(BF16), dst["down"])
+    assert_same_as_device_put(out["up"], x.astype(BF16).astype(np.float32), dst["up"])
+    assert plan.bytes_moved == 2 * x.size * 2  # both travel as bf16
+
+
+def test_transpose():
+    x = arange((8, 4, 6))
+    source = {"o": put(x, LEARNER, P("tensor", None, "fsdp"))}
+    dst = {"o": NamedSharding(INFERENCE, P(None, "tensor", None))}
+    plan = make_plan(source, dst, {"o": Transpose((2, 0, 1))})
+    assert_same_as_device_put(plan.execute(source)["o"], x.transpose(2, 0, 1), dst["o"])
+
+
+def test_split_fused_projection_into_sibling_leaves():
+    x = arange((8, 12))
+    source = {"attn": {"qkv": put(x, LEARNER, P("fsdp", "tensor"))}}
+    dst = {
+        "attn": {
+            "q": NamedSharding(INFERENCE, P(None, "tensor")),
+            "kv": NamedSharding(INFERENCE, P("tensor", None)),
+        }
+    }
+    plan = make_plan(source, dst, {"attn/qkv": [Split(1, (4, 8), ("q", "kv")), Cast(BF16)]})
+    out = plan.execute(source)
+    assert_same_as_device_put(out["attn"]["q"], x[:, :4].astype(BF16), dst["attn"]["q"])
+    assert_same_as_device_put(out["attn"]["kv"], x[:, 4:].astype(BF16), dst["attn"]["kv"])
+    assert plan.bytes_moved == x.size * 2
+
+
+def test_unstack_layers():
+    x = arange((2, 4, 8))
+    source = {"layers": {"w": put(x, LEARNER, P(None, "fsdp", "tensor"))}}
+    dst = {"layers": {str(i): {"w": NamedSharding(INFERENCE, P(None, "tensor"))} for i in range(2)}}
+    plan = make_plan(source, dst, {"layers/w": Unstack(axis=0, at=1)})
+    out = plan.execute(source)
+    for i in range(2):
+        assert_same_as_device_put(out["layers"][str(i)]["w"], x[i], dst["layers"][str(i)]["w"])
+    assert plan.bytes_moved == x.size * 4
+
+
+def test_stack_layers():
+    xs = [arange((4, 8)) + 100 * i for i in range(3)]
+    source = {"layers": [{"w": put(x, LEARNER, P("fsdp", "tensor"))} for x in xs]}
+    dst = {"layers": {"w": NamedSharding(INFERENCE, P(None, None, "tensor"))}}
+    plan = make_plan(source, dst, {"layers/*/w": [Cast(BF16), Stack(axis=0, at=1)]})
+    out = plan.execute(source)
+    assert_same_as_device_put(out["layers"]["w"], np.stack(xs).astype(BF16), dst["layers"]["w"])
+
+
+def test_stack_on_an_inner_axis():
+    xs = [arange((4, 8)) - 7 * i for i in range(2)]
+    source = {"blocks": [{"e": put(x, LEARNER, P("tensor"))} for x in xs]}
+    dst = {"blocks": {"e": NamedSharding(INFERENCE, P(None, "tensor", None))}}
+    plan = make_plan(source, dst, {"blocks/*/e": Stack(axis=2, at=1)})
+    assert_same_as_device_put(
+        plan.execute(source)["blocks"]["e"], np.stack(xs, axis=2), dst["blocks"]["e"]
+    )
+
+
+def test_reshape_split_and_merge_heads():
+    x = arange((8, 16))
+    source = {
+        "q": put(x, LEARNER, P(None, "tensor")),
+        "o": put(x.reshape(8, 4, 4), LEARNER, P(None, "tensor")),
+    }
+    dst = {
+        "q": NamedSharding(INFERENCE, P(None, "tensor", None)),  # heads across the 4 devices
+        "o": NamedSharding(INFERENCE, P(None, "tensor")),  # merged, cut inside a head's rows
+    }
+    plan = make_plan(source, dst, {"q": Reshape((8, 4, 4)), "o": Reshape((8, 16))})
+    out = plan.execute(source)
+    assert_same_as_device_put(out["q"], x.reshape(8, 4, 4), dst["q"])
+    assert_same_as_device_put(out["o"], x, dst["o"])
+
+
+def test_reshape_that_cuts_a_row_is_rejected():
+    x = arange((8, 12))  # shards of 6 columns cannot become whole rows of 4
+    source = {"q": put(x, LEARNER, P(None, "tensor"))}
+    with pytest.raises(PlanError, match=r"q: reshape \(8, 12\)->\(8, 3, 4\)"):
+        make_plan(source, {"q": NamedSharding(INFERENCE, P())}, {"q": Reshape((8, 3, 4))})
+
+
+# ---------------------------------------------------------------------------------------------
+# Replicated sources, locality and byte accounting.
+
+
+def test_replicated_source_is_read_once_per_destination_element():
+    x = arange((8, 8))
+    source = {"w": put(x, LEARNER, P())}  # 4 replicas
+    dst = {"w": NamedSharding(INFERENCE, P("tensor"))}
+    plan = make_plan(source, dst)
+    assert plan.bytes_moved == x.nbytes  # not 4x
+    assert sorted(e.src_device for e in plan.entries) == [0, 1, 2, 3]  # spread over replicas
+    assert_same_as_device_put(plan.execute(source)["w"], x, dst["w"])
+
+
+def test_same_devices_prefers_the_local_replica():
+    x = arange((8, 8))
+    source = {"w": put(x, LEARNER, P())}
+    same = mesh(range(4), (4,), ("tensor",))
+    dst = {"w": NamedSharding(same, P("tensor"))}
+    plan = make_plan(source, dst)
+    assert plan.bytes_across_devices == 0 and plan.bytes_moved == x.nbytes
+    assert_same_as_device_put(plan.execute(source)["w"], x, dst["w"])
+
+
+def test_replicated_destination_gets_every_copy():
+    x = arange((4, 8))
+    source = {"w": put(x, LEARNER, P("fsdp", "tensor"))}
+    dst = {"w": NamedSharding(INFERENCE, P())}
+    plan = make_plan(source, dst)
+    assert plan.bytes_moved == 4 * x.nbytes  # one full copy per inference device
+    assert_same_as_device_put(plan.execute(source)["w"], x, dst["w"])
+
+
+def test_plan_from_shape_dtype_structs_and_bounded_in_flight():
+    from hcjax.transfer import execute_entries
+
+    xs = {f"w{i}": arange((8, 16)) * (i + 1) for i in range(6)}
+    specs = {
+        k: jax.ShapeDtypeStruct(
+            v.shape, v.dtype, sharding=NamedSharding(LEARNER, P("fsdp", "tensor"))
+        )
+        for k, v in xs.items()
+    }
+    dst = {k: NamedSharding(INFERENCE, P(None, "tensor")) for k in xs}
+    plan = make_plan(specs, dst)
+    source = {k: put(v, LEARNER, P("fsdp", "tensor")) for k, v in xs.items()}
+    shard_bytes = 8 * 4 * 4  # one destination shard
+    result = execute_entries(plan, source, plan.entries, max_bytes_in_flight=2 * shard_bytes)
+    assert result.peak_bytes_in_flight <= 2 * shard_bytes
+    assert result.bytes_moved == plan.bytes_moved == sum(v.nbytes for v in xs.values())
+    out = plan.unflatten(result.leaves)
+    for k, v in xs.items():
+        assert_same_as_device_put(out[k], v, dst[k])
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing and validation errors.
+
+
+def test_print_and_entries_are_plain_data():
+    source = {"a": put(arange((8, 4)), LEARNER, P("fsdp"))}
+    plan = make_plan(source, {"a": NamedSharding(INFERENCE, P("tensor"))}, {"a": Cast(BF16)})
+    text = str(plan)
+    assert text.startswith("TransferPlan: 1 source -> 1 destination leaves, 4 entries")
+    assert "a: float32[8, 4] -> bfloat16[8, 4] [cast(bfloat16)@src]" in text
+    entry = plan.entries[0]
+    assert (entry.src_leaf, entry.dst_leaf, entry.transform) == ("a", "a", "cast(bfloat16)@src")
+    assert entry.src_process == entry.dst_process == 0
+    # Source shards hold 4 rows, destination shards 2: device 0's first half goes to device 4.
+    assert entry.src_index == entry.dst_index == (slice(0, 2), slice(0, 4))
+    assert (entry.src_device, entry.dst_device, entry.nbytes) == (0, 4, 2 * 4 * 2)
+    expected = "a[0:2, 0:4] dev0(p0) -> a[0:2, 0:4] dev4(p0) [cast(bfloat16)@src] 16 B bfloat16"
+    assert str(entry) == expected
+
+
+def test_missing_extra_and_mismatched_leaves_are_all_listed():
+    source = {
+        "a": put(arange((8, 4)), LEARNER, P()),
+        "b": put(arange((4,)), LEARNER, P()),
+        "c": put(arange((4,)), LEARNER, P()),
+    }
+    sharding = NamedSharding(INFERENCE, P())
+    dst = {
+        "a": jax.ShapeDtypeStruct((4, 8), np.float32, sharding=sharding),
+        "c": sharding,
+        "zzz": sharding,
+    }
+    with pytest.raises(PlanError) as info:
+        make_plan(source, dst)
+    message = str(info.value)
+    assert "missing destination leaves" in message and "['b']" in message
+    assert "extra destination leaves" in message and "['zzz']" in message
+    assert "'a': expected float32[4, 8], the transformed source gives float32[8, 4]" in message
+    assert len(info.value.problems) == 3
+
+
+def test_bad_transform_arguments_name_the_value():
+    source = {"a": put(arange((8, 4)), LEARNER, P())}
+    dst = {"a": NamedSharding(INFERENCE, P())}
+    with pytest.raises(PlanError, match=r"perm=\(0, 0\) is not a permutation"):
+        make_plan(source, dst, {"a": Transpose((0, 0))})
+    with pytest.raises(PlanError, match=r"sizes=\(2, 3\) sum to 5"):
+        make_plan(source, dst, {"a": Split(1, (2, 3), ("x", "y"))})
+    with pytest.raises(PlanError, match="pattern 'nope/\\*' matched no source leaf"):
+        make_plan(source, dst, {"nope/*": Cast(BF16)})
+    with pytest.raises(PlanError, match="sharding does not fit shape"):
+        make_plan(
+            {"a": put(arange((6, 4)), LEARNER, P())}, {"a": NamedSharding(INFERENCE, P("tensor"))}
+        )
+    with pytest.raises(PlanError, match=r"layer indices \[0, 2\] are not 0..1"):
+        src = {"l": {"0": put(arange((4,)), LEARNER, P()), "2": put(arange((4,)), LEARNER, P())}}
+        make_plan(src, {"l": NamedSharding(INFERENCE, P())}, {"l/*": Stack(0, at=-1)})
+
+
+def test_validate_catches_missing_and_duplicate_entries():
+    import dataclasses
+
+    source = {"a": put(arange((8, 4)), LEARNER, P("fsdp"))}
+    plan = make_plan(source, {"a": NamedSharding(INFERENCE, P("tensor"))})
+    plan.validate()
+    dropped = dataclasses.replace(plan, entries=plan.entries[1:])
+    with pytest.raises(PlanError, match="entries cover 0 of 8 elements"):
+        dropped.validate()
+    doubled = dataclasses.replace(plan, entries=plan.entries + plan.entries[:1])
+    with pytest.raises(PlanError, match="overlap"):
+        doubled.validate()
+    moved = dataclasses.replace(
+        plan, entries=(dataclasses.replace(plan.entries[0], src_device=3),) + plan.entries[1:]
+    )
+    with pytest.raises(PlanError, match="outside shard"):
+        moved.validate()
+
+
+def test_execute_rejects_a_source_of_another_structure():
+    source = {"a": put(arange((8, 4)), LEARNER, P("fsdp"))}
+    plan = make_plan(source, {"a": NamedSharding(INFERENCE, P("tensor"))})
+    with pytest.raises(PlanError, match=r"lacks leaves \['a'\]"):
+        plan.execute({"b": source["a"]})
+    with pytest.raises(
+        PlanError, match="is float32\\[4, 8\\], the plan was made for float32\\[8, 4\\]"
+    ):
+        plan.execute({"a": put(arange((4, 8)), LEARNER, P())})
+
+
+def test_failure_names_the_entry():
+    source = {
+        "a": put(arange((8, 4)), LEARNER, P("fsdp")),
+        "b": put(arange((8, 4)), LEARNER, P("fsdp")),
+    }
+    plan = make_plan(source, {k: NamedSharding(INFERENCE, P("tensor")) for k in source})
+    source["b"].delete()
+    with pytest.raises(
+        TransferError, match=r"transfer failed at entry b\[0:2, 0:4\] dev0.*deleted"
+    ):
+        plan.execute(source)
+
+
+def test_chain_errors_are_listed():
+    xs = {
+        "l": [put(arange((4,)), LEARNER, P()) for _ in range(2)],
+        "m": put(arange((4,)), LEARNER, P()),
+    }
+    sharding = NamedSharding(INFERENCE, P())
+    with pytest.raises(PlanError, match="Stack must be the last index transform"):
+        make_plan(xs, {"l": sharding, "m": sharding}, {"l/*": [Stack(0, at=1), Transpose((1, 0))]})
+    with pytest.raises(PlanError, match="transform 'bf16' for pattern 'm' is not one of"):
+        make_plan(xs, {"l": sharding, "m": sharding}, {"m": "bf16", "l/*": Stack(0, at=1)})
+    with pytest.raises(
+        PlanError, match=r"destination leaf 'm' is produced by several source leaves"
+    ):
+        make_plan({"m": xs["m"], "n": xs["m"]}, {"m": sharding}, {"n": Split(0, (4,), ("m",))})
+
+
+def test_process_of_prefers_a_replica_in_the_destination_process():
+    # Two "hosts": devices 0-1 and 4-5 on process 0, devices 2-3 and 6-7 on process 1.
+    process = {d: (d // 2) % 2 for d in range(8)}
+    source = {"w": put(arange((8, 8)), mesh(range(4), (2, 2), ("data", "fsdp")), P(None, "fsdp"))}
+    dst = {"w": NamedSharding(INFERENCE, P("tensor", None))}
+    plan = make_plan(source, dst, process_of=lambda d: process[d.id])
+    for e in plan.entries:
+        assert (e.src_process, e.dst_process) == (process[e.src_device], process[e.dst_device])
+    assert plan.bytes_across_processes == 0  # every column block has a replica on each host
+    relabelled = plan.with_processes(source=0, destination=1)
+    assert relabelled.bytes_across_processes == relabelled.bytes_moved == plan.bytes_moved
+    assert_same_as_device_put(plan.execute(source)["w"], arange((8, 8)), dst["w"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(dims=st.lists(st.integers(1, 4), min_size=1, max_size=3), data=st.data())
+def test_interval_box_mapping_matches_numpy(dims, data):
+    """Reshape's index maths: an interval of a flat axis is a box over `dims` exactly when the
+    elements coincide, and then the two describe the same elements."""
+    from hcjax.transfer.transforms import _box_to_interval, _interval_to_box
+
+    n = math.prod(dims)
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    flat = np.arange(n).reshape(dims)
+    box = _interval_to_box(start, stop, dims)
+    if box is not None:
+        chosen = flat[tuple(slice(lo, hi) for lo, hi in box)]
+        np.testing.assert_array_equal(np.sort(chosen.ravel()), np.arange(start, stop))
+        assert _box_to_interval(box, dims) == (start, stop)
+    else:  # no box holds exactly these elements: the bounding box holds more
+        lo = np.unravel_index(start, dims)
+        hi = np.unravel_index(stop - 1, dims)
+        bounding = flat[tuple(slice(min(a, b), max(a, b) + 1) for a, b in zip(lo, hi))]
+        assert bounding.size != stop - start or set(bounding.ravel()) != set(range(start, stop))
