@@ -1,0 +1,171 @@
+"""GRPO train-step throughput on CPU, with and without replay, against a matmul roofline.
+
+`python -m hcjax.bench.learner [--steps N]` prints one JSON object as its last line: tokens/s per
+(config, replay) pair, achieved GFLOP/s both by XLA's FLOP count of the compiled step (work done)
+and by an analytic count of useful model FLOPs, each as a ratio to a large fp32 matmul measured
+in the same run (the CPU roofline). It asserts nothing about timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hcjax.model import ModelConfig, Transformer
+from hcjax.rl.advantages import assign_advantages
+from hcjax.rl.learner import Learner, LearnerConfig
+from hcjax.rl.records import Rollout
+from hcjax.sharding import MeshConfig, make_mesh
+
+# The tiny CPU model of configs/tiny_cpu.gin, and a larger one that still fits CPU memory.
+TINY = ModelConfig(
+    vocab_size=272, d_model=128, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=32,
+    window=64, d_ff=256, num_experts=8, experts_per_token=2, moe_latent_dim=64, moe_d_ff=128,
+    max_seq_len=256, dtype="float32",
+)
+LARGER = ModelConfig(
+    vocab_size=272, d_model=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64,
+    window=128, d_ff=768, num_experts=16, experts_per_token=2, moe_latent_dim=128, moe_d_ff=256,
+    max_seq_len=512, dtype="float32",
+)
+
+
+def model_flops(cfg: ModelConfig, positions: np.ndarray, valid: np.ndarray) -> float:
+    """Useful train-step FLOPs: 3 x forward (fwd + 2 x bwd) of the active matmuls and of causal
+    attention over the keys each token really sees (its segment prefix, window-limited on local
+    layers). Work the implementation wastes (masked keys, all-expert fallbacks) is not counted."""
+    d, hq, hkv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ctx = (positions[valid] + 1).astype(np.float64)
+    tokens = float(valid.sum())
+    fwd = 2.0 * cfg.vocab_size * d * tokens  # tied output projection
+    for layer in range(cfg.num_layers):
+        fwd += 2.0 * (2 * d * hq * hd + 2 * d * hkv * hd) * tokens
+        keys = np.minimum(ctx, cfg.window) if cfg.attention_kind(layer) == "local" else ctx
+        fwd += 4.0 * hq * hd * keys.sum()
+        if cfg.ffn_kind(layer) == "moe":
+            r, f, k = cfg.moe_latent_dim, cfg.moe_d_ff, cfg.experts_per_token
+            fwd += 2.0 * (d * cfg.num_experts + 2 * d * r + k * 3 * r * f) * tokens
+        else:
+            fwd += 2.0 * 3 * d * cfg.d_ff * tokens
+    return 3.0 * fwd
+
+
+def matmul_roofline_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of fp32 [n, n] @ [n, n] throughput: what this CPU's dense matmul actually reaches."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def synthetic_rollouts(cfg: ModelConfig, n: int, prompt_len: int, response_len: int, seed: int = 0):
+    """Graded rollouts with random tokens, plausible log-probs, top-p and routing records."""
+    rng = np.random.default_rng(seed)
+    fed = prompt_len + response_len - 1
+    out = []
+    for i in range(n):
+        routing = np.argsort(rng.uniform(size=(cfg.num_moe_layers, fed, cfg.num_experts)), -1)
+        out.append(Rollout(
+            prompt_ids=rng.integers(1, cfg.vocab_size, prompt_len),
+            response_ids=rng.integers(1, cfg.vocab_size, response_len),
+            logprobs=-rng.uniform(0.1, 6.0, response_len),
+            n_kept=rng.integers(1, cfg.vocab_size, response_len),
+            threshold_logit=np.zeros(response_len), loss_mask=np.ones(response_len),
+            versions=np.zeros(response_len), finish_reason="stop",
+            routing=routing[..., : cfg.experts_per_token], temperature=1.0,
+            group_id=i // 8, reward=float(rng.integers(0, 2)),
+        ))
+    return assign_advantages(out)
+
+
+def prepare(cfg: ModelConfig, rollouts, seq_len: int, replay: bool):
+    """Compile one train step; returns (run_one_step, facts about the step)."""
+    mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))
+    lcfg = LearnerConfig(seq_len=seq_len, replay_top_p=replay, replay_routing=replay)
+    learner = Learner(Transformer(cfg, rngs=nnx.Rngs(0)), lcfg, mesh)
+    batch = learner.make_batch(rollouts)
+    t = time.perf_counter()
+    compiled = learner._step.lower(learner.state, batch).compile()
+    compile_s = time.perf_counter() - t
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    valid = np.asarray(batch.segment_ids) > 0
+
+    def run() -> float:
+        t = time.perf_counter()
+        learner.state, metrics = compiled(learner.state, batch)
+        jax.block_until_ready(metrics)
+        return time.perf_counter() - t
+
+    run()  # warm-up
+    facts = {
+        "rows": int(batch.tokens.shape[0] * batch.tokens.shape[1]),
+        "seq_len": seq_len,
+        "tokens_per_step": int(valid.sum()),
+        "compile_s": round(compile_s, 2),
+        "xla_flops_per_step": float(cost.get("flops", 0.0)) if cost else 0.0,
+        "model_flops_per_step": model_flops(cfg, np.asarray(batch.positions), valid),
+    }
+    return run, facts
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    settings = {
+        "tiny": (TINY, synthetic_rollouts(TINY, 16, 32, 96), 256),
+        "larger": (LARGER, synthetic_rollouts(LARGER, 8, 64, 192, seed=1), 512),
+    }
+    roofline = matmul_roofline_gflops()
+    results = {"bench": "learner", "backend": jax.default_backend(), "configs": {}}
+    for name, (cfg, rollouts, seq_len) in settings.items():
+        variants = {v: prepare(cfg, rollouts, seq_len, v == "replay")
+                    for v in ("replay", "no_replay")}
+        # Interleave the variants so a noisy, shared machine slows both alike.
+        times = {v: [] for v in variants}
+        for _ in range(args.steps):
+            for v, (run, _) in variants.items():
+                times[v].append(run())
+        runs = {}
+        for v, (_, facts) in variants.items():
+            step_s = float(np.median(times[v]))
+            xla, useful = facts["xla_flops_per_step"], facts["model_flops_per_step"]
+            runs[v] = dict(
+                facts, step_s=round(step_s, 4),
+                tokens_per_s=round(facts["tokens_per_step"] / step_s, 1),
+                xla_gflops_per_s=round(xla / step_s / 1e9, 3),
+                model_gflops_per_s=round(useful / step_s / 1e9, 3),
+            )
+        runs["replay_step_time_ratio"] = round(
+            runs["replay"]["step_s"] / runs["no_replay"]["step_s"], 3)
+        results["configs"][name] = runs
+        print(json.dumps({name: runs}), flush=True)
+    roofline = max(roofline, matmul_roofline_gflops())  # best of before and after
+    results["matmul_roofline_gflops"] = round(roofline, 2)
+    for runs in results["configs"].values():
+        for v in ("replay", "no_replay"):
+            runs[v]["xla_utilisation"] = round(runs[v]["xla_gflops_per_s"] / roofline, 4)
+            runs[v]["model_utilisation"] = round(runs[v]["model_gflops_per_s"] / roofline, 4)
+    # Context for the numbers: on a shared machine a high load average means slower steps.
+    results["load_average_1min"] = round(os.getloadavg()[0], 2)
+    results["cpu_count"] = os.cpu_count()
+    print(json.dumps(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Policy-gradient losses as pure functions of per-token arrays, selected by name from gin.
+
+Every loss takes `logp`, `old_logp`, `mask` [B, T], advantages [B] or [B, T] and the *global*
+batch totals, and returns `(loss, metrics)`. Losses are sums over the tokens given divided by the
+global totals, so a micro-batched or sharded learner adds per-part losses (and metrics, except
+those named `*_max`, which combine by max) to get the global value exactly. No model code here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import gin
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "LOSSES",
+    "LossConfig",
+    "combine_metrics",
+    "grpo_loss",
+    "gspo_loss",
+    "kimi_loss",
+    "segment_sum",
+]
+
+Metrics = dict[str, jax.Array]
+
+
+def _per_token(advantages: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    advantages = jnp.asarray(advantages, jnp.float32)
+    if advantages.shape == shape:
+        return advantages
+    if advantages.shape == shape[:1]:
+        return jnp.broadcast_to(advantages[:, None], shape)
+    raise ValueError(f"advantages shape {advantages.shape} must be [B]={shape[:1]} or [B, T]={shape}")
+
+
+def segment_sum(x_bt: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    """[B, T]: at each token, the sum of `x_bt` over its sequence (same row, same segment id).
+
+    With `segment_ids=None` every row is one sequence. Padding (id 0) forms its own group; callers
+    mask it out.
+    """
+    if segment_ids is None:
+        return jnp.broadcast_to(jnp.sum(x_bt, axis=1, keepdims=True), x_bt.shape)
+    b, t = x_bt.shape
+    # A (row, segment) pair gets a unique id; segment ids are < T+1 in a row of T tokens.
+    gid = (jnp.arange(b)[:, None] * (t + 1) + segment_ids).reshape(-1)
+    sums = jax.ops.segment_sum(x_bt.reshape(-1), gid, num_segments=b * (t + 1))
+    return sums[gid].reshape(b, t)
+
+
+def _clipped_exp(log_ratio: jax.Array, r_max: float) -> jax.Array:
+    """exp(log_ratio), capped just above r_max so it cannot overflow.
+
+    Above r_max the outer clip already zeroes the gradient, so the cap changes no value or gradient
+    of the loss; without it exp overflows to inf and 0·inf poisons the backward pass with NaN.
+    """
+    cap = jnp.log(jnp.float32(r_max)) + 1.0 if r_max < jnp.inf else jnp.inf
+    return jnp.exp(jnp.minimum(log_ratio, cap))
+
+
+def _token_metrics(logp, old_logp, ratio, adv, mask, num_tokens, lo, hi, r_min, r_max) -> Metrics:
+    """Clip fractions, ratio mean/max and the importance-weighted entropy estimate Ĥ (eq. 7)."""
+    ratio, logp = jax.lax.stop_gradient(ratio), jax.lax.stop_gradient(logp)
+    m = mask.astype(jnp.float32)
+
+    def frac(cond):
+        return jnp.sum(jnp.where(cond, m, 0.0)) / num_tokens
+
+    return {
+        "clip_low_frac": frac((adv < 0) & (ratio < lo)),
+        "clip_high_frac": frac((adv > 0) & (ratio > hi)),
+        "clip_outer_frac": frac((ratio > r_max) | (ratio < r_min)),
+        "ratio_mean": jnp.sum(m * ratio) / num_tokens,
+        "ratio_max": jnp.max(jnp.where(mask, ratio, -jnp.inf)),
+        # Ĥ = 1/|T| Σ -log π_θ(y_t) · r_t: an estimate of the entropy of π_θ from π_old samples.
+        "entropy": jnp.sum(m * (-logp) * ratio) / num_tokens,
+        "num_loss_tokens": jnp.sum(m),
+    }
+
+
+def grpo_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    eps: float,
+    k: float | jax.Array,
+    r_min: float,
+    r_max: float,
+    num_tokens: float | jax.Array,
+    num_sequences: float | jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """The token-level MAI objective (RECIPE §3), negated to a loss.
+
+    J = 1/N Σ_t min(r_out·A, clip(r_out, 1-ε, (1-ε)⁻¹ + k)·A) with r_out = clip(r, r_min, r_max)
+    on every branch (the outer clip also stops the branch PPO leaves unclipped), N = num_tokens,
+    the loss tokens of the global batch. `num_sequences`/`segment_ids` are unused (uniform API).
+    """
+    del num_sequences, segment_ids
+    mask = jnp.asarray(mask).astype(bool)
+    adv = _per_token(advantages, logp.shape)
+    lo, hi = 1.0 - eps, 1.0 / (1.0 - eps) + k
+    log_ratio = jnp.where(mask, logp - old_logp, 0.0)
+    r_out = jnp.clip(_clipped_exp(log_ratio, r_max), r_min, r_max)
+    objective = jnp.minimum(r_out * adv, jnp.clip(r_out, lo, hi) * adv)
+    loss = -jnp.sum(jnp.where(mask, objective, 0.0)) / num_tokens
+    ratio = jnp.exp(log_ratio)
+    metrics = _token_metrics(logp, old_logp, ratio, adv, mask, num_tokens, lo, hi, r_min, r_max)
+    return loss, metrics
+
+
+def gspo_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    eps_low: float,
+    eps_high: float,
+    k: float | jax.Array,
+    r_min: float,
+    r_max: float,
+    num_tokens: float | jax.Array,
+    num_sequences: float | jax.Array,
+    segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """GSPO (RECIPE §6): one length-normalised importance ratio per sequence.
+
+    s_i = exp(mean_t(log π_θ - log π_old) over the loss tokens of y_i);
+    J = 1/num_sequences Σ_i min(s_i·A_i, clip(s_i, 1-ε_low, 1+ε_high+k)·A_i), with the same
+    outer clip [r_min, r_max] as GRPO. Sequences are rows, or segments of packed rows.
+    """
+    mask = jnp.asarray(mask).astype(bool)
+    m = mask.astype(jnp.float32)
+    adv = _per_token(advantages, logp.shape)
+    log_ratio = jnp.where(mask, logp - old_logp, 0.0)
+    seq_len = segment_sum(m, segment_ids)
+    safe_len = jnp.maximum(seq_len, 1.0)
+    seq_log_ratio = segment_sum(log_ratio, segment_ids) / safe_len
+    seq_ratio = jnp.exp(seq_log_ratio)
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high + k
+    r_out = jnp.clip(_clipped_exp(seq_log_ratio, r_max), r_min, r_max)
+    objective = jnp.minimum(r_out * adv, jnp.clip(r_out, lo, hi) * adv)
+    # Each token carries 1/|y_i| of its sequence's objective, so the token sum is Σ_i objective_i.
+    loss = -jnp.sum(jnp.where(mask, objective / safe_len, 0.0)) / num_sequences
+    metrics = _token_metrics(
+        logp, old_logp, jnp.exp(log_ratio), adv, mask, num_tokens, lo, hi, r_min, r_max
+    )
+    # Clip fractions for GSPO are about the sequence ratio.
+    seq_ratio = jax.lax.stop_gradient(seq_ratio)
+
+    def frac(cond):
+        return jnp.sum(jnp.where(mask & cond, m, 0.0)) / num_tokens
+
+    metrics["clip_low_frac"] = frac((adv < 0) & (seq_ratio < lo))
+    metrics["clip_high_frac"] = frac((adv > 0) & (seq_ratio > hi))
+    metrics["clip_outer_frac"] = frac((seq_ratio > r_max) | (seq_ratio < r_min))
+    metrics["seq_ratio_max"] = jnp.max(jnp.where(mask, seq_ratio, -jnp.inf))
+    return loss, metrics
+
+
+def kimi_loss(
+    logp: jax.Array,
+    old_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    tau: float,
+    num_tokens: float | jax.Array,
+    num_sequences: float | jax.Array,
+    segment_ids: jax.Array | None = None,
+    k: float | jax.Array = 0.0,
+) -> tuple[jax.Array, Metrics]:
+    """Kimi k1.5 online-mirror-descent surrogate (RECIPE §5), with π_ref = π_old.
+
+    L = 1/num_sequences Σ_i (A_i - τ·log(π_θ(y_i)/π_old(y_i)))², where A_i = r_i - mean_group(r)
+    stands for r_i - τ·log Z (pass *mean-only* advantages). The τ term is the KL regulariser to the
+    previous iterate; metric `kl_prev` estimates KL(π_old ‖ π_θ) per sequence. `k` is unused.
+    """
+    del k
+    mask = jnp.asarray(mask).astype(bool)
+    m = mask.astype(jnp.float32)
+    adv = _per_token(advantages, logp.shape)
+    log_ratio = jnp.where(mask, logp - old_logp, 0.0)
+    seq_log_ratio = segment_sum(log_ratio, segment_ids)  # log π_θ(y_i) - log π_old(y_i)
+    seq_len = jnp.maximum(segment_sum(m, segment_ids), 1.0)
+    residual = adv - tau * seq_log_ratio
+    loss = jnp.sum(jnp.where(mask, jnp.square(residual) / seq_len, 0.0)) / num_sequences
+    ratio = jnp.exp(log_ratio)
+    metrics = _token_metrics(
+        logp, old_logp, ratio, adv, mask, num_tokens, 0.0, jnp.inf, -jnp.inf, jnp.inf
+    )
+    metrics["kl_prev"] = jnp.sum(
+        jnp.where(mask, -jax.lax.stop_gradient(seq_log_ratio) / seq_len, 0.0)
+    ) / num_sequences
+    return loss, metrics
+
+
+LOSSES: dict[str, Callable[..., tuple[jax.Array, Metrics]]] = {
+    "grpo": grpo_loss,
+    "gspo": gspo_loss,
+    "kimi": kimi_loss,
+}
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Which loss, and its hyperparameters (RECIPE §3 defaults for GRPO; GSPO paper ε for GSPO)."""
+
+    name: str = "grpo"
+    eps: float = 0.6
+    r_min: float = 0.0
+    r_max: float = 50.0
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    tau: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"LossConfig.name={self.name!r} is not one of {sorted(LOSSES)}")
+        if not 0.0 < self.eps < 1.0:
+            raise ValueError(f"LossConfig.eps={self.eps} must be in (0, 1)")
+        if not 0.0 <= self.r_min < self.r_max:
+            raise ValueError(f"LossConfig r_min={self.r_min}, r_max={self.r_max}: need 0 <= min < max")
+        if not (0.0 <= self.gspo_eps_low < 1.0 and self.gspo_eps_high >= 0.0):
+            raise ValueError(
+                f"LossConfig gspo_eps_low={self.gspo_eps_low}, gspo_eps_high={self.gspo_eps_high}: "
+                "need 0 <= low < 1 and high >= 0"
+            )
+        if self.tau <= 0.0:
+            raise ValueError(f"LossConfig.tau={self.tau} must be > 0")
+
+    def make(self) -> Callable[..., tuple[jax.Array, Metrics]]:
+        """The chosen loss with its hyperparameters bound. Call it as
+        `fn(logp, old_logp, advantages, mask, k=, num_tokens=, num_sequences=, segment_ids=)`."""
+        fn = LOSSES[self.name]
+        if self.name == "grpo":
+            hp = dict(eps=self.eps, r_min=self.r_min, r_max=self.r_max)
+        elif self.name == "gspo":
+            hp = dict(
+                eps_low=self.gspo_eps_low, eps_high=self.gspo_eps_high,
+                r_min=self.r_min, r_max=self.r_max,
+            )
+        else:
+            hp = dict(tau=self.tau)
+
+        def loss_fn(logp, old_logp, advantages, mask, **totals):
+            return fn(logp, old_logp, advantages, mask, **hp, **totals)
+
+        return loss_fn
+
+
+def combine_metrics(parts: list[Metrics]) -> Metrics:
+    """Combine per-micro-batch metrics: `*_max` by max, everything else by sum."""
+    out: Metrics = {}
+    for name in parts[0]:
+        values = jnp.stack([p[name] for p in parts])
+        out[name] = jnp.max(values) if name.endswith("_max") else jnp.sum(values)
+    return out

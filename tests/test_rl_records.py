@@ -1,0 +1,64 @@
+"""The Rollout record contract and the rank-based top-p support replay."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hcjax.rl.records import Rollout, mask_logits_to_support, support_mask_from_record
+from hcjax.rollout.sampling import sample, sampling_keys
+
+
+def _reference_mask(x, n):
+    order = np.argsort(-x, kind="stable")  # descending, ties by lower id
+    out = np.zeros(x.shape, bool)
+    out[order[: n if n > 0 else x.size]] = True
+    return out
+
+
+def test_support_mask_matches_stable_rank_with_ties():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-2, 3, size=(64, 11)).astype(np.float32)  # many ties
+    n = rng.integers(0, 12, size=(64,))
+    got = np.asarray(support_mask_from_record(x, n))
+    for i in range(64):
+        np.testing.assert_array_equal(got[i], _reference_mask(x[i], n[i]), err_msg=f"row {i}")
+    # hand case: ties at 1.0 broken by lower id.
+    np.testing.assert_array_equal(
+        support_mask_from_record(jnp.array([1.0, 3.0, 1.0, 1.0]), 3), [True, True, True, False])
+    masked = mask_logits_to_support(jnp.array([1.0, 3.0, 1.0, 1.0]), 2)
+    np.testing.assert_array_equal(masked, [1.0, 3.0, -np.inf, -np.inf])
+
+
+def test_support_record_replays_the_sampler():
+    logits = jax.random.normal(jax.random.key(1), (32, 50)) * 2.0
+    temperature = jnp.full((32,), 0.7)
+    keys = sampling_keys(jnp.arange(32), jnp.zeros(32, jnp.int32), jnp.zeros(32, jnp.int32))
+    out = sample(logits, keys, temperature, jnp.full((32,), 0.9))
+    scaled = logits / 0.7
+    keep = support_mask_from_record(scaled, out.n_kept)
+    assert np.all(np.asarray(keep)[np.arange(32), np.asarray(out.tokens)])
+    logp = jax.nn.log_softmax(mask_logits_to_support(scaled, out.n_kept))
+    lp = logp[jnp.arange(32), out.tokens]
+    np.testing.assert_allclose(lp, out.logprobs, atol=1e-5)
+    # The threshold is the smallest kept scaled logit.
+    np.testing.assert_allclose(jnp.min(jnp.where(keep, scaled, jnp.inf), -1), out.threshold_logit)
+
+
+def _fields(p=3, r=4, layers=2, k=2):
+    return dict(prompt_ids=np.arange(p), response_ids=np.arange(r), logprobs=np.zeros(r),
+                n_kept=np.ones(r), threshold_logit=np.zeros(r), loss_mask=np.ones(r),
+                versions=np.zeros(r), finish_reason="stop",
+                routing=np.zeros((layers, p + r - 1, k)))
+
+
+def test_rollout_validation_names_the_field():
+    r = Rollout(**_fields())
+    assert r.input_len == 6 and r.prompt_ids.dtype == np.int32 and not r.aborted
+    with pytest.raises(ValueError, match="logprobs shape \\(3,\\)"):
+        Rollout(**{**_fields(), "logprobs": np.zeros(3)})
+    with pytest.raises(ValueError, match="routing shape \\(2, 7, 2\\)"):
+        Rollout(**{**_fields(), "routing": np.zeros((2, 7, 2))})
+    with pytest.raises(ValueError, match="finish_reason='done'"):
+        Rollout(**{**_fields(), "finish_reason": "done"})
+    assert Rollout(**{**_fields(), "finish_reason": "aborted"}).aborted
