@@ -51,10 +51,10 @@ def test_bindings_apply_and_config_is_written(tmp_path):
         default_gin_files=["tiny_cpu.gin"],
     )
     hcfg.bind(flags.gin_files, flags.gin_params)
-    assert ModelConfig().num_layers == 2 and ModelConfig().d_model == 128
+    assert ModelConfig().num_layers == 2 and ModelConfig().vocab_size == 272
     path = hcfg.write_config(tmp_path, flags)
     text = path.read_text()
-    assert "ModelConfig.num_layers = 2" in text and "ModelConfig.d_model = 128" in text
+    assert "ModelConfig.num_layers = 2" in text and "ModelConfig.vocab_size = 272" in text
     op = hcfg.write_operative_config(tmp_path).read_text()
     assert "ModelConfig.num_layers = 2" in op
 

@@ -7,6 +7,7 @@ attention branch starts at zero), then a pre-norm FFN (LatentMoE or dense SwiGLU
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -168,12 +169,21 @@ def create_sharded(
     cfg: ModelConfig, mesh: Mesh, rules: Mapping | None = None, seed: int = 0
 ) -> Transformer:
     """Create the model with every parameter born sharded on `mesh` (no full copy on one device)."""
+    rules_key = None if rules is None else tuple(sorted(rules.items()))
+    graphdef, init = _sharded_init(cfg, mesh, rules_key, seed)
+    return nnx.merge(graphdef, init())
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_init(cfg: ModelConfig, mesh: Mesh, rules_key, seed: int):
+    """One jitted initialiser per (config, mesh, rules, seed), so repeated creation compiles once."""
+    rules = None if rules_key is None else dict(rules_key)
     graphdef, abstract = abstract_model(cfg, seed)
     shardings = param_shardings(abstract, mesh, rules)
     init = jax.jit(
         lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))), out_shardings=shardings
     )
-    return nnx.merge(graphdef, init())
+    return graphdef, init
 
 
 def shard_state(state, mesh: Mesh, rules: Mapping | None = None):

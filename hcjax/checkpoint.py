@@ -1,0 +1,164 @@
+"""Orbax checkpoints of a training state (any pytree of arrays), the data iterator's state and a
+JSON description of the model config: async save every N steps and at the end, keep-N, resume
+from the latest, and a clear error when a directory belongs to an incompatible model config.
+
+Orbax writes each step into a temporary folder and renames it when complete, so a run that dies
+mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import gin
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """save_every: steps between saves (the last step is always saved); keep: newest N kept."""
+
+    save_every: int = 100
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        if self.save_every < 1:
+            raise ValueError(f"save_every={self.save_every} must be >= 1")
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep} must be >= 1")
+
+
+def _diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{k}: checkpoint has {saved.get(k, '<absent>')!r}, run has {current.get(k, '<absent>')!r}"
+        for k in keys
+        if saved.get(k) != current.get(k)
+    ]
+
+
+def _keys_like(tree: Any, target: Any) -> Any:
+    """Orbax returns integer dict keys (e.g. nnx.List indices) as strings; give them back the
+    key types of `target`."""
+    if not isinstance(tree, dict) or not isinstance(target, dict):
+        return tree
+    by_str = {str(k): k for k in target}
+    return {by_str.get(str(k), k): _keys_like(v, target.get(by_str.get(str(k), k)))
+            for k, v in tree.items()}
+
+
+def jsonable(obj: Any) -> Any:
+    """A JSON-safe copy (dataclasses → dicts, tuples → lists) used to compare model configs."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    return json.loads(json.dumps(obj, default=str))
+
+
+class Checkpointer:
+    """Saves `{"state": pytree, "data": dict, "meta": dict}` per step under `directory`.
+
+    `meta` (e.g. {"model_config": ...}) is written with every step and checked on restore.
+    """
+
+    def __init__(self, directory: str, cfg: CheckpointConfig, meta: dict[str, Any]) -> None:
+        self.directory = os.path.abspath(directory)
+        self.cfg = cfg
+        self.meta = jsonable(meta)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep,
+            save_interval_steps=1,  # the interval is applied in `save` (no implicit first save)
+            enable_async_checkpointing=cfg.async_save,
+            create=True,
+        )
+        self._mngr = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "data", "meta")
+        )
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._mngr.all_steps())
+
+    def save(
+        self, step: int, state: Any, data_state: dict[str, Any] | None = None, force: bool = False
+    ) -> bool:
+        """Save if `step` is on the interval (or `force`); returns whether a save started."""
+        if not force and step % self.cfg.save_every:
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state or {}),
+            meta=ocp.args.JsonSave(self.meta),
+        )
+        return self._mngr.save(step, args=args, force=force)
+
+    def check_compatible(self, step: int, keys: tuple[str, ...] | None = None) -> None:
+        """Raise if the checkpoint's meta differs from this run's (only `keys` if given)."""
+        saved = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        saved, current = dict(saved["meta"] or {}), self.meta
+        if keys is not None:
+            saved = {k: saved.get(k) for k in keys}
+            current = {k: current.get(k) for k in keys}
+        diff = _diff(saved, current)
+        if diff:
+            raise ValueError(
+                f"checkpoint directory {self.directory!r} step {step} was written by an "
+                "incompatible configuration: " + "; ".join(diff)
+            )
+
+    def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
+        """Restore `step` (None = latest) into arrays shaped and sharded like `target` (a pytree
+        of arrays or `jax.ShapeDtypeStruct`s). Returns (state, data_state)."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory!r}")
+        if step not in self.all_steps():
+            raise FileNotFoundError(
+                f"step={step} is not in {self.directory!r} (has {self.all_steps()})"
+            )
+        self.check_compatible(step)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            target,
+        )
+        out = self._mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
+            ),
+        )
+        return out["state"], dict(out["data"] or {})
+
+    def restore_subtree(self, step: int, key: str, target: Any) -> Any:
+        """Only `state[key]` of a checkpoint (e.g. the params of another run, whose optimiser
+        state may differ), placed like `target`."""
+        restored = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))
+        sub = restored["state"].get(key)
+        if sub is None:
+            raise ValueError(f"checkpoint {self.directory!r} step {step} has no {key!r} entry")
+        sub = _keys_like(sub, target)
+        if jax.tree.structure(sub) != jax.tree.structure(target):
+            raise ValueError(
+                f"checkpoint {self.directory!r} step {step}: {key!r} has a different structure "
+                "from this run's"
+            )
+        return jax.tree.map(
+            lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), sub, target
+        )
+
+    def wait(self) -> None:
+        """Block until pending async saves are on disk."""
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()

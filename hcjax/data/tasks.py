@@ -1,0 +1,147 @@
+"""Verifiable problems: the `Problem` record shared by SFT and RL, and the synthetic arithmetic
+suite of the tiny default (fixed held-out split by seed, a difficulty knob)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import gin
+import numpy as np
+
+from hcjax.data.template import parse_answer, reasoning_response
+
+KINDS = ("add", "sub", "mul", "mod")
+_SPLIT_CODES = {"train": 0, "heldout": 1}
+
+
+def normalize_answer(text: str) -> str:
+    """Whitespace-collapsed answer; integers compare by value ("007" == "7")."""
+    s = " ".join(text.split())
+    try:
+        return str(int(s.replace(",", "")))
+    except ValueError:
+        return s
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One problem with a checkable answer. `thought` is a reference reasoning used to build SFT
+    targets; RL only needs `prompt`, `answer` and `check`."""
+
+    id: str
+    prompt: str
+    answer: str
+    thought: str = ""
+    kind: str = ""
+    difficulty: int = 0
+
+    def check(self, response_text: str) -> bool:
+        """True when the decoded response holds an `<answer>` block equal to the answer."""
+        got = parse_answer(response_text)
+        return got is not None and normalize_answer(got) == normalize_answer(self.answer)
+
+    def target(self) -> str:
+        """The reference assistant response in the reasoning template."""
+        return reasoning_response(self.thought, self.answer)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ArithmeticSuite:
+    """Integer arithmetic problems like "482+57=", answers checkable exactly.
+
+    difficulty knob: operand length is drawn uniformly from [min_digits, max_digits] digits.
+    `thought="reversed"` writes the answer's digits least-significant first inside <think>, a
+    scratchpad that lets small models carry left to right; "none" leaves <think> empty.
+    The held-out split is problems 0..num_heldout-1 of the held-out stream (fixed by `seed`);
+    the training stream never yields a problem that is in the held-out set.
+    """
+
+    kinds: Sequence[str] = ("add", "sub", "mul")
+    min_digits: int = 1
+    max_digits: int = 3
+    seed: int = 0
+    num_heldout: int = 200
+    thought: str = "reversed"
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.kinds if k not in KINDS]
+        if not self.kinds or bad:
+            raise ValueError(f"kinds={tuple(self.kinds)} must be a non-empty subset of {KINDS}")
+        if not 1 <= self.min_digits <= self.max_digits <= 18:
+            raise ValueError(
+                f"min_digits={self.min_digits}, max_digits={self.max_digits} must satisfy "
+                "1 <= min_digits <= max_digits <= 18"
+            )
+        if self.thought not in ("reversed", "none"):
+            raise ValueError(f"thought={self.thought!r} is not 'reversed' or 'none'")
+        if self.num_heldout < 0:
+            raise ValueError(f"num_heldout={self.num_heldout} must be >= 0")
+        object.__setattr__(self, "kinds", tuple(self.kinds))
+
+    def _draw(self, rng: np.random.Generator) -> tuple[str, int, int, int]:
+        kind = self.kinds[int(rng.integers(len(self.kinds)))]
+        d = int(rng.integers(self.min_digits, self.max_digits + 1))
+
+        def number(digits: int) -> int:
+            lo = 0 if digits == 1 else 10 ** (digits - 1)
+            return int(rng.integers(lo, 10**digits))
+
+        a = number(d)
+        if kind == "mul":
+            b = number(1)  # d-digit times one digit: hard enough for a tiny model
+        elif kind == "mod":
+            b = int(rng.integers(2, 10 if d < 3 else 100))
+        else:
+            b = number(int(rng.integers(1, d + 1)))
+            if kind == "sub" and b > a:
+                a, b = b, a
+        return kind, a, b, d
+
+    def _make(self, kind: str, a: int, b: int, d: int, pid: str) -> Problem:
+        op = {"add": "+", "sub": "-", "mul": "*", "mod": "%"}[kind]
+        value = {"add": a + b, "sub": a - b, "mul": a * b, "mod": a % b if b else 0}[kind]
+        answer = str(value)
+        thought = answer[::-1] if self.thought == "reversed" else ""
+        return Problem(pid, f"{a}{op}{b}=", answer, thought, kind, d)
+
+    @property
+    def _heldout_keys(self) -> frozenset[tuple[str, int, int]]:
+        keys = self.__dict__.get("_hk")
+        if keys is None:
+            keys = frozenset((p.kind, *map(int, _operands(p))) for p in self.heldout())
+            object.__setattr__(self, "_hk", keys)
+        return keys
+
+    def heldout(self) -> list[Problem]:
+        """The fixed held-out split (same for a given seed and difficulty)."""
+        out = []
+        for i in range(self.num_heldout):
+            rng = np.random.default_rng([self.seed, _SPLIT_CODES["heldout"], i])
+            kind, a, b, d = self._draw(rng)
+            out.append(self._make(kind, a, b, d, f"{kind}-heldout-{i}"))
+        return out
+
+    def train_problem(self, index: int) -> Problem:
+        """Training problem `index` (deterministic; never one of the held-out problems)."""
+        if index < 0:
+            raise ValueError(f"index={index} must be >= 0")
+        held = self._heldout_keys
+        for attempt in range(1000):
+            rng = np.random.default_rng([self.seed, _SPLIT_CODES["train"], index, attempt])
+            kind, a, b, d = self._draw(rng)
+            if (kind, a, b) not in held:
+                return self._make(kind, a, b, d, f"{kind}-train-{index}")
+        raise ValueError(
+            f"could not draw a training problem outside the held-out set for index={index}; "
+            f"the problem space of digits {self.min_digits}..{self.max_digits} is too small"
+        )
+
+
+def _operands(p: Problem) -> tuple[str, str]:
+    for op in "+-*%":
+        if op in p.prompt:
+            a, b = p.prompt.rstrip("=").split(op)
+            return a, b
+    raise ValueError(f"prompt={p.prompt!r} is not an arithmetic problem")

@@ -1,0 +1,520 @@
+"""The language-model trainer behind `python -m hcjax.sft`: next-token loss on packed rows with loss
+masks, the global-batch load-balance loss, AdamW with warm-up + cosine decay, gradient clipping,
+exact gradient accumulation, dropout, Orbax checkpoints with exact resume, metrics and traces.
+
+Defaults are the self-distillation values of RECIPE §3 (cosine LR 1.7e-5 → 5.2e-6, 2% warm-up,
+weight decay 0.001, load-balance coefficient 1e-2); the tiny base binds its own in gin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hcjax import sharding as shd
+from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
+from hcjax.data.pipeline import DataConfig, make_batch_iterator, put_on_mesh
+from hcjax.metrics import MetricsWriter, Progress, plot_curves, read_metrics, write_summary
+from hcjax.model import ModelConfig, create_sharded
+from hcjax.model.moe import load_balance_loss
+from hcjax.profiling import StepTracer
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Optimisation settings. `batch_size` is global rows per step, split into
+    `num_microbatches` whose accumulated gradient equals the full batch's."""
+
+    num_steps: int = 1000
+    batch_size: int = 32
+    num_microbatches: int = 1
+    peak_lr: float = 1.7e-5
+    end_lr: float = 5.2e-6
+    warmup_fraction: float = 0.02
+    weight_decay: float = 0.001
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    load_balance_coef: float = 1e-2
+    seed: int = 0
+    log_every: int = 10
+    init_checkpoint: str | None = None  # start from another run's latest params (fresh optimiser)
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "batch_size", "num_microbatches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.batch_size % self.num_microbatches:
+            raise ValueError(
+                f"SFTConfig.batch_size={self.batch_size} is not a multiple of "
+                f"num_microbatches={self.num_microbatches}"
+            )
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(f"SFTConfig.warmup_fraction={self.warmup_fraction} not in [0, 1)")
+        if self.peak_lr <= 0 or self.end_lr < 0:
+            raise ValueError(f"SFTConfig peak_lr={self.peak_lr}, end_lr={self.end_lr} invalid")
+
+
+def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
+    """Linear warm-up over `warmup_fraction` of the steps, then cosine from peak to end LR."""
+    warmup = int(round(cfg.warmup_fraction * cfg.num_steps))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.peak_lr,
+        peak_value=cfg.peak_lr,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.num_steps, warmup + 1),
+        end_value=cfg.end_lr,
+    )
+
+
+def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW; weight decay only on matrices (not norm gains)."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(
+            lr_schedule(cfg),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+        ),
+    )
+
+
+def target_weights(batch: dict[str, jax.Array]) -> jax.Array:
+    """[B, T] float32: 1 where position t is trained to predict token t+1 — the target is a
+    loss-mask token of the same (non-padding) document. The last column has no target."""
+    seg, mask = batch["segment_ids"], batch["loss_mask"]
+    same_doc = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)
+    w = same_doc & (mask[:, 1:] > 0)
+    return jnp.pad(w, ((0, 0), (0, 1))).astype(jnp.float32)
+
+
+def token_nll(logits_btv: jax.Array, tokens_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-position negative log-likelihood of the next token and whether argmax hits it."""
+    targets = jnp.pad(tokens_bt[:, 1:], ((0, 0), (0, 1)))
+    logp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    hit = (jnp.argmax(logits_btv, axis=-1) == targets).astype(jnp.float32)
+    return nll, hit
+
+
+def _layer_sum(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    rest: Any,
+    tx: optax.GradientTransformation,
+    cfg: SFTConfig,
+    model_cfg: ModelConfig,
+) -> Callable[[dict, dict], tuple[dict, dict]]:
+    """`step(state, batch) -> (state, metrics)`; state = {"params", "opt", "step"}.
+
+    Loss = Σ nll·w / Σ w  +  coef · LB, both over the whole global batch. With micro-batches the
+    token normaliser is the global Σ w, and the load-balance loss E·Σ_e f_e·P_e (f from expert
+    counts, which carry no gradient) is linear in each micro-batch's router-probability sums once
+    the global counts are known, so a first forward pass collects the counts and the gradient
+    pass uses them: the accumulated gradient is the full batch's gradient (dropout aside: its
+    masks are drawn per micro-batch).
+    """
+    m = cfg.num_microbatches
+    k = model_cfg.experts_per_token
+    use_dropout = model_cfg.dropout_rate > 0
+    base_key = jax.random.key(cfg.seed)
+
+    def forward(params, mb, key):
+        model = nnx.merge(graphdef, params, rest)
+        return model(
+            mb["tokens"],
+            positions=mb["positions"],
+            segment_ids=mb["segment_ids"],
+            dropout_rng=key if use_dropout else None,
+        )
+
+    def step(state, batch):
+        weights = target_weights(batch)
+        total_w = jnp.maximum(jnp.sum(weights), 1.0)
+        split = lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:])
+        mbs = jax.tree.map(split, batch)
+        mb_weights = split(weights)
+        keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), m)
+        params = state["params"]
+
+        global_counts = None
+        if m > 1 and model_cfg.num_moe_layers > 0:
+
+            def count(carry, xs):
+                mb, key = xs
+                stats = forward(params, mb, key).moe_stats
+                c = tuple((s[0], s[2]) for s in stats)
+                return _layer_sum(carry, c), None
+
+            zero = tuple(
+                (jnp.zeros((model_cfg.num_experts,), jnp.float32), jnp.zeros((), jnp.float32))
+                for _ in range(model_cfg.num_moe_layers)
+            )
+            global_counts, _ = jax.lax.scan(count, zero, (mbs, keys))
+            global_counts = jax.lax.stop_gradient(global_counts)
+
+        def mb_loss(p, mb, w, key):
+            out = forward(p, mb, key)
+            nll, hit = token_nll(out.logits, mb["tokens"])
+            nll_sum = jnp.sum(nll * w)
+            if global_counts is None:
+                lb = out.load_balance_loss
+            elif model_cfg.num_moe_layers:
+                parts = [
+                    load_balance_loss(c, s[1], n, k)
+                    for (c, n), s in zip(global_counts, out.moe_stats, strict=True)
+                ]
+                lb = jnp.mean(jnp.stack(parts))
+            else:
+                lb = jnp.zeros((), jnp.float32)
+            loss = nll_sum / total_w + cfg.load_balance_coef * lb
+            return loss, (nll_sum, jnp.sum(hit * w), lb)
+
+        grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
+        if m == 1:
+            one = jax.tree.map(lambda x: x[0], mbs)
+            (_, (nll_sum, hits, lb)), grads = grad_fn(params, one, mb_weights[0], keys[0])
+        else:
+
+            def acc(carry, xs):
+                mb, w, key = xs
+                (_, aux), g = grad_fn(params, mb, w, key)
+                return _layer_sum(carry, (g, aux)), None
+
+            zero = (
+                jax.tree.map(jnp.zeros_like, params),
+                (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())),
+            )
+            (grads, (nll_sum, hits, lb)), _ = jax.lax.scan(acc, zero, (mbs, mb_weights, keys))
+        updates, opt = tx.update(grads, state["opt"], params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {
+            "loss": nll_sum / total_w,
+            "load_balance_loss": lb,
+            "token_accuracy": hits / total_w,
+            "grad_norm": optax.global_norm(grads),
+            "loss_tokens": jnp.sum(weights),
+            "tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
+        }
+        return {"params": new_params, "opt": opt, "step": state["step"] + 1}, metrics
+
+    return step
+
+
+def _to_pure(params: nnx.State) -> dict:
+    return nnx.to_pure_dict(params)
+
+
+_STEP_CACHE: dict[tuple, Callable] = {}
+# Kernel choices: they change how, not what, the model computes, so checkpoints move freely
+# between them.
+_IMPLEMENTATION_FIELDS = ("moe_impl", "attention_impl")
+
+
+def model_identity(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The model config as written into checkpoints and compared on restore."""
+    d = jsonable(model_cfg)
+    return {k: v for k, v in d.items() if k not in _IMPLEMENTATION_FIELDS}
+
+
+@dataclasses.dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    wall_s: float
+    tokens_per_s: float
+    eval: dict[str, Any] | None
+    output_dir: str
+
+
+class SFTTrainer:
+    """Owns the model state, optimiser, data iterator, checkpointer and writers of one run."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        model_cfg: ModelConfig,
+        cfg: SFTConfig,
+        data_cfg: DataConfig,
+        ckpt_cfg: CheckpointConfig,
+        mesh: Mesh,
+        profile: tuple[int, int] = (-1, -1),
+        progress: bool = True,
+    ) -> None:
+        self.output_dir = os.path.abspath(output_dir)
+        os.makedirs(self.output_dir, exist_ok=True)
+        self.model_cfg, self.cfg, self.data_cfg, self.mesh = model_cfg, cfg, data_cfg, mesh
+        if data_cfg.row_len > model_cfg.max_seq_len:
+            raise ValueError(
+                f"DataConfig.row_len={data_cfg.row_len} exceeds ModelConfig.max_seq_len="
+                f"{model_cfg.max_seq_len}"
+            )
+        meta = {
+            "model_config": model_identity(model_cfg),
+            "row_len": data_cfg.row_len,
+            "batch_size": cfg.batch_size,
+        }
+        self.ckpt = Checkpointer(os.path.join(self.output_dir, "checkpoints"), ckpt_cfg, meta)
+        # Refuse a checkpoint folder of another configuration before building anything.
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            try:
+                self.ckpt.check_compatible(latest)
+            except ValueError:
+                self.ckpt.close()
+                raise
+        # Each process loads its own rows; put_on_mesh assembles the global batch.
+        if cfg.batch_size % jax.process_count():
+            raise ValueError(
+                f"SFTConfig.batch_size={cfg.batch_size} is not a multiple of the "
+                f"{jax.process_count()} processes"
+            )
+        self.data = make_batch_iterator(
+            data_cfg,
+            cfg.batch_size // jax.process_count(),
+            shard_index=jax.process_index(),
+            num_shards=jax.process_count(),
+        )
+        self.batch_sharding = shd.batch_sharding(mesh)
+        model = create_sharded(model_cfg, mesh, seed=cfg.seed)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.tx = make_optimizer(cfg)
+        params = _to_pure(params)
+        state = {
+            "params": params,
+            "opt": jax.jit(self.tx.init)(params),
+            "step": jnp.zeros((), jnp.int32),
+        }
+        # Pin every leaf's sharding (scalars replicated) and use the same shardings for the
+        # step's inputs and outputs, so the second call does not recompile.
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.state_shardings = jax.tree.map(
+            lambda x: x.sharding
+            if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+            else replicated,
+            state,
+        )
+        self.state = jax.device_put(state, self.state_shardings)
+        # A trainer re-created in the same process (resume, tests, repeated distillation
+        # rounds) reuses the compiled step when nothing it closes over differs.
+        key = (cfg, model_cfg, mesh, self.batch_sharding)
+        self._step_fn = _STEP_CACHE.get(key) if not jax.tree.leaves(self.rest) else None
+        if self._step_fn is None:
+            self._step_fn = jax.jit(
+                make_train_step(self.graphdef, self.rest, self.tx, cfg, model_cfg),
+                in_shardings=(self.state_shardings, self.batch_sharding),
+                out_shardings=(self.state_shardings, replicated),
+                donate_argnums=0,
+            )
+            _STEP_CACHE[key] = self._step_fn
+        self.tracer = StepTracer(os.path.join(self.output_dir, "profile"), *profile)
+        self.progress_enabled = progress
+        self.resumed_from: int | None = None
+        self._restore_or_init()
+
+    def _restore_or_init(self) -> None:
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            self.state, data_state = self.ckpt.restore(latest, self.state)
+            if data_state:
+                self.data.set_state(data_state)
+            self.resumed_from = latest
+        elif self.cfg.init_checkpoint:
+            self.state["params"] = load_params(
+                self.cfg.init_checkpoint, self.model_cfg, self.state["params"]
+            )
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    def model(self) -> nnx.Module:
+        """The current model (shares the trainer's arrays; do not train it)."""
+        return nnx.merge(self.graphdef, self.state["params"], self.rest)
+
+    def train(self, stop_after: int | None = None) -> TrainResult:
+        """Run to `num_steps` (or only `stop_after` more steps, e.g. to end within a time slot;
+        the last step run is checkpointed either way)."""
+        start_step = self.step
+        total = self.cfg.num_steps
+        end = total if stop_after is None else min(total, start_step + stop_after)
+        writer = MetricsWriter(self.output_dir)
+        bar = Progress(total, initial=start_step, disable=not self.progress_enabled)
+        t0 = time.perf_counter()
+        tokens_seen = 0
+        last_loss = float("nan")
+        saved_at = start_step
+        try:
+            for step in range(start_step, end):
+                try:
+                    host = next(self.data)
+                except StopIteration:
+                    print(f"hcjax.sft: data exhausted after {step} steps; stopping there")
+                    break
+                step_tokens = int(np.sum(host["segment_ids"] > 0))
+                tokens_seen += step_tokens
+                batch = put_on_mesh(host, self.batch_sharding)
+                self.tracer.before_step(step)
+                self.state, metrics = self._step_fn(self.state, batch)
+                self.tracer.after_step(step, self.state["params"])
+                done = step + 1
+                last = done == end
+                save_due = last or done % self.ckpt.cfg.save_every == 0
+                synced = done % self.cfg.log_every == 0 or last or save_due
+                synced = synced or done == start_step + 1
+                if synced:
+                    m = jax.device_get(metrics)
+                    m["lr"] = float(lr_schedule(self.cfg)(step))
+                    last_loss = float(m["loss"])
+                    # Checked before any save, so a diverged run never overwrites good weights.
+                    if not np.isfinite(last_loss):
+                        raise FloatingPointError(f"loss={last_loss} at step {done}; stopping")
+                    writer.write(done, m)
+                bar.update(last_loss, step_tokens, synced=synced)
+                if save_due:
+                    self.ckpt.save(done, self.state, self.data.get_state(), force=True)
+                    saved_at = done
+            if self.step != saved_at:  # ended early (data exhausted): keep the last step too
+                self.ckpt.save(self.step, self.state, self.data.get_state(), force=True)
+        finally:
+            self.tracer.close()
+            bar.close()
+            writer.close()
+            self.ckpt.wait()
+        jax.block_until_ready(self.state)
+        wall = time.perf_counter() - t0
+        return TrainResult(
+            steps=self.step,
+            final_loss=last_loss,
+            wall_s=wall,
+            tokens_per_s=tokens_seen / max(wall, 1e-9),
+            eval=None,
+            output_dir=self.output_dir,
+        )
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def load_params(directory: str, model_cfg: ModelConfig, target_params: Any) -> Any:
+    """Params of the latest checkpoint in `directory` (a run folder or its checkpoints/ folder),
+    after checking it was written for `model_cfg`."""
+    ckpt_dir = os.path.join(directory, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        ckpt_dir = directory
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    meta = {"model_config": model_identity(model_cfg)}
+    ck = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), meta)
+    try:
+        step = ck.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir!r}")
+        ck.check_compatible(step, keys=("model_config",))
+        return ck.restore_subtree(step, "params", target_params)
+    finally:
+        ck.close()
+
+
+@gin.configurable
+def run_sft(
+    output_dir: str,
+    model_cfg: ModelConfig | None = None,
+    mesh_cfg: shd.MeshConfig | None = None,
+    profile_start: int = -1,
+    profile_stop: int = -1,
+    progress: bool = True,
+    stop_after: int | None = None,
+    eval_problems: int = 200,
+    eval_max_new_tokens: int = 32,
+) -> TrainResult:
+    """Train (or resume) a run in `output_dir`, then evaluate and write summary and loss curve.
+
+    stop_after: run at most this many steps now (checkpointed), leaving the rest for a resume.
+    eval_problems: held-out problems of the arithmetic suite evaluated (greedy pass@1) at the end.
+    """
+    from hcjax.eval import evaluate_problems
+
+    model_cfg = model_cfg or ModelConfig()
+    cfg = SFTConfig()
+    data_cfg = DataConfig()
+    mesh = shd.make_mesh(mesh_cfg or shd.MeshConfig())
+    trainer = SFTTrainer(
+        output_dir,
+        model_cfg,
+        cfg,
+        data_cfg,
+        CheckpointConfig(),
+        mesh,
+        profile=(profile_start, profile_stop),
+        progress=progress,
+    )
+    try:
+        result = trainer.train(stop_after)
+    finally:
+        trainer.close()
+    finished = result.steps >= cfg.num_steps  # a run stopped early is evaluated when resumed
+    if eval_problems and data_cfg.source == "arithmetic" and finished:
+        from hcjax.data.tasks import ArithmeticSuite
+
+        problems = ArithmeticSuite().heldout()[:eval_problems]
+        t = time.perf_counter()
+        result.eval = evaluate_problems(
+            trainer.model(), problems, max_new_tokens=eval_max_new_tokens
+        ).summary()
+        result.eval["eval_wall_s"] = time.perf_counter() - t
+        with open(os.path.join(output_dir, "eval.json"), "w", encoding="utf-8") as f:
+            json.dump(result.eval, f, indent=1)
+    records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    plot_curves(records, os.path.join(output_dir, "loss_curve.png"), keys=("loss",))
+    items: dict[str, Any] = {
+        "steps": result.steps,
+        "resumed_from_step": trainer.resumed_from,
+        "final_loss": result.final_loss,
+        "train_wall_s": result.wall_s,
+        "tokens_per_s": result.tokens_per_s,
+        "batch_size": cfg.batch_size,
+        "row_len": data_cfg.row_len,
+        "num_params": sum(x.size for x in jax.tree.leaves(trainer.state["params"])),
+    }
+    if result.eval:
+        items.update({f"eval_{k}": v for k, v in result.eval.items() if k != "examples"})
+    write_summary(output_dir, "hcjax.sft run summary", items)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> TrainResult:
+    """`python -m hcjax.sft --gin_file tiny_cpu --output_dir DIR [--gin_param ...]`."""
+    from hcjax import config
+
+    flags = config.parse_flags(
+        argv, description="hcjax SFT / pre-training", default_gin_files=["tiny_cpu.gin"]
+    )
+    config.bind(flags.gin_files, flags.gin_params)
+    output_dir = flags.output_dir or os.path.join("runs", "sft")
+    config.write_config(output_dir, flags)
+    result = run_sft(output_dir)
+    config.write_operative_config(output_dir)
+    with open(os.path.join(output_dir, "summary.txt"), encoding="utf-8") as f:
+        print(f.read())
+    return result
