@@ -1,7 +1,8 @@
 """gin plumbing shared by every entry point: flags, binding with clear errors, config files out.
 
-Entry points call `parse_flags(argv)` then `bind(flags)`; both fail before any JAX compile when a
-binding is wrong, naming the binding. This module must not import the model or any JAX code.
+Entry points call `parse_flags(argv)` then `bind(...)`; both fail before any JAX compile when a
+binding is wrong, naming the binding. `bind` imports every module that registers configurables
+(so unknown names are caught); this module itself holds no model or JAX code.
 """
 
 from __future__ import annotations
@@ -126,13 +127,7 @@ def import_configurables() -> None:
     import importlib
 
     for mod in _CONFIGURABLE_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            # Modules of later issues may not exist yet in a given checkout; a missing module of
-            # ours is fine, a missing third-party dependency is not.
-            if not (e.name or "").startswith("hcjax"):
-                raise
+        importlib.import_module(mod)
 
 
 # Modules whose import registers configurables. Keep in sync with new gin-configurable modules.
@@ -140,8 +135,8 @@ _CONFIGURABLE_MODULES = [
     "hcjax.sharding",
     "hcjax.model.config",
     "hcjax.rl.losses",
+    "hcjax.rl.entropy",
     "hcjax.rl.learner",
-    "hcjax.rl.sampling",
     "hcjax.rollout.engine",
     "hcjax.rollout.server",
     "hcjax.data.tasks",
