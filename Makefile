@@ -16,7 +16,7 @@ $(STAMP): requirements.txt
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/python -m hcjax.sft $(ARGS)
+	$(VENV)/bin/python -m hcjax.climb $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests

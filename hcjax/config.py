@@ -144,6 +144,8 @@ _CONFIGURABLE_MODULES = [
     "hcjax.distill.sft",
     "hcjax.checkpoint",
     "hcjax.profiling",
+    "hcjax.rl.controller",
+    "hcjax.climb",
 ]
 
 

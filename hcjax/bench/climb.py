@@ -1,0 +1,72 @@
+"""`python -m hcjax.bench.climb`: the same tiny climb in on-policy (synchronous) and asynchronous
+modes, side by side from one base: wall time to a fixed held-out pass@1 gain, rollout and learner
+utilisation, final pass@1. Prints one JSON object last; never asserts timings."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    from hcjax.climb import _force_cpu_devices
+
+    _force_cpu_devices(int(os.environ.get("HCJAX_CPU_DEVICES", "2")))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+
+def _mode_figures(summary: dict) -> dict:
+    reached = summary.get("reached_gain_at_wall")
+    return {
+        "time_to_target_s": reached,
+        "reached_target": reached is not None,
+        "final_pass_at_1": summary["final_pass_at_1"],
+        "base_pass_at_1": summary["base_pass_at_1"],
+        "steps": summary["steps"],
+        "climb_wall_seconds": summary["climb_wall_seconds"],
+        "learner_utilisation": summary["learner_utilisation"],
+        "rollout_utilisation": summary["rollout_utilisation"],
+        "rollouts": summary["rollouts"],
+        "rollouts_per_s": summary["rollouts"] / max(summary["climb_wall_seconds"], 1e-9),
+        "stale_rollouts_dropped": summary["stale_rollouts_dropped"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    from hcjax import config
+    from hcjax.climb import _pretrain_base, run_climb
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    config.add_gin_flags(parser, ["climb_tiny.gin"])
+    parser.add_argument("--base_checkpoint", default=None)
+    parser.add_argument("--target_gain", type=float, default=0.1,
+                        help="held-out pass@1 gain over the base that counts as reached")
+    parser.add_argument("--modes", default="on_policy,async")
+    args = parser.parse_args(argv)
+    gin_files = args.gin_file or ["climb_tiny.gin"]
+    config.bind(gin_files, args.gin_param)
+    out = args.output_dir or tempfile.mkdtemp(prefix="bench_climb_")
+    base = args.base_checkpoint or _pretrain_base(out)
+    results = {}
+    for mode in args.modes.split(","):
+        config.bind(gin_files, args.gin_param)
+        summary = run_climb(os.path.join(out, mode), base_checkpoint=base, mode=mode,
+                            progress=False, stop_at_gain=args.target_gain).summary
+        results[mode] = _mode_figures(summary)
+        print(json.dumps({"mode": mode, **results[mode]}), flush=True)
+    report = {"bench": "climb", "target_gain": args.target_gain, "output_dir": out, **results}
+    sync, asyn = results.get("on_policy"), results.get("async")
+    if sync and asyn:
+        ts, ta = sync["time_to_target_s"], asyn["time_to_target_s"]
+        report["async_speedup_to_target"] = (ts / ta) if ts and ta else None
+        report["async_rollout_throughput_ratio"] = asyn["rollouts_per_s"] / max(
+            sync["rollouts_per_s"], 1e-9)
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,861 @@
+"""`python -m hcjax.climb`: the RL climb end to end (RECIPE §1, §3, §4) on the synthetic suite.
+
+With no arguments it pre-trains the tiny base (hcjax.sft) unless `--base_checkpoint` is given,
+then climbs: an in-process rollout server on the inference devices, the GRPO learner on disjoint
+learner devices, weights pushed through a transfer plan, all driven by hcjax.rl.controller. With
+`--inference_address` the rollouts go to remote `hcjax.serve` processes through the router.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _force_cpu_devices(n: int) -> None:
+    """Ask XLA for n host devices (learner + inference meshes); must run before JAX creates its
+    backends (the first device query), and leaves an explicit setting alone."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+if __name__ == "__main__":
+    # Devices first (before anything imports JAX); then run the importable module, so gin
+    # registers this file's configurables once, under hcjax.climb, not also under __main__.
+    _force_cpu_devices(int(os.environ.get("HCJAX_CPU_DEVICES", "2")))
+    from hcjax.climb import main as _main
+
+    _main(sys.argv[1:])
+    raise SystemExit(0)
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import gin  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hcjax.rl.controller import Controller, ControllerConfig, SequentialSource, StepReport  # noqa: E402
+from hcjax.rl.sampling import EarlyExit  # noqa: E402
+from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json  # noqa: E402
+from hcjax.rl.workers import (  # noqa: E402
+    Grade,
+    GroupResult,
+    PartialRegistry,
+    ProblemWorker,
+    RolloutWorker,
+    SamplingConfig,
+    Task,
+    WorkerStats,
+)
+
+__all__ = ["ClimbConfig", "ClimbResult", "main", "run_climb"]
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ClimbConfig:
+    """The climb's own settings; the learner (LearnerConfig), controller (ControllerConfig), model
+    (ModelConfig), task suite (ArithmeticSuite) and base pre-training (SFTConfig) have their own.
+
+    max_minutes: stop climbing after this much wall time (None: run all num_steps).
+    early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
+    entropy_target: H* for reports (the learner's EntropyController.target is what acts).
+    """
+
+    num_steps: int = 60
+    max_minutes: float | None = None
+    group: int = 8
+    early_group: int = 4
+    early_window: tuple[float, float] = (0.05, 0.95)
+    full_window: tuple[float, float] = (0.05, 0.95)
+    advantage: str = "mean_std"
+    max_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 0.97
+    token_budget: int | None = None
+    max_retries: int = 3
+    eval_every: int = 10
+    eval_problems: int = 200
+    learner_devices: int = 1
+    inference_devices: int = 1
+    max_concurrent_decodes: int = 64
+    checkpoint_every: int = 10
+    profile_start: int = -1
+    profile_stop: int = -1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "group", "early_group", "max_tokens", "eval_every",
+                     "learner_devices", "inference_devices", "max_concurrent_decodes",
+                     "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClimbConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.early_group > self.group:
+            raise ValueError(f"ClimbConfig.early_group={self.early_group} exceeds "
+                             f"group={self.group}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"ClimbConfig.max_minutes={self.max_minutes} must be > 0 or None")
+
+    def early_exit(self) -> EarlyExit:
+        return EarlyExit(self.early_group, self.group, tuple(self.early_window),
+                         tuple(self.full_window))
+
+
+@dataclasses.dataclass
+class ClimbResult:
+    output_dir: str
+    summary: dict[str, Any]
+
+
+# Tasks -----------------------------------------------------------------------------------------
+
+
+def arithmetic_task(index: int, suite, tok) -> Task:
+    """Training problem `index` of the synthetic suite as a worker Task (reward = correctness)."""
+    from hcjax.data.template import prompt_ids
+
+    problem = suite.train_problem(index)
+    return Task(problem.id, tuple(prompt_ids(problem.prompt, tok)), _grader(problem, tok),
+                {"prompt": problem.prompt, "answer": problem.answer, "index": index})
+
+
+def _grader(problem, tok) -> Callable[[Sequence[int]], Grade]:
+    def grade(ids: Sequence[int]) -> Grade:
+        ok = bool(problem.check(tok.decode(list(ids))))
+        return Grade(reward=float(ok), correct=ok)
+
+    return grade
+
+
+def heldout_pass_at_1(client, problems, tok, max_tokens: int, stop_tokens) -> float:
+    """Greedy pass@1 of the served policy on `problems` (all submitted at once, then checked)."""
+    from hcjax.data.template import prompt_ids
+    from hcjax.rollout.request import GenerateRequest
+
+    if not problems:
+        return float("nan")
+
+    def one(p):
+        req = GenerateRequest(prompt=tuple(prompt_ids(p.prompt, tok)), n=1, max_tokens=max_tokens,
+                              temperature=0.0, top_p=1.0, seed=0, stop_tokens=tuple(stop_tokens),
+                              request_id=f"eval-{p.id}")
+        rec = client.generate(req)[0]
+        return p.check(tok.decode(rec.response_ids.tolist()))
+
+    from concurrent import futures
+
+    with futures.ThreadPoolExecutor(16) as pool:
+        ok = list(pool.map(one, problems))
+    return float(np.mean(ok))
+
+
+# The learner side ------------------------------------------------------------------------------
+
+
+class LearnerAdapter:
+    """hcjax.rl.learner.Learner behind the controller's `train(rollouts)`; rows are padded to a
+    power of two so only a handful of batch shapes is ever compiled."""
+
+    def __init__(self, learner) -> None:
+        self.learner = learner
+        self.step_seconds: list[float] = []
+
+    def train(self, rollouts):
+        from hcjax.rl import batch as batch_lib
+
+        lr = self.learner
+        cfg = lr.cfg
+        usable = batch_lib.usable_rollouts(rollouts, mask_truncated=cfg.mask_truncated)
+        if not usable:
+            return {"skipped": 1.0}
+        probe = batch_lib.pack_rollouts(usable, seq_len=cfg.seq_len, with_routing=False,
+                                        mask_truncated=cfg.mask_truncated)
+        step = cfg.micro_batches * lr.data_parallel_size
+        rows = max(step, 2 ** math.ceil(math.log2(max(1, probe.tokens.shape[1]))))
+        rows = -(-rows // step) * step
+        t0 = time.perf_counter()
+        metrics = lr.step(lr.make_batch(usable, num_rows=rows))
+        self.step_seconds.append(time.perf_counter() - t0)
+        metrics["rows"] = float(rows)
+        metrics["train_rollouts"] = float(len(usable))
+        return metrics
+
+
+# The run ---------------------------------------------------------------------------------------
+
+
+def _load_base_params(base_dir: str, model_cfg, mesh):
+    """The model with the params of the latest checkpoint of an hcjax.sft run, on `mesh`.
+
+    Orbax hands back list indices (nnx.List of blocks) as string keys, so digit keys are turned
+    back into ints before the params are put into the model's state.
+    """
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from hcjax.checkpoint import CheckpointConfig, Checkpointer
+    from hcjax.model import create_sharded
+
+    ckpt_dir = os.path.join(base_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        ckpt_dir = base_dir
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"base checkpoint {base_dir!r} does not exist")
+    model = create_sharded(model_cfg, mesh)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    # Shapes are checked leaf by leaf below; implementation switches (moe_impl, ...) may differ.
+    ck = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), {})
+    try:
+        step = ck.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir!r}")
+    finally:
+        ck.close()
+    mngr = ocp.CheckpointManager(ckpt_dir, item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    try:
+        # Onto one local device: the base may have been saved on another device topology (e.g.
+        # by a process with more devices than this learner process has).
+        meta = mngr.item_metadata(step)["state"]
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        on_one = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=here), meta)
+        raw = mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(restore_args=on_one)))
+    finally:
+        mngr.close()
+
+    def ints(tree):
+        if isinstance(tree, dict):
+            return {int(k) if isinstance(k, str) and k.isdigit() else k: ints(v)
+                    for k, v in tree.items()}
+        return tree
+
+    pure = ints(raw["state"]["params"])
+    target = nnx.to_pure_dict(params)
+    if jax.tree.structure(pure) != jax.tree.structure(target):
+        raise ValueError(f"base checkpoint {ckpt_dir!r} step {step}: its params do not match "
+                         "the configured ModelConfig")
+    for (path, x), t in zip(jax.tree_util.tree_flatten_with_path(pure)[0],
+                            jax.tree.leaves(target), strict=True):
+        if tuple(np.shape(x)) != tuple(t.shape):
+            raise ValueError(f"base checkpoint {ckpt_dir!r} step {step}: parameter "
+                             f"{jax.tree_util.keystr(path)} has shape {np.shape(x)}, the "
+                             f"configured ModelConfig gives {tuple(t.shape)}")
+    placed = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding),
+                          pure, target)
+    nnx.replace_by_pure_dict(params, placed)
+    nnx.update(model, params)
+    return model, params
+
+
+def _pretrain_base(output_dir: str) -> str:
+    """Pre-train the tiny base with hcjax.sft (resumes if a previous run left checkpoints)."""
+    from hcjax.distill.sft import run_sft
+
+    base_dir = os.path.join(output_dir, "base")
+    run_sft(base_dir, progress=False, eval_problems=0)
+    return base_dir
+
+
+def _serialize_partials(partials: PartialRegistry) -> dict:
+    return {k: [rollout_to_json(r) for r in v] for k, v in partials.snapshot().items()}
+
+
+def _restore_partials(partials: PartialRegistry, data: dict) -> None:
+    for task_id, records in data.items():
+        partials.put(task_id, [rollout_from_json(r) for r in records])
+
+
+def run_climb(
+    output_dir: str,
+    *,
+    base_checkpoint: str | None = None,
+    inference_addresses: Sequence[str] = (),
+    mode: str | None = None,
+    progress: bool = True,
+    stop_at_gain: float | None = None,
+) -> ClimbResult:
+    """Run (or resume) a climb in `output_dir`; returns its summary (also in summary.json).
+
+    inference_addresses: remote `hcjax.serve` replicas (multi-process placement); empty = the
+    in-process engine on this process's inference devices. mode overrides ControllerConfig.mode.
+    stop_at_gain: stop once held-out pass@1 is this much above the base's (used by bench.climb).
+    """
+    import jax
+    from flax import nnx
+
+    from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
+    from hcjax.data.tasks import ArithmeticSuite
+    from hcjax.data.template import stop_ids
+    from hcjax.data.tokenizer import ByteTokenizer
+    from hcjax.metrics import MetricsWriter
+    from hcjax.model import ModelConfig
+    from hcjax.profiling import StepTracer
+    from hcjax.rl.learner import Learner, LearnerConfig
+    from hcjax.sharding import MeshConfig, make_mesh
+
+    t_start = time.perf_counter()
+    output_dir = os.path.abspath(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    cfg = ClimbConfig()
+    ctl_cfg = ControllerConfig()
+    if mode is not None:
+        ctl_cfg = dataclasses.replace(ctl_cfg, mode=mode)
+    model_cfg = ModelConfig()
+    learner_cfg = LearnerConfig()
+    suite = ArithmeticSuite()
+    tok = ByteTokenizer()
+    stops = stop_ids(tok)
+
+    devices = jax.devices()
+    need = cfg.learner_devices + (0 if inference_addresses else cfg.inference_devices)
+    if len(devices) < need:
+        raise ValueError(
+            f"ClimbConfig needs {need} devices (learner_devices={cfg.learner_devices}, "
+            f"inference_devices={cfg.inference_devices}), found {len(devices)}; set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N on CPU"
+        )
+    learner_mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, expert=1, device_offset=0,
+                                        num_devices=cfg.learner_devices))
+
+    t_base = time.perf_counter()
+    base_dir = base_checkpoint or _pretrain_base(output_dir)
+    base_seconds = time.perf_counter() - t_base
+    model, _ = _load_base_params(base_dir, model_cfg, learner_mesh)
+    learner = Learner(model, learner_cfg, learner_mesh)
+    adapter = LearnerAdapter(learner)
+
+    # Inference side: in-process engine on disjoint devices, or remote replicas via the router.
+    server = None
+    router = None
+    publish_remote = None
+    if inference_addresses:
+        from hcjax.rollout.router import Router
+
+        router = Router(list(inference_addresses), max_inflight_per_replica=256)
+        client = _RouterClient(router)
+        publish_remote = _RemotePublisher(learner, inference_addresses)
+    else:
+        from hcjax.model import shard_state
+        from hcjax.rollout import Engine, RolloutServer
+        from hcjax.transfer import VersionedWeights, make_plan
+
+        inf_mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, expert=1,
+                                        device_offset=cfg.learner_devices,
+                                        num_devices=cfg.inference_devices))
+        graphdef, params = nnx.split(learner.model())
+        inf_model = nnx.merge(graphdef, shard_state(jax.tree.map(jnp_copy, params), inf_mesh))
+        longest_prompt = 32
+        engine = Engine(inf_model, mesh=inf_mesh, max_concurrent_decodes=cfg.max_concurrent_decodes,
+                        max_prefill_length=longest_prompt,
+                        max_target_length=min(model_cfg.max_seq_len,
+                                              longest_prompt + cfg.max_tokens + 8))
+        served = VersionedWeights(None, -1)
+        plan = make_plan(learner.state.params,
+                         jax.tree.map(lambda x: x.sharding, engine.load_params()))
+        server = RolloutServer(engine, max_queue=4096)
+        client = server
+
+    def publish(version: int) -> None:
+        if publish_remote is not None:
+            publish_remote(version)
+            return
+        tree = served.update(lambda: plan.execute(learner.state.params), version)
+        server.update_weights(tree, version)
+
+    # Checkpoints, store, metrics.
+    ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"),
+                        CheckpointConfig(save_every=cfg.checkpoint_every, keep=2),
+                        {"model_config": jsonable(model_cfg)})
+    stats = WorkerStats()
+    partials = PartialRegistry()
+    sampling = SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, stop_tokens=tuple(stops),
+                              token_budget=cfg.token_budget)
+    rollout_worker = RolloutWorker(client, sampling, max_retries=cfg.max_retries, stats=stats,
+                                   partials=partials)
+    worker = ProblemWorker(rollout_worker, cfg.early_exit(), advantage=cfg.advantage, stats=stats)
+    source = SequentialSource(lambda i: arithmetic_task(i, suite, tok))
+    store = RolloutStore(os.path.join(output_dir, "rollouts"), decode=tok.decode)
+    holder: dict[str, Controller] = {}
+
+    def on_group(group: GroupResult, accepted: bool) -> None:
+        c = holder["controller"]
+        store.append(group, accepted=accepted, step=c.step, version=c.version)
+
+    controller = Controller(ctl_cfg, source, worker, adapter, publish, on_group=on_group,
+                            stats=stats)
+    holder["controller"] = controller
+
+    resumed_from = None
+    history: dict[str, Any] = {"eval": [], "wall_offset": 0.0, "base_pass_at_1": None}
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, data = ckpt.restore(latest, learner.state)
+        learner.state = state
+        pending = [g.to_group() for g in read_groups(
+            store.path, accepted_only=True, start=int(data["controller"]["accepted_consumed"]))]
+        controller.load_state_dict(data["controller"], pending)
+        _restore_partials(partials, data.get("partials", {}))
+        history = data["history"]
+        resumed_from = latest
+
+    # Serve the learner's current weights as the controller's version.
+    if server is not None:
+        tree = served.update(lambda: plan.execute(learner.state.params), controller.version)
+        server.update_weights(tree, controller.version)
+        server.start()
+    elif publish_remote is not None:
+        publish_remote(controller.version)
+
+    heldout = suite.heldout()[: cfg.eval_problems]
+    writer = MetricsWriter(output_dir)
+    tracer = StepTracer(os.path.join(output_dir, "profile"), cfg.profile_start, cfg.profile_stop)
+    t_climb = time.perf_counter()
+    wall_offset = float(history.get("wall_offset", 0.0))
+    if history.get("base_pass_at_1") is None:
+        history["base_pass_at_1"] = heldout_pass_at_1(client, heldout, tok, cfg.max_tokens, stops)
+        history["eval"].append({"step": 0, "wall": 0.0, "pass_at_1": history["base_pass_at_1"]})
+        writer.write(0, {"heldout_pass_at_1": history["base_pass_at_1"]})
+    if progress:
+        print(json.dumps({"event": "base", "base_pass_at_1": history["base_pass_at_1"],
+                          "resumed_from": resumed_from}), flush=True)
+    deadline = None if cfg.max_minutes is None else t_climb + 60 * cfg.max_minutes
+    last_step_time = [time.perf_counter()]
+    target = learner_cfg.entropy.target
+
+    def climb_wall() -> float:
+        return wall_offset + time.perf_counter() - t_climb
+
+    saved = {"step": resumed_from}
+
+    def save(step: int, force: bool = False) -> None:
+        if saved["step"] == step:  # already on disk (a step is saved at most once)
+            return
+        data = {"controller": controller.state_dict(), "partials": _serialize_partials(partials),
+                "history": dict(history, wall_offset=climb_wall())}
+        if ckpt.save(step, learner.state, data, force=force):
+            saved["step"] = step
+
+    def on_step(report: StepReport) -> bool:
+        now = time.perf_counter()
+        m = report.metrics
+        rewards = [r.reward for g in report.groups for r in g.valid]
+        lengths = [r.response_len for g in report.groups for r in g.valid]
+        record = {
+            "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+            "response_len_mean": float(np.mean(lengths)) if lengths else float("nan"),
+            "entropy": m.get("entropy", float("nan")),
+            "entropy_target": target,
+            "k": m.get("k", float("nan")),
+            "logp_gap_mean": m.get("logp_gap_mean", float("nan")),
+            "logp_gap_max": m.get("logp_gap_max", float("nan")),
+            "loss": m.get("loss", float("nan")),
+            "grad_norm": m.get("grad_norm", float("nan")),
+            "staleness_mean": float(np.mean(report.staleness)) if report.staleness else 0.0,
+            "staleness_max": float(np.max(report.staleness)) if report.staleness else 0.0,
+            "version": report.version,
+            "step_seconds": now - last_step_time[0],
+            "wall": climb_wall(),
+            "rollouts_per_s": stats.rollouts / max(climb_wall(), 1e-9),
+            "stale_rollouts_dropped": controller.counters["stale_rollouts_dropped"],
+            "early_dropped": stats.early_dropped,
+            "full_dropped": stats.full_dropped,
+            "failures": stats.failures,
+        }
+        for age in report.staleness:
+            history.setdefault("staleness_hist", {}).setdefault(str(age), 0)
+            history["staleness_hist"][str(age)] += 1
+        last_step_time[0] = now
+        stop = False
+        if report.step % cfg.eval_every == 0 or report.step >= cfg.num_steps:
+            acc = heldout_pass_at_1(client, heldout, tok, cfg.max_tokens, stops)
+            record["heldout_pass_at_1"] = acc
+            record["eval_version"] = float(report.version)
+            history["eval"].append({"step": report.step, "wall": climb_wall(), "pass_at_1": acc,
+                                    "version": report.version})
+            if stop_at_gain is not None and acc >= history["base_pass_at_1"] + stop_at_gain:
+                history["reached_gain_at_wall"] = climb_wall()
+                stop = True
+        writer.write(report.step, {k: v for k, v in record.items()
+                                   if not isinstance(v, float) or np.isfinite(v)})
+        tracer.after_step(report.step, None)
+        tracer.before_step(report.step + 1)
+        if progress:
+            shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()
+                     if k in ("reward_mean", "heldout_pass_at_1", "entropy", "k",
+                              "staleness_mean", "rollouts_per_s", "wall")}
+            print(json.dumps({"step": report.step, **shown}), flush=True)
+        save(report.step, force=stop)
+        if deadline is not None and time.perf_counter() > deadline:
+            stop = True
+        return stop
+
+    controller.on_step = on_step
+    try:
+        tracer.before_step(controller.step + 1)
+        controller.run(cfg.num_steps)
+        # The last pushed version may lag the learner: serve the final weights for the final eval.
+        final_version = controller.version + 1
+        publish(final_version)
+        controller.version = final_version
+        final = heldout_pass_at_1(client, heldout, tok, cfg.max_tokens, stops)
+        history["eval"].append({"step": controller.step, "wall": climb_wall(), "pass_at_1": final,
+                                "version": final_version})
+        writer.write(controller.step, {"heldout_pass_at_1_final": final})
+        save(controller.step, force=True)
+    finally:
+        tracer.close()
+        writer.close()
+        ckpt.close()
+        store.close()
+        if server is not None:
+            server.stop()
+        if router is not None:
+            router.close()
+
+    util = controller.utilisation()
+    summary = {
+        "base_pass_at_1": history["base_pass_at_1"],
+        "final_pass_at_1": final,
+        "improvement": final - history["base_pass_at_1"],
+        "steps": controller.step,
+        "wall_seconds": time.perf_counter() - t_start,
+        "climb_wall_seconds": climb_wall(),
+        "base_pretrain_seconds": base_seconds,
+        "resumed_from": resumed_from,
+        "mode": ctl_cfg.mode,
+        "placement": "multi_process" if inference_addresses else "single_process",
+        "rollouts": stats.rollouts,
+        "stale_rollouts_dropped": controller.counters["stale_rollouts_dropped"],
+        "accepted_groups_consumed": controller.accepted_consumed,
+        "buffered_groups": len(controller.buffer),
+        "logp_gap_mean": _mean_metric(os.path.join(output_dir, "metrics.jsonl"),
+                                      "logp_gap_mean"),
+        "entropy_within_25pct": _entropy_within(os.path.join(output_dir, "metrics.jsonl"),
+                                                target),
+        "worker_stats": stats.as_dict(),
+        "evals": history["eval"],
+        "reached_gain_at_wall": history.get("reached_gain_at_wall"),
+        "staleness_hist": history.get("staleness_hist", {}),
+        **util,
+    }
+    with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    write_report(output_dir, summary, target)
+    return ClimbResult(output_dir, summary)
+
+
+def _mean_metric(path: str, key: str) -> float:
+    from hcjax.metrics import read_metrics
+
+    _, ys = _series(read_metrics(path), key)
+    return float(np.mean(ys)) if ys else float("nan")
+
+
+def _entropy_within(path: str, target: float, warmup_fraction: float = 0.25) -> float:
+    """Fraction of steps after warm-up (the first quarter) whose Ĥ is within ±25% of H*."""
+    from hcjax.metrics import read_metrics
+
+    _, ys = _series(read_metrics(path), "entropy")
+    warm = ys[int(len(ys) * warmup_fraction):]
+    if not warm:
+        return float("nan")
+    return float(np.mean([abs(e - target) <= 0.25 * target for e in warm]))
+
+
+# Report ----------------------------------------------------------------------------------------
+
+
+def _series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]:
+    pts = [(r[x], r[key]) for r in records
+           if key in r and x in r and np.isfinite(float(r[key]))]
+    return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
+
+
+def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
+    """report.md with PNG plots of the climb (reward, pass@1, entropy, k, lengths, staleness,
+    train-inference log-prob gap) from metrics.jsonl and the summary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hcjax.metrics import read_metrics
+
+    records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    evals = summary.get("evals", [])
+    plots: list[tuple[str, str]] = []
+
+    def figure(name: str, title: str, draw) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        draw(ax)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(output_dir, name), dpi=90)
+        plt.close(fig)
+        plots.append((name, title))
+
+    def reward_vs(x: str, xlabel: str):
+        def draw(ax):
+            xs, ys = _series(records, "reward_mean", x)
+            ax.plot(xs, ys, label="train reward (mean)")
+            ax.plot([e[x if x == "step" else "wall"] for e in evals],
+                    [e["pass_at_1"] for e in evals], "o-", label="held-out pass@1")
+            ax.set_xlabel(xlabel)
+        return draw
+
+    figure("reward_vs_step.png", "reward and held-out pass@1 vs step", reward_vs("step", "step"))
+    figure("reward_vs_wall.png", "reward and held-out pass@1 vs wall time",
+           reward_vs("wall", "climb wall time (s)"))
+
+    def entropy(ax):
+        xs, ys = _series(records, "entropy")
+        ax.plot(xs, ys, label="entropy estimate")
+        if xs:
+            ax.axhline(entropy_target, color="k", ls="--", label="target H*")
+            ax.fill_between(xs, 0.75 * entropy_target, 1.25 * entropy_target, alpha=0.15,
+                            label="H* +-25%")
+        ax.set_xlabel("step")
+
+    figure("entropy.png", "entropy vs target", entropy)
+    for key, name, title in [("k", "k.png", "upper-clip offset k"),
+                             ("response_len_mean", "lengths.png", "mean response length"),
+                             ("logp_gap_mean", "logp_gap.png",
+                              "train-inference log-prob gap (mean |diff|)")]:
+        def draw(ax, key=key):
+            xs, ys = _series(records, key)
+            ax.plot(xs, ys, label=key)
+            ax.set_xlabel("step")
+
+        figure(name, title, draw)
+
+    def hist(ax):
+        h = summary.get("staleness_hist", {})
+        ages = sorted(int(a) for a in h)
+        ax.bar(ages, [h[str(a)] for a in ages])
+        ax.set_xlabel("versions behind at training time")
+        ax.set_ylabel("rollouts")
+
+    figure("staleness.png", "staleness of trained rollouts", hist)
+    keys = ("base_pass_at_1", "final_pass_at_1", "improvement", "steps", "wall_seconds",
+            "climb_wall_seconds", "base_pretrain_seconds", "mode", "placement", "rollouts",
+            "stale_rollouts_dropped", "learner_utilisation", "rollout_utilisation")
+    within = summary.get("entropy_within_25pct", float("nan"))
+    gaps = _series(records, "logp_gap_mean")[1]
+    lines = ["# hcjax climb report", "", "| figure | value |", "|---|---|"]
+    for k in keys:
+        v = summary.get(k)
+        lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    lines.append(f"| entropy within +-25% of H*={entropy_target} after warm-up (fraction of "
+                 f"steps) | {within:.3g} |")
+    lines.append(f"| mean train-inference log-prob gap | "
+                 f"{(float(np.mean(gaps)) if gaps else float('nan')):.3g} |")
+    lines += ["", "## Held-out pass@1", "", "| step | wall (s) | pass@1 |", "|---|---|---|"]
+    lines += [f"| {e['step']} | {e['wall']:.1f} | {e['pass_at_1']:.3f} |" for e in evals]
+    lines += [""] + [f"![{title}]({name})" for name, title in plots]
+    text = "\n".join(lines) + "\n"
+    path = os.path.join(output_dir, "report.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def jnp_copy(x):
+    import jax.numpy as jnp
+
+    return jnp.copy(x)
+
+
+class _RouterClient:
+    """The router under the workers' `generate(request, timeout)` call."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    def generate(self, request, timeout=None):
+        return self.router.generate(request, timeout=timeout)
+
+
+WEIGHTS_SERVICE = "hcjax.Weights"
+
+
+def _flat_params(params) -> tuple[list[str], list]:
+    import jax
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    return [jax.tree_util.keystr(k) for k, _ in flat], [v for _, v in flat]
+
+
+class _RemotePublisher:
+    """Learner side of the multi-process placement: sends the learner's parameters to every
+    inference process as one `hcjax.Weights/Update` gRPC message (host numpy arrays in the
+    rollout wire format); each process places them on its own mesh and swaps atomically."""
+
+    def __init__(self, learner, addresses: Sequence[str], timeout: float = 120.0) -> None:
+        import grpc
+
+        self.learner, self.addresses, self.timeout = learner, list(addresses), timeout
+        opts = [("grpc.max_send_message_length", 1 << 30),
+                ("grpc.max_receive_message_length", 1 << 30)]
+        self._calls = [grpc.insecure_channel(a, options=opts).unary_unary(
+            f"/{WEIGHTS_SERVICE}/Update") for a in self.addresses]
+
+    def __call__(self, version: int) -> None:
+        import jax
+
+        from hcjax.rollout.wire import encode
+
+        paths, leaves = _flat_params(self.learner.state.params)
+        host = jax.device_get(leaves)
+        message = encode({"version": int(version), "paths": paths},
+                         {f"p{i}": np.asarray(x) for i, x in enumerate(host)})
+        failed = []
+        for address, call in zip(self.addresses, self._calls, strict=True):
+            try:
+                call(message, timeout=self.timeout)
+            except Exception as err:  # a dead replica: the router stops sending to it
+                failed.append(f"{address}: {err}")
+        if len(failed) == len(self.addresses):
+            raise RuntimeError(f"weights version {version} reached no replica: {failed}")
+
+
+def _weights_handler(server, params_template):
+    """gRPC handler of `hcjax.Weights/Update` for an inference process."""
+    import grpc
+    import jax
+
+    from hcjax.rollout.wire import decode
+
+    paths, leaves = _flat_params(params_template)
+    treedef = jax.tree.structure(params_template)
+
+    def update(data: bytes, context) -> bytes:
+        meta, arrays = decode(data)
+        if meta.get("paths") != paths:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "parameter paths differ from this server's model")
+        new = []
+        for i, t in enumerate(leaves):
+            x = arrays[f"p{i}"]
+            if x.shape != t.shape:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{paths[i]}: shape {x.shape} != {t.shape}")
+            new.append(jax.device_put(x.astype(t.dtype), t.sharding))
+        tree = jax.block_until_ready(jax.tree.unflatten(treedef, new))
+        server.update_weights(tree, int(meta["version"]))
+        return json.dumps({"version": int(meta["version"])}).encode()
+
+    return grpc.method_handlers_generic_handler(
+        WEIGHTS_SERVICE, {"Update": grpc.unary_unary_rpc_method_handler(update)})
+
+
+def serve_inference(host: str, port: int, ready: Callable[[int], None] | None = None,
+                    stop: Any = None) -> None:
+    """The inference process of the multi-process placement: the gin-configured model on every
+    local device, a RolloutServer, and gRPC services Rollout (generate) and Weights (update).
+    Serves until `stop` (a threading.Event) is set or SIGTERM/SIGINT."""
+    import signal
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from hcjax.model import ModelConfig, create_sharded
+    from hcjax.rollout import Engine, GenerateRequest, RolloutServer
+    from hcjax.rollout.service import RolloutServicer
+    from hcjax.sharding import MeshConfig, make_mesh
+
+    cfg = ClimbConfig()
+    model_cfg = ModelConfig()
+    mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1, expert=1))
+    model = create_sharded(model_cfg, mesh)
+    longest_prompt = 32
+    engine = Engine(model, mesh=mesh, max_concurrent_decodes=cfg.max_concurrent_decodes,
+                    max_prefill_length=longest_prompt,
+                    max_target_length=min(model_cfg.max_seq_len,
+                                          longest_prompt + cfg.max_tokens + 8))
+    server = RolloutServer(engine, version=-1, max_queue=4096).start()
+    server.generate(GenerateRequest(prompt=[0], max_tokens=2, temperature=0.0, seed=0))
+    grpc_server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=64),
+        options=[("grpc.max_send_message_length", 1 << 30),
+                 ("grpc.max_receive_message_length", 1 << 30)])
+    grpc_server.add_generic_rpc_handlers(
+        (RolloutServicer(server).handler(), _weights_handler(server, engine.load_params())))
+    bound = grpc_server.add_insecure_port(f"{host}:{port}")
+    grpc_server.start()
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    if ready is not None:
+        ready(bound)
+    stop.wait()
+    grpc_server.stop(grace=2.0).wait()
+    server.stop()
+
+
+def _extra_args(parser) -> None:
+    parser.add_argument("--role", choices=("climb", "inference"), default="climb",
+                        help="climb: learner + controller (+ in-process inference unless "
+                        "--inference_address); inference: a rollout server process")
+    parser.add_argument("--base_checkpoint", default=None,
+                        help="run folder (or checkpoints/ folder) of an hcjax.sft base; default: "
+                        "pre-train the tiny base into OUTPUT_DIR/base")
+    parser.add_argument("--inference_address", action="append", default=[],
+                        help="host:port of an inference process (repeatable)")
+    parser.add_argument("--host", default="127.0.0.1", help="inference role: address to bind")
+    parser.add_argument("--port", type=int, default=0, help="inference role: port (0 = any)")
+    parser.add_argument("--mode", choices=("async", "on_policy"), default=None)
+    parser.add_argument("--coordinator_address", default=None,
+                        help="jax.distributed coordinator host:port (multi-host learner)")
+    parser.add_argument("--num_processes", type=int, default=1)
+    parser.add_argument("--process_id", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+
+
+def main(argv: Sequence[str] | None = None) -> ClimbResult | None:
+    from hcjax import config
+
+    flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
+                               default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
+    config.bind(flags.gin_files, flags.gin_params)
+    args = flags.extra
+    if args.coordinator_address:
+        import jax
+
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if args.role == "climb" and jax.process_count() > 1:
+            raise NotImplementedError(
+                f"a learner spread over {jax.process_count()} processes needs every learner "
+                "process to receive the controller's batches; this climb drives one learner "
+                "process (use more devices per host, or more inference processes)")
+    if args.role == "inference":
+        if flags.output_dir:
+            config.write_config(flags.output_dir, flags)
+
+        def ready(port: int) -> None:
+            print(json.dumps({"event": "serving", "port": port}), flush=True)
+
+        serve_inference(args.host, args.port, ready)
+        return None
+    output_dir = flags.output_dir or os.path.join("runs", "climb")
+    config.write_config(output_dir, flags)
+    result = run_climb(output_dir, base_checkpoint=args.base_checkpoint,
+                       inference_addresses=args.inference_address, mode=args.mode,
+                       progress=not args.quiet)
+    config.write_operative_config(output_dir)
+    s = result.summary
+    print(json.dumps({k: s[k] for k in ("base_pass_at_1", "final_pass_at_1", "improvement",
+                                        "steps", "wall_seconds", "mode", "placement")}))
+    return result

@@ -1,0 +1,330 @@
+"""The rollout store: every finished group is appended to a JSON-lines file during the climb (token
+ids, log-probs, masks, routing, rewards, versions, plus decoded text), and read back to resume a
+run or to build a self-distillation set (RECIPE §3). No JAX here; grain reads the lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hcjax.rl.records import Rollout
+from hcjax.rl.workers import Grade, GroupResult, Task
+from hcjax.rollout.request import SampledRollout
+
+__all__ = [
+    "RolloutStore",
+    "StoredGroup",
+    "distillation_conversations",
+    "grain_dataset",
+    "read_groups",
+    "rollout_from_json",
+    "rollout_to_json",
+    "write_distillation_set",
+]
+
+GROUPS_FILE = "groups.jsonl"
+_ARRAYS = ("prompt_ids", "response_ids", "logprobs", "n_kept", "threshold_logit", "loss_mask",
+           "versions")
+
+
+def rollout_to_json(r: Rollout) -> dict[str, Any]:
+    """A JSON-able dict of every field of a Rollout (or SampledRollout)."""
+    out: dict[str, Any] = {name: np.asarray(getattr(r, name)).tolist() for name in _ARRAYS}
+    out["routing"] = None if r.routing is None else np.asarray(r.routing).tolist()
+    out.update(finish_reason=r.finish_reason, temperature=float(r.temperature),
+               group_id=r.group_id, reward=r.reward,
+               reward_components={k: float(v) for k, v in r.reward_components.items()},
+               advantage=r.advantage)
+    if isinstance(r, SampledRollout):
+        out["sampled"] = {
+            "raw_logprobs": None if r.raw_logprobs is None else r.raw_logprobs.tolist(),
+            "seed": int(r.seed), "sample_index": int(r.sample_index), "top_p": float(r.top_p),
+            "max_tokens": int(r.max_tokens), "stop_tokens": list(r.stop_tokens),
+            "partial": bool(r.partial),
+        }
+    return out
+
+
+def rollout_from_json(d: Mapping[str, Any]) -> Rollout:
+    """Inverse of rollout_to_json (a SampledRollout when the sampling metadata was stored)."""
+    kwargs = {name: np.asarray(d[name]) for name in _ARRAYS}
+    kwargs["routing"] = None if d.get("routing") is None else np.asarray(d["routing"], np.int32)
+    kwargs.update(finish_reason=d["finish_reason"], temperature=d["temperature"],
+                  group_id=d["group_id"], reward=d["reward"],
+                  reward_components=dict(d["reward_components"]), advantage=d["advantage"])
+    sampled = d.get("sampled")
+    if sampled is None:
+        return Rollout(**kwargs)
+    extra = dict(sampled)
+    extra["stop_tokens"] = tuple(extra["stop_tokens"])
+    return SampledRollout(**kwargs, **extra)
+
+
+@dataclasses.dataclass
+class StoredGroup:
+    """One line of the store."""
+
+    task_id: str
+    accepted: bool  # entered the learner's buffer (kept by the filters and fresh enough)
+    pass_rate: float
+    stage: str
+    step: int  # learner step when the group finished
+    version: int  # inference version when the group finished
+    rollouts: list[Rollout]
+    prompt_text: str = ""
+    response_texts: list[str] = dataclasses.field(default_factory=list)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_group(self, grade: Callable[[Sequence[int]], Grade] | None = None) -> GroupResult:
+        """Back to a GroupResult (the task's grader is not stored; pass one if needed)."""
+        task = Task(self.task_id, tuple(self.rollouts[0].prompt_ids.tolist()),
+                    grade or _no_grader, self.meta)
+        return GroupResult(task, list(self.rollouts), True, self.pass_rate, self.stage)
+
+
+def _no_grader(ids: Sequence[int]) -> Grade:
+    raise RuntimeError("this group was read back from the rollout store without a grader")
+
+
+class RolloutStore:
+    """Appends groups to `<directory>/groups.jsonl`, one line each, flushed (and fsynced) per
+    line so a killed run loses at most the line being written (which readers skip)."""
+
+    def __init__(
+        self,
+        directory: str,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        *,
+        fsync: bool = True,
+    ) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self.path = os.path.join(directory, GROUPS_FILE)
+        self.decode = decode
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        _drop_torn_tail(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def append(self, group: GroupResult, *, accepted: bool, step: int, version: int) -> None:
+        line = {
+            "task_id": group.task.id,
+            "accepted": bool(accepted),
+            "pass_rate": float(group.pass_rate),
+            "stage": group.stage,
+            "step": int(step),
+            "version": int(version),
+            "meta": {k: v for k, v in group.task.meta.items() if _is_json(v)},
+            "prompt_text": str(group.task.meta.get("prompt", "")),
+            "response_texts": [self._text(r) for r in group.rollouts],
+            "rollouts": [rollout_to_json(r) for r in group.rollouts],
+        }
+        text = json.dumps(line) + "\n"
+        with self._lock:
+            self._file.write(text)
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+
+    def _text(self, r: Rollout) -> str:
+        if self.decode is None:
+            return ""
+        ids = r.response_ids.tolist()
+        stops = set(getattr(r, "stop_tokens", ()) or ())
+        if ids and r.finish_reason == "stop" and (not stops or ids[-1] in stops):
+            ids = ids[:-1]  # the stop token is the template's end of turn, re-added by SFT
+        return self.decode(ids)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> RolloutStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _is_json(v: Any) -> bool:
+    return isinstance(v, str | int | float | bool) or v is None
+
+
+def _drop_torn_tail(path: str) -> None:
+    """Cut a last line without its newline (a write interrupted by a kill)."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _lines(path: str) -> Iterator[dict[str, Any]]:
+    if os.path.isdir(path):
+        path = os.path.join(path, GROUPS_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"rollout store {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.endswith("\n"):
+                return  # torn last line of a killed run
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a stored group ({e.msg})") from e
+
+
+def read_groups(path: str, *, accepted_only: bool = False, start: int = 0) -> list[StoredGroup]:
+    """Groups of a store (a directory or its groups.jsonl), in order; with `accepted_only`, only
+    the accepted ones, skipping the first `start` of those."""
+    out = []
+    seen = 0
+    for d in _lines(path):
+        if accepted_only and not d["accepted"]:
+            continue
+        seen += 1
+        if seen <= start:
+            continue
+        out.append(StoredGroup(
+            task_id=d["task_id"], accepted=d["accepted"], pass_rate=d["pass_rate"],
+            stage=d["stage"], step=d["step"], version=d["version"],
+            rollouts=[rollout_from_json(r) for r in d["rollouts"]],
+            prompt_text=d.get("prompt_text", ""), response_texts=d.get("response_texts", []),
+            meta=d.get("meta", {}),
+        ))
+    return out
+
+
+def grain_dataset(path: str):
+    """The store's groups as a grain MapDataset of dicts (one per group, JSON fields)."""
+    import grain
+
+    return grain.MapDataset.source(list(_lines(path)))
+
+
+def distillation_conversations(
+    path: str,
+    *,
+    successful_only: bool = True,
+    min_step_fraction: float = 0.5,
+    max_examples: int | None = None,
+    max_per_prompt: int | None = None,
+    seed: int = 0,
+) -> list[list[dict[str, str]]]:
+    """Self-distillation data (RECIPE §3): (prompt, response) conversations from the store.
+
+    Only rollouts from the late part of the climb (learner step >= min_step_fraction x the last
+    step seen) are used; successful ones only by default; plain uniform random sampling (no biased
+    selection) down to `max_examples`; at most `max_per_prompt` per prompt (more prompts beat
+    more samples per prompt).
+    """
+    if not 0.0 <= min_step_fraction <= 1.0:
+        raise ValueError(f"min_step_fraction={min_step_fraction} is not in [0, 1]")
+    groups = read_groups(path)
+    if not groups:
+        raise ValueError(f"rollout store {path!r} holds no groups")
+    last = max(g.step for g in groups)
+    cutoff = min_step_fraction * last
+    rng = random.Random(seed)
+    candidates: list[list[dict[str, str]]] = []
+    for g in groups:
+        if g.step < cutoff or not g.prompt_text:
+            continue
+        picks = []
+        for r, text in zip(g.rollouts, g.response_texts, strict=False):
+            if r.aborted or not text:
+                continue
+            if successful_only and not r.reward_components.get("correct", 0.0) > 0:
+                continue
+            picks.append([{"role": "user", "content": g.prompt_text},
+                          {"role": "assistant", "content": text}])
+        if max_per_prompt is not None and len(picks) > max_per_prompt:
+            picks = rng.sample(picks, max_per_prompt)
+        candidates += picks
+    if max_examples is not None and len(candidates) > max_examples:
+        candidates = rng.sample(candidates, max_examples)
+    rng.shuffle(candidates)
+    return candidates
+
+
+def write_distillation_set(
+    path: str,
+    out_path: str,
+    *,
+    base_conversations: Sequence[list[dict[str, str]]] = (),
+    base_fraction: float = 0.0,
+    seed: int = 0,
+    **select: Any,
+) -> int:
+    """Write a chat JSONL file (`{"messages": [...]}` per line) for `python -m hcjax.sft` with
+    DataConfig.source="chat_jsonl", optionally mixing in base (mid-training) conversations so
+    they make up `base_fraction` of the lines. Returns the number of lines written."""
+    if not 0.0 <= base_fraction < 1.0:
+        raise ValueError(f"base_fraction={base_fraction} is not in [0, 1)")
+    convs = distillation_conversations(path, seed=seed, **select)
+    if not convs:
+        raise ValueError(f"no rollout in {path!r} passes the selection {select}")
+    if base_fraction > 0:
+        want = round(len(convs) * base_fraction / (1.0 - base_fraction))
+        if want > len(base_conversations):
+            raise ValueError(f"base_fraction={base_fraction} needs {want} base conversations, "
+                             f"got {len(base_conversations)}")
+        rng = random.Random(seed + 1)
+        convs = convs + rng.sample(list(base_conversations), want)
+        rng.shuffle(convs)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        for c in convs:
+            f.write(json.dumps({"messages": c}) + "\n")
+    return len(convs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m hcjax.rl.store RUN_OR_STORE_DIR OUT.jsonl [options]`: write the self-distillation
+    set of a climb for `python -m hcjax.sft` (DataConfig.source="chat_jsonl")."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("store", help="a climb's output folder, its rollouts/ folder or the file")
+    parser.add_argument("out", help="chat JSONL file to write")
+    parser.add_argument("--min_step_fraction", type=float, default=0.5)
+    parser.add_argument("--max_examples", type=int, default=None)
+    parser.add_argument("--max_per_prompt", type=int, default=None)
+    parser.add_argument("--all", dest="successful_only", action="store_false",
+                        help="keep unsuccessful rollouts too")
+    parser.add_argument("--base_fraction", type=float, default=0.0,
+                        help="fraction of lines taken from the arithmetic suite's reference "
+                        "solutions (the base's own training data)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = args.store
+    if os.path.isdir(os.path.join(path, "rollouts")):
+        path = os.path.join(path, "rollouts")
+    base: list[list[dict[str, str]]] = []
+    if args.base_fraction > 0:
+        from hcjax.data.tasks import ArithmeticSuite
+
+        suite = ArithmeticSuite()
+        base = [[{"role": "user", "content": p.prompt},
+                 {"role": "assistant", "content": p.target()}]
+                for p in map(suite.train_problem, range(100_000, 105_000))]
+    n = write_distillation_set(
+        path, args.out, base_conversations=base, base_fraction=args.base_fraction,
+        seed=args.seed, successful_only=args.successful_only,
+        min_step_fraction=args.min_step_fraction, max_examples=args.max_examples,
+        max_per_prompt=args.max_per_prompt)
+    print(json.dumps({"written": n, "out": args.out}))
+    return n
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""`python -m hcjax.climb` end to end on a very small model: base pre-training, on-policy climb
+(train-inference log-prob gap), every output file, resume to more steps, and a kill -9 mid-run
+whose restart loses no accepted group."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hcjax.climb import _load_base_params
+from hcjax.model import ModelConfig
+from hcjax.rl.store import main as store_main
+from hcjax.rl.store import read_groups
+from hcjax.sharding import MeshConfig, make_mesh
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A model and task small enough that a climb step takes well under a second on one CPU core.
+TINY = [
+    "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2", "ModelConfig.num_heads = 2",
+    "ModelConfig.num_kv_heads = 1", "ModelConfig.head_dim = 16",
+    "ModelConfig.attention_pattern = ('local', 'global')", "ModelConfig.window = 16",
+    "ModelConfig.d_ff = 64", "ModelConfig.num_experts = 4", "ModelConfig.moe_latent_dim = 16",
+    "ModelConfig.moe_d_ff = 32", "ModelConfig.max_seq_len = 64",
+    "ArithmeticSuite.kinds = ('add',)", "ArithmeticSuite.max_digits = 1",
+    "ArithmeticSuite.num_heldout = 16",
+    "SFTConfig.num_steps = 4", "SFTConfig.batch_size = 8",
+    "DataConfig.row_len = 64",
+    "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
+    "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
+    "ClimbConfig.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
+    "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
+    "ClimbConfig.max_minutes = None",
+    "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
+    "ControllerConfig.sync_every = 2", "LearnerConfig.seq_len = 64",
+]
+
+
+TINY_MODEL = dict(
+    vocab_size=272, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+    attention_pattern=("local", "global"), window=16, d_ff=64, num_experts=4, moe_latent_dim=16,
+    moe_d_ff=32, max_seq_len=64, dtype="float32",
+)
+
+
+def command(out_dir, steps, *extra):
+    params = [*TINY, f"ClimbConfig.num_steps = {steps}"]
+    args = [sys.executable, "-m", "hcjax.climb", "--output_dir", str(out_dir), "--quiet"]
+    for p in params:
+        args += ["--gin_param", p]
+    return args + list(extra)
+
+
+def env():
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    e["JAX_PLATFORMS"] = "cpu"
+    return e
+
+
+def climb(out_dir, steps, *extra, timeout=400):
+    proc = subprocess.run(command(out_dir, steps, *extra), cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((Path(out_dir) / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("climb")
+    summary = climb(out, 3, "--mode", "on_policy")
+    return out, summary
+
+
+@pytest.mark.slow
+def test_climb_end_to_end_writes_everything(first_run):
+    out, s = first_run
+    assert s["steps"] == 3 and s["mode"] == "on_policy" and s["placement"] == "single_process"
+    for key in ("base_pass_at_1", "final_pass_at_1", "wall_seconds", "steps"):
+        assert key in s
+    assert 0.0 <= s["base_pass_at_1"] <= 1.0 and 0.0 <= s["final_pass_at_1"] <= 1.0
+    # Base pre-trained by hcjax.sft into OUTPUT_DIR/base, then the climb's own outputs.
+    assert (out / "base" / "checkpoints").is_dir()
+    for name in ("config.gin", "operative_config.gin", "metrics.jsonl", "report.md",
+                 "summary.json", "reward_vs_step.png", "reward_vs_wall.png", "entropy.png",
+                 "k.png", "lengths.png", "staleness.png", "logp_gap.png",
+                 "rollouts/groups.jsonl"):
+        assert (out / name).is_file(), name
+    assert any((out / "tb").iterdir())
+    assert "ClimbConfig.num_steps = 3" in (out / "operative_config.gin").read_text()
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert any("heldout_pass_at_1" in r for r in records)
+    # On-policy: every trained rollout came from the weights being trained (staleness 0), so the
+    # learner's recomputed log-probs equal the sampler's up to fp32 noise (top-p/routing replay).
+    # (At most 1: the server can sample the first token of a request that arrives while its
+    # generate loop idles with the previous weights; the version stamp records it honestly.)
+    assert all(r["staleness_max"] <= 1 for r in steps)
+    assert s["logp_gap_mean"] <= 1e-4
+    assert all(r["version"] == r["step"] for r in steps)  # pushed after every step
+    groups = read_groups(str(out / "rollouts"))
+    assert groups and all(len(g.rollouts) == 4 for g in groups)
+    assert "## Held-out pass@1" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_climb_resumes_from_its_checkpoint(first_run):
+    out, _ = first_run
+    s = climb(out, 5)
+    assert s["resumed_from"] == 3 and s["steps"] == 5 and s["mode"] == "async"
+    # The base was not pre-trained again, and the store kept the first run's groups.
+    assert s["base_pretrain_seconds"] < 60
+    assert len(read_groups(str(out / "rollouts"), accepted_only=True)) == \
+        s["accepted_groups_consumed"] + s["buffered_groups"]
+
+
+@pytest.mark.slow
+def test_kill_and_restart_loses_no_accepted_group(first_run, tmp_path):
+    base = first_run[0] / "base"
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(command(out, 200, "--base_checkpoint", str(base)), cwd=REPO,
+                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpts = out / "checkpoints"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            done = [int(p.name) for p in ckpts.glob("*") if p.name.isdigit()] \
+                if ckpts.is_dir() else []
+            if done and max(done) >= 3:
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("the climb wrote no checkpoint past step 3 in 300 s")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    s = climb(out, max(done) + 3, "--base_checkpoint", str(base))
+    assert s["resumed_from"] is not None and s["resumed_from"] >= 3
+    assert s["steps"] == max(done) + 3
+    accepted = read_groups(str(out / "rollouts"), accepted_only=True)
+    # Every group the first process accepted (written to the store before the kill) was either
+    # trained on after the restart or is still buffered: none was lost.
+    assert len(accepted) == s["accepted_groups_consumed"] + s["buffered_groups"]
+
+
+@pytest.mark.slow
+def test_self_distillation_then_climb_from_the_distilled_model(first_run, tmp_path):
+    """Store -> chat JSONL -> hcjax.sft from the base -> loadable as a climb's base."""
+    out, _ = first_run
+    sd = tmp_path / "sd.jsonl"
+    written = store_main([str(out), str(sd), "--all", "--min_step_fraction", "0"])
+    lines = [json.loads(x) for x in sd.read_text().splitlines()]
+    assert lines and written == len(lines)
+    assert all([m["role"] for m in x["messages"]] == ["user", "assistant"] for x in lines)
+    sft_dir = tmp_path / "distilled"
+    model = [p for p in TINY if p.startswith(("ModelConfig", "DataConfig"))]
+    args = [sys.executable, "-m", "hcjax.sft", "--output_dir", str(sft_dir)]
+    for p in [*model, 'DataConfig.source = "chat_jsonl"', f'DataConfig.path = "{sd}"',
+              f'SFTConfig.init_checkpoint = "{out / "base"}"', "SFTConfig.num_steps = 2",
+              "SFTConfig.batch_size = 8", "run_sft.eval_problems = 0"]:
+        args += ["--gin_param", p]
+    proc = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The climb starts from the distilled run exactly as from a base (--base_checkpoint).
+    cfg = ModelConfig(**TINY_MODEL)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, expert=1, num_devices=1))
+    model, params = _load_base_params(str(sft_dir), cfg, mesh)
+    base_model, base_params = _load_base_params(str(out / "base"), cfg, mesh)
+    diff = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(base_params), strict=True)]
+    assert max(diff) > 0  # two SFT steps moved the weights away from the base's
