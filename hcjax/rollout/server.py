@@ -386,11 +386,6 @@ class RolloutServer:
         job: _Job | None = None
         while not self._stop.is_set():
             step_start = time.monotonic()
-            with self._weights_lock:
-                if self._pending_weights is not None:
-                    self._params, self._version = self._pending_weights
-                    self._pending_weights = None
-                params, version = self._params, self._version
             while True:  # slots the result thread has released
                 try:
                     slot, deactivate = self._freed.get_nowait()
@@ -418,6 +413,13 @@ class RolloutServer:
             self._occupied = len(owners)
             if not owners:
                 continue
+            # Swap weights right before the step (not at the top of the loop), so a request that
+            # was inserted while this thread waited idle is generated with the newest weights.
+            with self._weights_lock:
+                if self._pending_weights is not None:
+                    self._params, self._version = self._pending_weights
+                    self._pending_weights = None
+                params, version = self._params, self._version
             state, result = eng.generate(params, state, version=version)
             self._steps += 1
             self._put_result((result, dict(owners)))
