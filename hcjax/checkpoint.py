@@ -141,7 +141,14 @@ class Checkpointer:
     def restore_subtree(self, step: int, key: str, target: Any) -> Any:
         """Only `state[key]` of a checkpoint (e.g. the params of another run, whose optimiser
         state may differ), placed like `target`."""
-        restored = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore()))
+        # Onto one local device: the checkpoint may come from another device topology (e.g. the
+        # climb's base, pre-trained in a process with more devices than this one has).
+        meta = self._mngr.item_metadata(step)["state"]
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        on_one = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=here), meta)
+        restored = self._mngr.restore(
+            step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=on_one))
+        )
         sub = restored["state"].get(key)
         if sub is None:
             raise ValueError(f"checkpoint {self.directory!r} step {step} has no {key!r} entry")

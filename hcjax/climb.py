@@ -190,66 +190,17 @@ class LearnerAdapter:
 
 
 def _load_base_params(base_dir: str, model_cfg, mesh):
-    """The model with the params of the latest checkpoint of an hcjax.sft run, on `mesh`.
-
-    Orbax hands back list indices (nnx.List of blocks) as string keys, so digit keys are turned
-    back into ints before the params are put into the model's state.
-    """
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
+    """The model with the params of the latest checkpoint of an hcjax.sft run, on `mesh`."""
     from flax import nnx
 
-    from hcjax.checkpoint import CheckpointConfig, Checkpointer
+    from hcjax.distill.sft import load_params
     from hcjax.model import create_sharded
 
-    ckpt_dir = os.path.join(base_dir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        ckpt_dir = base_dir
-    if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"base checkpoint {base_dir!r} does not exist")
     model = create_sharded(model_cfg, mesh)
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    # Shapes are checked leaf by leaf below; implementation switches (moe_impl, ...) may differ.
-    ck = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), {})
-    try:
-        step = ck.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt_dir!r}")
-    finally:
-        ck.close()
-    mngr = ocp.CheckpointManager(ckpt_dir, item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-    try:
-        # Onto one local device: the base may have been saved on another device topology (e.g.
-        # by a process with more devices than this learner process has).
-        meta = mngr.item_metadata(step)["state"]
-        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        on_one = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=here), meta)
-        raw = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(restore_args=on_one)))
-    finally:
-        mngr.close()
-
-    def ints(tree):
-        if isinstance(tree, dict):
-            return {int(k) if isinstance(k, str) and k.isdigit() else k: ints(v)
-                    for k, v in tree.items()}
-        return tree
-
-    pure = ints(raw["state"]["params"])
-    target = nnx.to_pure_dict(params)
-    if jax.tree.structure(pure) != jax.tree.structure(target):
-        raise ValueError(f"base checkpoint {ckpt_dir!r} step {step}: its params do not match "
-                         "the configured ModelConfig")
-    for (path, x), t in zip(jax.tree_util.tree_flatten_with_path(pure)[0],
-                            jax.tree.leaves(target), strict=True):
-        if tuple(np.shape(x)) != tuple(t.shape):
-            raise ValueError(f"base checkpoint {ckpt_dir!r} step {step}: parameter "
-                             f"{jax.tree_util.keystr(path)} has shape {np.shape(x)}, the "
-                             f"configured ModelConfig gives {tuple(t.shape)}")
-    placed = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding),
-                          pure, target)
-    nnx.replace_by_pure_dict(params, placed)
+    # load_params checks the run's ModelConfig (implementation switches may differ) and places
+    # each leaf like the target.
+    nnx.replace_by_pure_dict(params, load_params(base_dir, model_cfg, nnx.to_pure_dict(params)))
     nnx.update(model, params)
     return model, params
 
