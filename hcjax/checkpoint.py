@@ -77,8 +77,16 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save,
             create=True,
         )
+        # Handlers registered up front: reading item metadata (restore_subtree) then needs no
+        # guessing, and Orbax does not warn about items it "could not restore".
         self._mngr = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data", "meta")
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def latest_step(self) -> int | None:
@@ -145,9 +153,11 @@ class Checkpointer:
         # climb's base, pre-trained in a process with more devices than this one has).
         meta = self._mngr.item_metadata(step)["state"]
         here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        on_one = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=here), meta)
+        on_one = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), meta
+        )
         restored = self._mngr.restore(
-            step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=on_one))
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(on_one))
         )
         sub = restored["state"].get(key)
         if sub is None:

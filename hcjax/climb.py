@@ -3,7 +3,8 @@
 With no arguments it pre-trains the tiny base (hcjax.sft) unless `--base_checkpoint` is given,
 then climbs: an in-process rollout server on the inference devices, the GRPO learner on disjoint
 learner devices, weights pushed through a transfer plan, all driven by hcjax.rl.controller. With
-`--inference_address` the rollouts go to remote `hcjax.serve` processes through the router.
+`--inference_address` the rollouts go to remote `python -m hcjax.climb --role inference`
+processes through the router, and weights move to them by a reshard plan (hcjax.rl.weight_sync).
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class ClimbConfig:
     inference_devices: int = 1
     max_concurrent_decodes: int = 64
     checkpoint_every: int = 10
+    sampler: str = "sequential"
+    priority_window: int = 64
+    priority_floor: float = 0.05
+    priority_rule: str = "learnability"
     profile_start: int = -1
     profile_stop: int = -1
     seed: int = 0
@@ -98,6 +103,15 @@ class ClimbConfig:
         if self.early_group > self.group:
             raise ValueError(f"ClimbConfig.early_group={self.early_group} exceeds "
                              f"group={self.group}")
+        if self.sampler not in ("sequential", "prioritized"):
+            raise ValueError(f"ClimbConfig.sampler={self.sampler!r} is not 'sequential' or "
+                             "'prioritized'")
+        if self.priority_rule not in ("kimi", "learnability"):
+            raise ValueError(f"ClimbConfig.priority_rule={self.priority_rule!r} is not 'kimi' "
+                             "or 'learnability'")
+        if self.priority_window < 1 or not 0.0 < self.priority_floor <= 1.0:
+            raise ValueError(f"ClimbConfig.priority_window={self.priority_window} must be >= 1 "
+                             f"and priority_floor={self.priority_floor} in (0, 1]")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"ClimbConfig.max_minutes={self.max_minutes} must be > 0 or None")
 
@@ -121,7 +135,37 @@ def arithmetic_task(index: int, suite, tok) -> Task:
 
     problem = suite.train_problem(index)
     return Task(problem.id, tuple(prompt_ids(problem.prompt, tok)), _grader(problem, tok),
-                {"prompt": problem.prompt, "answer": problem.answer, "index": index})
+                {"prompt": problem.prompt, "answer": problem.answer, "index": index,
+                 "category": arithmetic_category(problem)})
+
+
+def arithmetic_category(problem) -> str:
+    """A problem's sampling category: its kind and its operands' digit counts ("add:2x1")."""
+    from hcjax.data.tasks import operands
+
+    a, b = operands(problem)
+    return f"{problem.kind}:{len(a)}x{len(b)}"
+
+
+def arithmetic_source(suite, tok, cfg: ClimbConfig):
+    """The climb's problem source: training problems in index order ("sequential"), or drawn
+    per category with Kimi's prioritised rule ("prioritized", hcjax.rl.controller)."""
+    from hcjax.rl.controller import PrioritizedSource
+
+    if cfg.sampler == "sequential":
+        return SequentialSource(lambda i: arithmetic_task(i, suite, tok))
+    # The categories present in the training stream (a scan of its first problems).
+    categories = sorted({arithmetic_category(suite.train_problem(i)) for i in range(2000)})
+
+    def make(category: str, cursor: int) -> tuple[Task, int]:
+        for i in range(cursor, cursor + 100_000):
+            if arithmetic_category(suite.train_problem(i)) == category:
+                return arithmetic_task(i, suite, tok), i + 1
+        raise RuntimeError(f"no training problem of category {category!r} after index {cursor}")
+
+    return PrioritizedSource(categories, make, lambda task: task.meta["category"],
+                             window=cfg.priority_window, floor=cfg.priority_floor,
+                             rule=cfg.priority_rule, seed=cfg.seed)
 
 
 def _grader(problem, tok) -> Callable[[Sequence[int]], Grade]:
@@ -249,6 +293,7 @@ def run_climb(
     from hcjax.model import ModelConfig
     from hcjax.profiling import StepTracer
     from hcjax.rl.learner import Learner, LearnerConfig
+    from hcjax.rl.multihost import DistributedLearner
     from hcjax.sharding import MeshConfig, make_mesh
 
     t_start = time.perf_counter()
@@ -264,7 +309,16 @@ def run_climb(
     tok = ByteTokenizer()
     stops = stop_ids(tok)
 
-    devices = jax.devices()
+    processes = jax.process_count()
+    if processes > 1 and not inference_addresses:
+        raise ValueError(
+            f"a learner over {processes} processes needs remote inference (--inference_address): "
+            "the in-process engine cannot hold parameters that span every process")
+    if processes > 1 and base_checkpoint is None:
+        raise ValueError(
+            f"a learner over {processes} processes needs --base_checkpoint: pre-train the base "
+            "first with `python -m hcjax.sft` (every process would otherwise pre-train its own)")
+    devices = jax.devices()  # every process's devices: the learner mesh may span them all
     need = cfg.learner_devices + (0 if inference_addresses else cfg.inference_devices)
     if len(devices) < need:
         raise ValueError(
@@ -280,7 +334,16 @@ def run_climb(
     base_seconds = time.perf_counter() - t_base
     model, _ = _load_base_params(base_dir, model_cfg, learner_mesh)
     learner = Learner(model, learner_cfg, learner_mesh)
-    adapter = LearnerAdapter(learner)
+    # Several learner processes: process 0 sends every learner call (train, gather, save,
+    # restore) to the others, which run them in the same order (hcjax.rl.multihost). From here
+    # on, the leader touches the learner mesh only through `dist`.
+    dist = DistributedLearner(learner) if processes > 1 else None
+    adapter = LearnerAdapter(dist or learner)
+    ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"),
+                        CheckpointConfig(save_every=cfg.checkpoint_every, keep=2),
+                        {"model_config": jsonable(model_cfg)})
+    if dist is not None and not dist.is_leader:
+        return _follow(output_dir, dist, ckpt, t_start)
 
     # Inference side: in-process engine on disjoint devices, or remote replicas via the router.
     server = None
@@ -291,7 +354,9 @@ def run_climb(
 
         router = Router(list(inference_addresses), max_inflight_per_replica=256)
         client = _RouterClient(router)
-        publish_remote = _RemotePublisher(learner, inference_addresses)
+        publish_remote = _remote_publisher(
+            learner, inference_addresses, router.remove_replica,
+            params=dist.local_params if dist is not None else None)
     else:
         from hcjax.model import shard_state
         from hcjax.rollout import Engine, RolloutServer
@@ -320,10 +385,7 @@ def run_climb(
         tree = served.update(lambda: plan.execute(learner.state.params), version)
         server.update_weights(tree, version)
 
-    # Checkpoints, store, metrics.
-    ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"),
-                        CheckpointConfig(save_every=cfg.checkpoint_every, keep=2),
-                        {"model_config": jsonable(model_cfg)})
+    # Store, metrics.
     stats = WorkerStats()
     partials = PartialRegistry()
     sampling = SamplingConfig(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
@@ -332,7 +394,7 @@ def run_climb(
     rollout_worker = RolloutWorker(client, sampling, max_retries=cfg.max_retries, stats=stats,
                                    partials=partials)
     worker = ProblemWorker(rollout_worker, cfg.early_exit(), advantage=cfg.advantage, stats=stats)
-    source = SequentialSource(lambda i: arithmetic_task(i, suite, tok))
+    source = arithmetic_source(suite, tok, cfg)
     store = RolloutStore(os.path.join(output_dir, "rollouts"), decode=tok.decode)
     holder: dict[str, Controller] = {}
 
@@ -348,8 +410,11 @@ def run_climb(
     history: dict[str, Any] = {"eval": [], "wall_offset": 0.0, "base_pass_at_1": None}
     latest = ckpt.latest_step()
     if latest is not None:
-        state, data = ckpt.restore(latest, learner.state)
-        learner.state = state
+        if dist is not None:  # every learner process restores its shards
+            data = dist.restore(ckpt, latest)
+        else:
+            state, data = ckpt.restore(latest, learner.state)
+            learner.state = state
         pending = [g.to_group() for g in read_groups(
             store.path, accepted_only=True, start=int(data["controller"]["accepted_consumed"]))]
         controller.load_state_dict(data["controller"], pending)
@@ -391,7 +456,9 @@ def run_climb(
             return
         data = {"controller": controller.state_dict(), "partials": _serialize_partials(partials),
                 "history": dict(history, wall_offset=climb_wall())}
-        if ckpt.save(step, learner.state, data, force=force):
+        started = (dist.save(ckpt, step, data, force=force) if dist is not None
+                   else ckpt.save(step, learner.state, data, force=force))
+        if started:
             saved["step"] = step
 
     def on_step(report: StepReport) -> bool:
@@ -420,6 +487,11 @@ def run_climb(
             "full_dropped": stats.full_dropped,
             "failures": stats.failures,
         }
+        # The learner's own diagnostics (clip fractions, ratio statistics, support misses, LB).
+        for key in ("clip_low_frac", "clip_high_frac", "clip_outer_frac", "ratio_mean",
+                    "ratio_max", "support_miss_frac", "load_balance_loss", "policy_loss"):
+            if key in m:
+                record[key] = m[key]
         for age in report.staleness:
             history.setdefault("staleness_hist", {}).setdefault(str(age), 0)
             history["staleness_hist"][str(age)] += 1
@@ -461,7 +533,13 @@ def run_climb(
                                 "version": final_version})
         writer.write(controller.step, {"heldout_pass_at_1_final": final})
         save(controller.step, force=True)
+    except BaseException as err:
+        if dist is not None:  # the followers raise this instead of waiting for a command
+            dist.abort(f"{type(err).__name__}: {err}")
+        raise
     finally:
+        if dist is not None:  # before ckpt.close(): the followers close theirs after `stop`
+            dist.stop()
         tracer.close()
         writer.close()
         ckpt.close()
@@ -483,6 +561,7 @@ def run_climb(
         "resumed_from": resumed_from,
         "mode": ctl_cfg.mode,
         "placement": "multi_process" if inference_addresses else "single_process",
+        "learner_processes": processes,
         "rollouts": stats.rollouts,
         "stale_rollouts_dropped": controller.counters["stale_rollouts_dropped"],
         "accepted_groups_consumed": controller.accepted_consumed,
@@ -491,6 +570,8 @@ def run_climb(
                                       "logp_gap_mean"),
         "entropy_within_25pct": _entropy_within(os.path.join(output_dir, "metrics.jsonl"),
                                                 target),
+        "entropy_within_25pct_smoothed_10": _entropy_within(
+            os.path.join(output_dir, "metrics.jsonl"), target, smooth=10),
         "worker_stats": stats.as_dict(),
         "evals": history["eval"],
         "reached_gain_at_wall": history.get("reached_gain_at_wall"),
@@ -503,6 +584,20 @@ def run_climb(
     return ClimbResult(output_dir, summary)
 
 
+def _follow(output_dir: str, dist, ckpt, t_start: float) -> ClimbResult:
+    """A follower learner process (jax.process_index() > 0): run the leader's learner commands
+    (train, gather, save, restore) until it stops; see hcjax.rl.multihost."""
+    import jax
+
+    try:
+        steps = dist.follow(ckpt)
+    finally:
+        ckpt.close()
+    return ClimbResult(output_dir, {"role": "follower", "process_index": jax.process_index(),
+                                    "learner_steps": steps,
+                                    "wall_seconds": time.perf_counter() - t_start})
+
+
 def _mean_metric(path: str, key: str) -> float:
     from hcjax.metrics import read_metrics
 
@@ -510,11 +605,18 @@ def _mean_metric(path: str, key: str) -> float:
     return float(np.mean(ys)) if ys else float("nan")
 
 
-def _entropy_within(path: str, target: float, warmup_fraction: float = 0.25) -> float:
-    """Fraction of steps after warm-up (the first quarter) whose Ĥ is within ±25% of H*."""
+def _entropy_within(path: str, target: float, warmup_fraction: float = 0.25,
+                    smooth: int = 1) -> float:
+    """Fraction of steps after warm-up (the first quarter) whose Ĥ is within ±25% of H*; with
+    `smooth` > 1, Ĥ is first averaged over the last `smooth` steps (one step's estimate comes from
+    a few hundred tokens and is noisy by itself)."""
     from hcjax.metrics import read_metrics
 
     _, ys = _series(read_metrics(path), "entropy")
+    if smooth > 1 and ys:
+        csum = np.cumsum([0.0, *ys])
+        ys = [(csum[i + 1] - csum[max(0, i + 1 - smooth)]) / min(i + 1, smooth)
+              for i in range(len(ys))]
     warm = ys[int(len(ys) * warmup_fraction):]
     if not warm:
         return float("nan")
@@ -609,6 +711,8 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
         lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
     lines.append(f"| entropy within +-25% of H*={entropy_target} after warm-up (fraction of "
                  f"steps) | {within:.3g} |")
+    smoothed = summary.get("entropy_within_25pct_smoothed_10", float("nan"))
+    lines.append(f"| same, Ĥ averaged over 10 steps | {smoothed:.3g} |")
     lines.append(f"| mean train-inference log-prob gap | "
                  f"{(float(np.mean(gaps)) if gaps else float('nan')):.3g} |")
     lines += ["", "## Held-out pass@1", "", "| step | wall (s) | pass@1 |", "|---|---|---|"]
@@ -637,83 +741,25 @@ class _RouterClient:
         return self.router.generate(request, timeout=timeout)
 
 
-WEIGHTS_SERVICE = "hcjax.Weights"
+def _remote_publisher(learner, addresses: Sequence[str],
+                      on_dead: Callable[[str], None] | None = None,
+                      params: Callable[[], Any] | None = None):
+    """Learner side of the multi-process placement: `publish(version)` moves the learner's
+    current params to every inference process through a reshard plan (hcjax.rl.weight_sync); a
+    replica that fails is dropped (`on_dead`, e.g. the router's remove_replica).
 
+    params: the tree to publish (default: the learner's); a learner over several processes
+    passes DistributedLearner.local_params, its params gathered onto process 0's devices."""
+    from hcjax.rl.weight_sync import WeightPublisher
 
-def _flat_params(params) -> tuple[list[str], list]:
-    import jax
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    return [jax.tree_util.keystr(k) for k, _ in flat], [v for _, v in flat]
-
-
-class _RemotePublisher:
-    """Learner side of the multi-process placement: sends the learner's parameters to every
-    inference process as one `hcjax.Weights/Update` gRPC message (host numpy arrays in the
-    rollout wire format); each process places them on its own mesh and swaps atomically."""
-
-    def __init__(self, learner, addresses: Sequence[str], timeout: float = 120.0) -> None:
-        import grpc
-
-        self.learner, self.addresses, self.timeout = learner, list(addresses), timeout
-        opts = [("grpc.max_send_message_length", 1 << 30),
-                ("grpc.max_receive_message_length", 1 << 30)]
-        self._calls = [grpc.insecure_channel(a, options=opts).unary_unary(
-            f"/{WEIGHTS_SERVICE}/Update") for a in self.addresses]
-
-    def __call__(self, version: int) -> None:
-        import jax
-
-        from hcjax.rollout.wire import encode
-
-        paths, leaves = _flat_params(self.learner.state.params)
-        host = jax.device_get(leaves)
-        message = encode({"version": int(version), "paths": paths},
-                         {f"p{i}": np.asarray(x) for i, x in enumerate(host)})
-        failed = []
-        for address, call in zip(self.addresses, self._calls, strict=True):
-            try:
-                call(message, timeout=self.timeout)
-            except Exception as err:  # a dead replica: the router stops sending to it
-                failed.append(f"{address}: {err}")
-        if len(failed) == len(self.addresses):
-            raise RuntimeError(f"weights version {version} reached no replica: {failed}")
-
-
-def _weights_handler(server, params_template):
-    """gRPC handler of `hcjax.Weights/Update` for an inference process."""
-    import grpc
-    import jax
-
-    from hcjax.rollout.wire import decode
-
-    paths, leaves = _flat_params(params_template)
-    treedef = jax.tree.structure(params_template)
-
-    def update(data: bytes, context) -> bytes:
-        meta, arrays = decode(data)
-        if meta.get("paths") != paths:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "parameter paths differ from this server's model")
-        new = []
-        for i, t in enumerate(leaves):
-            x = arrays[f"p{i}"]
-            if x.shape != t.shape:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{paths[i]}: shape {x.shape} != {t.shape}")
-            new.append(jax.device_put(x.astype(t.dtype), t.sharding))
-        tree = jax.block_until_ready(jax.tree.unflatten(treedef, new))
-        server.update_weights(tree, int(meta["version"]))
-        return json.dumps({"version": int(meta["version"])}).encode()
-
-    return grpc.method_handlers_generic_handler(
-        WEIGHTS_SERVICE, {"Update": grpc.unary_unary_rpc_method_handler(update)})
+    return WeightPublisher(params or (lambda: learner.state.params), addresses, on_dead=on_dead)
 
 
 def serve_inference(host: str, port: int, ready: Callable[[int], None] | None = None,
                     stop: Any = None) -> None:
     """The inference process of the multi-process placement: the gin-configured model on every
-    local device, a RolloutServer, and gRPC services Rollout (generate) and Weights (update).
+    local device, a RolloutServer, and gRPC services Rollout (generate) and Weights (the plan
+    transfer's control channel, hcjax.rl.weight_sync).
     Serves until `stop` (a threading.Event) is set or SIGTERM/SIGINT."""
     import signal
     import threading
@@ -722,6 +768,7 @@ def serve_inference(host: str, port: int, ready: Callable[[int], None] | None = 
     import grpc
 
     from hcjax.model import ModelConfig, create_sharded
+    from hcjax.rl.weight_sync import weights_service
     from hcjax.rollout import Engine, GenerateRequest, RolloutServer
     from hcjax.rollout.service import RolloutServicer
     from hcjax.sharding import MeshConfig, make_mesh
@@ -742,7 +789,7 @@ def serve_inference(host: str, port: int, ready: Callable[[int], None] | None = 
         options=[("grpc.max_send_message_length", 1 << 30),
                  ("grpc.max_receive_message_length", 1 << 30)])
     grpc_server.add_generic_rpc_handlers(
-        (RolloutServicer(server).handler(), _weights_handler(server, engine.load_params())))
+        (RolloutServicer(server).handler(), weights_service(server, engine.load_params(), host)))
     bound = grpc_server.add_insecure_port(f"{host}:{port}")
     grpc_server.start()
     stop = stop or threading.Event()
@@ -782,15 +829,19 @@ def main(argv: Sequence[str] | None = None) -> ClimbResult | None:
                                default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
     config.bind(flags.gin_files, flags.gin_params)
     args = flags.extra
+    leader = True
     if args.coordinator_address:
         import jax
 
+        if args.role == "inference":
+            raise ValueError(
+                f"--coordinator_address={args.coordinator_address} is for the learner processes "
+                "(--role climb); an inference process serves on its own, without it")
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-        if args.role == "climb" and jax.process_count() > 1:
-            raise NotImplementedError(
-                f"a learner spread over {jax.process_count()} processes needs every learner "
-                "process to receive the controller's batches; this climb drives one learner "
-                "process (use more devices per host, or more inference processes)")
+        # A learner over several processes (hcjax.rl.multihost): every process runs run_climb and
+        # builds the learner on the mesh over all of them; process 0 then drives the climb and
+        # the others follow its learner commands until it stops.
+        leader = jax.process_index() == 0
     if args.role == "inference":
         if flags.output_dir:
             config.write_config(flags.output_dir, flags)
@@ -801,10 +852,14 @@ def main(argv: Sequence[str] | None = None) -> ClimbResult | None:
         serve_inference(args.host, args.port, ready)
         return None
     output_dir = flags.output_dir or os.path.join("runs", "climb")
-    config.write_config(output_dir, flags)
+    if leader:
+        config.write_config(output_dir, flags)
     result = run_climb(output_dir, base_checkpoint=args.base_checkpoint,
                        inference_addresses=args.inference_address, mode=args.mode,
-                       progress=not args.quiet)
+                       progress=not args.quiet and leader)
+    if not leader:  # a follower learner process: its summary is its role and steps
+        print(json.dumps({"event": "follower_done", **result.summary}), flush=True)
+        return result
     config.write_operative_config(output_dir)
     s = result.summary
     print(json.dumps({k: s[k] for k in ("base_pass_at_1", "final_pass_at_1", "improvement",

@@ -145,6 +145,7 @@ _CONFIGURABLE_MODULES = [
     "hcjax.checkpoint",
     "hcjax.profiling",
     "hcjax.rl.controller",
+    "hcjax.rl.multihost",
     "hcjax.climb",
 ]
 

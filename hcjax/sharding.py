@@ -169,3 +169,24 @@ def named_sharding(
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding for [batch, ...] arrays: batch over (data, fsdp), the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def replicated_scalar(value, mesh: Mesh) -> jax.Array:
+    """A scalar on every device of `mesh`, each process writing its own devices' copies: no
+    collective, and right when the mesh spans several processes (where `jax.device_put` of a
+    committed one-device array onto the mesh builds a malformed global array in jax 0.10)."""
+    return jax.make_array_from_callback(
+        (), NamedSharding(mesh, PartitionSpec()), lambda _: np.asarray(value))
+
+
+def optimizer_state_on_mesh(tx, params, mesh: Mesh):
+    """`tx.init(params)` born on the mesh: moments sharded like their parameters, every other
+    leaf (counts, schedules) replicated. Left to itself, jit puts outputs that never read their
+    inputs' values (zero moments, counts) on one default device."""
+    import optax
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = optax.tree_map_params(
+        tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
+        transform_non_params=lambda _: replicated)
+    return jax.jit(tx.init, out_shardings=shardings)(params)

@@ -85,3 +85,17 @@ def test_cli_config_error_is_one_clear_line():
     )
     assert proc.returncode != 0
     assert "ModelConfig.bogus" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_gin_configurable_module_is_registered_for_binding():
+    """A module with @gin.configurable missing from _CONFIGURABLE_MODULES would be imported only
+    after the config is locked, and gin then refuses to register it at run time."""
+    root = Path(hcfg.__file__).resolve().parent
+    found = set()
+    for path in root.rglob("*.py"):
+        if "gin.configurable" in path.read_text(encoding="utf-8") and path.name != "config.py":
+            rel = path.relative_to(root.parent).with_suffix("")
+            found.add(".".join(rel.parts).removesuffix(".__init__"))
+    assert found, "no gin-configurable module found under hcjax/"
+    missing = sorted(found - set(hcfg._CONFIGURABLE_MODULES))
+    assert not missing, f"add {missing} to hcjax.config._CONFIGURABLE_MODULES"

@@ -11,6 +11,7 @@ import pytest
 from hcjax.rl.controller import (
     Controller,
     ControllerConfig,
+    PrioritizedSource,
     SequentialSource,
     oldest_version,
     staleness,
@@ -28,6 +29,7 @@ from hcjax.rl.store import (
 )
 from hcjax.rl.workers import (
     Grade,
+    GroupResult,
     PartialRegistry,
     ProblemWorker,
     RolloutWorker,
@@ -463,3 +465,64 @@ def test_multi_turn_infrastructure_failure_is_aborted_not_failed():
     assert r.aborted and r.reward is None and stats.failures == 0
     with pytest.raises(ValueError, match="no tokenizer"):
         Task("x", (1,), grade, tools=lambda call: None)
+
+
+def test_prioritized_source_draws_categories_by_one_minus_success():
+    made = []
+
+    def make(category, cursor):
+        made.append((category, cursor))
+        return Task(f"{category}-{cursor}", (1,), grade, {"category": category}), cursor + 1
+
+    src = PrioritizedSource(["easy", "mid", "hard"], make, lambda t: t.meta["category"],
+                            window=4, floor=0.1, seed=3)
+    # Unseen categories have rate 0: uniform at first.
+    assert src.probabilities() == pytest.approx({"easy": 1 / 3, "mid": 1 / 3, "hard": 1 / 3})
+
+    def finish(category, rate):
+        src.update(GroupResult(Task(f"{category}-x", (1,), grade, {"category": category}), [],
+                               kept=False, pass_rate=rate, stage="early"))
+
+    for _ in range(6):  # the window keeps the last 4 only
+        finish("easy", 1.0)
+    finish("mid", 0.25)
+    finish("mid", 0.75)
+    finish("hard", 0.0)
+    # Weights max(1 - s, floor): easy 0.1 (solved, floored), mid 0.5, hard 1.0.
+    assert src.probabilities() == pytest.approx({"easy": 0.1 / 1.6, "mid": 0.5 / 1.6,
+                                                 "hard": 1.0 / 1.6})
+    drawn = [src.next_task().meta["category"] for _ in range(3200)]
+    for c, p in src.probabilities().items():
+        assert drawn.count(c) / len(drawn) == pytest.approx(p, abs=0.03)
+    # Each category walks its own cursor: no problem is drawn twice.
+    assert len(set(made)) == len(made)
+    # State round trip: the copy draws exactly the same next problems.
+    state = json.loads(json.dumps(src.state_dict()))
+    copy = PrioritizedSource(["easy", "mid", "hard"], make, lambda t: t.meta["category"],
+                             window=4, floor=0.1, seed=99)
+    copy.load_state_dict(state)
+    assert [copy.next_task().id for _ in range(20)] == [src.next_task().id for _ in range(20)]
+    with pytest.raises(ValueError, match="unknown category 'other'"):
+        finish("other", 0.5)
+    with pytest.raises(ValueError, match="differ from this run"):
+        PrioritizedSource(["easy"], make, lambda t: t.meta["category"]).load_state_dict(state)
+    with pytest.raises(ValueError, match="floor=0"):
+        PrioritizedSource(["a"], make, lambda t: "a", floor=0.0)
+
+
+def test_learnability_rule_prefers_categories_with_mixed_results():
+    def make(category, cursor):
+        return Task(f"{category}-{cursor}", (1,), grade, {"category": category}), cursor + 1
+
+    src = PrioritizedSource(["solved", "half", "hopeless", "new"], make,
+                            lambda t: t.meta["category"], floor=0.01, rule="learnability")
+    for category, rate in (("solved", 1.0), ("half", 0.5), ("hopeless", 0.0)):
+        src.update(GroupResult(Task("x", (1,), grade, {"category": category}), [], kept=False,
+                               pass_rate=rate, stage="early"))
+    # w = s(1 - s): 0.25 for a coin flip and for an unseen category, the floor for 0 and 1.
+    total = 0.01 + 0.25 + 0.01 + 0.25
+    assert src.probabilities() == pytest.approx(
+        {"solved": 0.01 / total, "half": 0.25 / total, "hopeless": 0.01 / total,
+         "new": 0.25 / total})
+    with pytest.raises(ValueError, match="rule='greedy'"):
+        PrioritizedSource(["a"], make, lambda t: "a", rule="greedy")

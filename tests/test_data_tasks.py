@@ -39,6 +39,26 @@ def test_heldout_disjoint_from_train():
     assert len(train) > 500  # plenty of distinct training problems remain
 
 
+def test_heldout_min_digits_keeps_the_fact_table_in_training():
+    plain = ArithmeticSuite(kinds=("add", "sub"), min_digits=1, max_digits=2, num_heldout=200)
+    multi = ArithmeticSuite(kinds=("add", "sub"), min_digits=1, max_digits=2, num_heldout=200,
+                            heldout_min_digits=2)
+    # Without it, a third of the ~155 single-digit facts never reach training.
+    facts = {p.prompt for p in plain.heldout() if p.difficulty == 1}
+    assert len(facts) > 40
+    held = multi.heldout()
+    assert len(held) == 200 and all(p.difficulty == 2 for p in held)
+    assert held == multi.heldout()  # deterministic
+    train = {p.prompt for p in (multi.train_problem(i) for i in range(4000))}
+    assert not {p.prompt for p in held} & train
+    # Every single-digit fact of the held-out-free stream appears in training.
+    singles = {p.prompt for p in (multi.train_problem(i) for i in range(4000))
+               if p.difficulty == 1}
+    assert len(singles) == 100 + 55  # a+b for a, b in 0..9; a-b for a >= b
+    with pytest.raises(ValueError, match="heldout_min_digits=3"):
+        ArithmeticSuite(min_digits=1, max_digits=2, heldout_min_digits=3)
+
+
 def test_difficulty_knob():
     easy = ArithmeticSuite(min_digits=1, max_digits=1, kinds=("add",))
     hard = ArithmeticSuite(min_digits=5, max_digits=5, kinds=("add",))

@@ -56,6 +56,10 @@ class ArithmeticSuite:
     scratchpad that lets small models carry left to right; "none" leaves <think> empty.
     The held-out split is problems 0..num_heldout-1 of the held-out stream (fixed by `seed`);
     the training stream never yields a problem that is in the held-out set.
+    `heldout_min_digits` draws the held-out split only from problems whose first operand has at
+    least that many digits (None: from the training distribution). Single-digit problems form a
+    fact table of ~150 entries: holding some out removes those facts from training altogether, so
+    held-out accuracy on them measures facts the model was never shown, not arithmetic.
     """
 
     kinds: Sequence[str] = ("add", "sub", "mul")
@@ -64,6 +68,7 @@ class ArithmeticSuite:
     seed: int = 0
     num_heldout: int = 200
     thought: str = "reversed"
+    heldout_min_digits: int | None = None
 
     def __post_init__(self) -> None:
         bad = [k for k in self.kinds if k not in KINDS]
@@ -76,6 +81,11 @@ class ArithmeticSuite:
             )
         if self.thought not in ("reversed", "none"):
             raise ValueError(f"thought={self.thought!r} is not 'reversed' or 'none'")
+        if self.heldout_min_digits is not None and not (
+                self.min_digits <= self.heldout_min_digits <= self.max_digits):
+            raise ValueError(
+                f"heldout_min_digits={self.heldout_min_digits} must be within min_digits="
+                f"{self.min_digits} .. max_digits={self.max_digits}")
         if self.num_heldout < 0:
             raise ValueError(f"num_heldout={self.num_heldout} must be >= 0")
         object.__setattr__(self, "kinds", tuple(self.kinds))
@@ -110,7 +120,7 @@ class ArithmeticSuite:
     def _heldout_keys(self) -> frozenset[tuple[str, int, int]]:
         keys = self.__dict__.get("_hk")
         if keys is None:
-            keys = frozenset((p.kind, *map(int, _operands(p))) for p in self.heldout())
+            keys = frozenset((p.kind, *map(int, operands(p))) for p in self.heldout())
             object.__setattr__(self, "_hk", keys)
         return keys
 
@@ -120,6 +130,8 @@ class ArithmeticSuite:
         for i in range(self.num_heldout):
             rng = np.random.default_rng([self.seed, _SPLIT_CODES["heldout"], i])
             kind, a, b, d = self._draw(rng)
+            while self.heldout_min_digits is not None and d < self.heldout_min_digits:
+                kind, a, b, d = self._draw(rng)  # same stream: deterministic per index
             out.append(self._make(kind, a, b, d, f"{kind}-heldout-{i}"))
         return out
 
@@ -139,7 +151,8 @@ class ArithmeticSuite:
         )
 
 
-def _operands(p: Problem) -> tuple[str, str]:
+def operands(p: Problem) -> tuple[str, str]:
+    """The two operand strings of an arithmetic problem's prompt ("56-3=" -> ("56", "3"))."""
     for op in "+-*%":
         if op in p.prompt:
             a, b = p.prompt.rstrip("=").split(op)

@@ -300,10 +300,12 @@ class SFTTrainer:
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(cfg)
         params = _to_pure(params)
+        # Born on the mesh (moments sharded like their params, scalars replicated): moving
+        # one-device arrays onto a mesh over several processes is not a supported transfer.
         state = {
             "params": params,
-            "opt": jax.jit(self.tx.init)(params),
-            "step": jnp.zeros((), jnp.int32),
+            "opt": shd.optimizer_state_on_mesh(self.tx, params, mesh),
+            "step": shd.replicated_scalar(np.int32(0), mesh),
         }
         # Pin every leaf's sharding (scalars replicated) and use the same shardings for the
         # step's inputs and outputs, so the second call does not recompile.

@@ -27,6 +27,7 @@ __all__ = [
     "Controller",
     "ControllerConfig",
     "Learner",
+    "PrioritizedSource",
     "SequentialSource",
     "StepReport",
     "TaskSource",
@@ -337,3 +338,87 @@ class SequentialSource:
 
     def mean_pass_rate(self) -> float:
         return float(np.mean(self.recent_pass_rates)) if self.recent_pass_rates else 0.0
+
+
+PRIORITY_RULES = ("kimi", "learnability")
+
+
+class PrioritizedSource:
+    """Prioritised sampling over problem *categories*, for task streams where every problem is
+    new (so per-problem success rates never exist).
+
+    Each draw picks a category with probability ∝ max(w(s_c), floor), where s_c is the mean pass
+    rate of the category's last `window` groups, then takes that category's next problem:
+    `make(category, cursor)` returns (task, next cursor). Rules:
+      "kimi"          w = 1 − s (RECIPE §5); unseen categories count as s = 0.
+      "learnability"  w = s·(1 − s), the variance of a rollout's reward: proportional to how
+                      much GRPO signal a group carries (none when every answer is right or every
+                      answer is wrong); unseen categories get the maximum, 1/4.
+    `floor` keeps solved (and unsolvable) categories sampled now and then, so a change is seen.
+    The state (cursors, recent rates, RNG) is checkpointed with the controller's.
+    """
+
+    def __init__(self, categories: Sequence[str], make: Callable[[str, int], tuple[Task, int]],
+                 category_of: Callable[[Task], str], *, window: int = 64, floor: float = 0.05,
+                 rule: str = "kimi", seed: int = 0) -> None:
+        if rule not in PRIORITY_RULES:
+            raise ValueError(f"rule={rule!r} is not one of {PRIORITY_RULES}")
+        self.rule = rule
+        if not categories:
+            raise ValueError("PrioritizedSource needs at least one category")
+        if len(set(categories)) != len(categories):
+            raise ValueError(f"categories={list(categories)} has duplicates")
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        if not 0.0 < floor <= 1.0:
+            raise ValueError(f"floor={floor} must be in (0, 1]")
+        self.categories = list(categories)
+        self.make, self.category_of = make, category_of
+        self.window, self.floor = window, floor
+        self.cursors = {c: 0 for c in self.categories}
+        self.rates: dict[str, collections.deque[float]] = {
+            c: collections.deque(maxlen=window) for c in self.categories}
+        self.rng = np.random.default_rng(seed)
+
+    def success_rate(self, category: str) -> float:
+        rates = self.rates[category]
+        return float(np.mean(rates)) if rates else 0.0
+
+    def weight(self, category: str) -> float:
+        if self.rule == "learnability":
+            if not self.rates[category]:
+                return 0.25
+            s = self.success_rate(category)
+            return max(s * (1.0 - s), self.floor)
+        return max(1.0 - self.success_rate(category), self.floor)
+
+    def probabilities(self) -> dict[str, float]:
+        w = np.array([self.weight(c) for c in self.categories])
+        return dict(zip(self.categories, (w / w.sum()).tolist(), strict=True))
+
+    def next_task(self) -> Task:
+        probs = self.probabilities()
+        category = self.categories[int(self.rng.choice(len(self.categories),
+                                                       p=list(probs.values())))]
+        task, self.cursors[category] = self.make(category, self.cursors[category])
+        return task
+
+    def update(self, group: GroupResult) -> None:
+        category = self.category_of(group.task)
+        if category not in self.rates:
+            raise ValueError(f"group {group.task.id!r} has unknown category {category!r}")
+        self.rates[category].append(group.pass_rate)
+
+    def state_dict(self) -> dict:
+        return {"cursors": dict(self.cursors),
+                "rates": {c: list(r) for c, r in self.rates.items()},
+                "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if set(state["cursors"]) != set(self.categories):
+            raise ValueError(f"checkpointed categories {sorted(state['cursors'])} differ from "
+                             f"this run's {sorted(self.categories)}")
+        self.cursors = {c: int(v) for c, v in state["cursors"].items()}
+        for c, r in state["rates"].items():
+            self.rates[c] = collections.deque(map(float, r), maxlen=self.window)
+        self.rng.bit_generator.state = state["rng"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from hcjax.model import Transformer, load_balance_loss, shard_state
 from hcjax.rl import batch as batch_lib
@@ -26,6 +26,7 @@ from hcjax.rl.batch import LearnerBatch
 from hcjax.rl.entropy import EntropyController, update_k
 from hcjax.rl.losses import LossConfig, combine_metrics
 from hcjax.rl.records import Rollout, support_mask_from_record
+from hcjax.sharding import optimizer_state_on_mesh, replicated_scalar
 
 __all__ = [
     "Learner",
@@ -243,18 +244,13 @@ class Learner:
         # arrays of the model passed in (callers keep using it, e.g. as the sampling policy).
         params = jax.tree.map(jnp.copy, shard_state(params, mesh))
         self.optimizer = make_optimizer(cfg)
-        replicated = NamedSharding(mesh, PartitionSpec())
-        mesh_devices = set(mesh.devices.flat)
-
-        def on_mesh(x):  # scalars born without inputs (e.g. Adam's count) land on device 0
-            return x if set(x.sharding.device_set) == mesh_devices else jax.device_put(x, replicated)
-
-        opt_state = jax.tree.map(on_mesh, jax.jit(self.optimizer.init)(params))
+        # Born on the mesh (moments sharded like their params): see optimizer_state_on_mesh.
+        opt_state = optimizer_state_on_mesh(self.optimizer, params, mesh)
         self.state = LearnerState(
             params=params,
             opt_state=opt_state,
-            entropy={"k": jax.device_put(jnp.float32(cfg.entropy.k), replicated)},
-            step=jax.device_put(jnp.int32(0), replicated),
+            entropy={"k": replicated_scalar(np.float32(cfg.entropy.k), mesh)},
+            step=replicated_scalar(np.int32(0), mesh),
         )
         self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
         mc = model.config

@@ -1,0 +1,454 @@
+"""Weights from the learner process to inference processes by a precomputed reshard plan
+(RECIPE §4): a small gRPC control channel (`hcjax.Weights`) steers PlanSender / PlanReceiver pulls
+over `jax.experimental.transfer`; no message ever holds the parameters themselves.
+
+Protocol, per inference process (replica k, transfer process index k + 1; the learner is 0):
+  Handshake  learner -> replica: its parameter layout (paths, shapes, dtypes, mesh, specs), its
+             transfer-server address, k + 1 and the chunk size; the replica checks the layouts
+             agree, builds the plan and its PlanReceiver, and answers with its own layout, its
+             transfer-server address, its bytes per version and the plan's fingerprint.
+  Pull       "pull version v": the replica pulls its entries while the learner serves them,
+             installs the tree atomically and answers with the bytes it received.
+  Status     (debug) versions served, bytes per version and optionally a digest per leaf.
+
+Both sides build the same plan from the two layouts. Processes run separate JAX runtimes, so the
+plan's device ids are each side's own ids: the other side's mesh is stood in for by local devices
+with the same ids (every process needs at least as many devices as the other side's mesh uses).
+This module sees pytrees of arrays and shardings, never a model.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hcjax.transfer import (
+    JaxTransferBackend,
+    PlanReceiver,
+    PlanSender,
+    TransferPlan,
+    VersionedWeights,
+    assign_processes,
+    make_plan,
+)
+from hcjax.transfer.plan import path_str
+
+__all__ = [
+    "WEIGHTS_SERVICE",
+    "WeightPublisher",
+    "WeightsServicer",
+    "build_plan",
+    "check_same_parameters",
+    "describe_layout",
+    "param_digests",
+    "weights_service",
+    "weights_status",
+]
+
+WEIGHTS_SERVICE = "hcjax.Weights"
+LEARNER_PROCESS = 0
+_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+log = logging.getLogger(__name__)
+
+
+# Layouts: what each side tells the other about its parameters -----------------------------------
+
+
+def _flat(tree: Any) -> list[tuple[str, Any]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(path_str(k), v) for k, v in flat]
+
+
+def _spec_to_json(spec: PartitionSpec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _spec_from_json(spec: list) -> PartitionSpec:
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in spec])
+
+
+def describe_layout(tree: Any) -> dict:
+    """A JSON-able layout of a parameter tree: its mesh (device ids, shape, axis names) and, per
+    leaf path, shape, dtype and PartitionSpec. Every leaf must be a NamedSharding on one mesh."""
+    meshes: dict[Any, Mesh] = {}
+    leaves = {}
+    for path, leaf in _flat(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding):
+            raise ValueError(f"parameter {path!r} has sharding {sharding!r}; weight sync needs a "
+                             "NamedSharding on the process's mesh for every parameter")
+        meshes[id(sharding.mesh)] = sharding.mesh
+        leaves[path] = {"shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name,
+                        "spec": _spec_to_json(sharding.spec)}
+    distinct = {(m.axis_names, tuple(d.id for d in m.devices.flat), m.devices.shape)
+                for m in meshes.values()}
+    if len(distinct) != 1:
+        raise ValueError(f"weight sync needs every parameter on one mesh; found {len(distinct)} "
+                         f"meshes: {sorted(map(str, distinct))}")
+    names, ids, shape = distinct.pop()
+    return {"mesh": {"axis_names": list(names), "device_ids": list(ids), "shape": list(shape)},
+            "leaves": leaves}
+
+
+def _fmt_leaf(leaf: dict) -> str:
+    return f"{leaf['dtype']}{leaf['shape']}"
+
+
+def check_same_parameters(learner: dict, inference: dict) -> None:
+    """Raise ValueError listing every parameter whose path, shape or dtype differs between the
+    learner's and an inference process's layouts (both from `describe_layout`)."""
+    ours, theirs = learner["leaves"], inference["leaves"]
+    problems = []
+    only_learner = sorted(set(ours) - set(theirs))
+    only_inference = sorted(set(theirs) - set(ours))
+    if only_learner:
+        problems.append(f"only on the learner: {only_learner}")
+    if only_inference:
+        problems.append(f"only on the inference process: {only_inference}")
+    for path in sorted(set(ours) & set(theirs)):
+        a, b = ours[path], theirs[path]
+        if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
+            problems.append(f"{path}: learner {_fmt_leaf(a)} vs inference {_fmt_leaf(b)}")
+    if problems:
+        raise ValueError("learner and inference parameters differ (same gin model config on "
+                         "every process?): " + "; ".join(problems))
+
+
+def _local_mesh(mesh: dict, side: str) -> Mesh:
+    """The mesh of `side`'s layout on this process's devices with the same ids."""
+    local = {d.id: d for d in jax.local_devices()}
+    missing = [i for i in mesh["device_ids"] if i not in local]
+    if missing:
+        raise ValueError(
+            f"the {side} mesh uses device ids {mesh['device_ids']} but this process has devices "
+            f"{sorted(local)} (missing {missing}); give every process at least "
+            f"{max(mesh['device_ids']) + 1} devices (on CPU: "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    devices = np.array([local[i] for i in mesh["device_ids"]]).reshape(mesh["shape"])
+    return Mesh(devices, tuple(mesh["axis_names"]))
+
+
+def _abstract(layout: dict, side: str) -> dict[str, jax.ShapeDtypeStruct]:
+    mesh = _local_mesh(layout["mesh"], side)
+    return {path: jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]),
+                                       sharding=NamedSharding(mesh, _spec_from_json(leaf["spec"])))
+            for path, leaf in layout["leaves"].items()}
+
+
+def build_plan(learner: dict, inference: dict) -> TransferPlan:
+    """The plan learner layout -> inference layout, identical in every process that builds it
+    from the same two layouts; learner entries are process 0, inference entries process 1
+    (relabelled per replica with `assign_processes`)."""
+    check_same_parameters(learner, inference)
+    plan = make_plan(_abstract(learner, "learner"), _abstract(inference, "inference"))
+    return plan.with_processes(LEARNER_PROCESS, 1)
+
+
+def plan_fingerprint(plan: TransferPlan) -> str:
+    return hashlib.sha256("\n".join(map(str, plan.entries)).encode()).hexdigest()[:16]
+
+
+def param_digests(tree: Any) -> dict[str, str]:
+    """Per leaf path, a sha256 of dtype, shape and bytes (gathers every leaf to the host: for
+    checks and debugging only)."""
+    out = {}
+    for path, leaf in _flat(tree):
+        x = np.asarray(jax.device_get(leaf))
+        h = hashlib.sha256(f"{x.dtype.name}{list(x.shape)}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+        out[path] = h.hexdigest()
+    return out
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0]
+
+
+def _reachable(address: str, fallback_host: str) -> str:
+    """A transfer-server address that a peer can dial: a wildcard bind gets `fallback_host`."""
+    host, port = address.rsplit(":", 1)
+    return f"{fallback_host}:{port}" if host in _WILDCARD_HOSTS else address
+
+
+def _peer_host(peer: str) -> str:
+    """The host of a gRPC peer string ('ipv4:10.0.0.5:4242', 'ipv6:[::1]:4242')."""
+    return _host(peer.split(":", 1)[1]) if peer.startswith(("ipv4:", "ipv6:")) else "127.0.0.1"
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> cf.Future:
+    """Run fn(*args) in a daemon thread, so that a call stuck on a failed peer does not keep the
+    process from exiting (executor threads are joined at exit)."""
+    fut: cf.Future = cf.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on fut
+            fut.set_exception(err)
+
+    threading.Thread(target=run, daemon=True, name=f"weight-sync-{fn.__name__}").start()
+    return fut
+
+
+def _why(err: BaseException) -> str:
+    """One line for a failure; a gRPC error by its status code and details."""
+    code, details = getattr(err, "code", None), getattr(err, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return f"{type(err).__name__}: {err}"
+
+
+def _rpc(channel, method: str, timeout: float) -> Callable[[dict], dict]:
+    call = channel.unary_unary(f"/{WEIGHTS_SERVICE}/{method}")
+
+    def invoke(request: dict) -> dict:
+        return json.loads(call(json.dumps(request).encode(), timeout=timeout))
+
+    return invoke
+
+
+# Learner side ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Replica:
+    address: str
+    process: int
+    channel: Any
+    pull: Callable[[dict], dict]
+    sender: PlanSender
+    expected_bytes: int
+
+
+class WeightPublisher:
+    """Learner side: `publisher(version)` moves the current params to every live replica.
+
+    params: returns the learner's current parameter tree (its layout never changes).
+    on_dead(address): called once for a replica that fails (e.g. the router's remove_replica);
+    it gets no further versions. A layout mismatch is a configuration error and raises.
+    """
+
+    def __init__(
+        self,
+        params: Callable[[], Any],
+        addresses: Sequence[str],
+        *,
+        on_dead: Callable[[str], None] | None = None,
+        timeout: float = 120.0,
+        max_bytes_per_pull: int = 16 << 20,
+        transfer_address: str | None = None,
+    ) -> None:
+        import grpc
+
+        if not addresses:
+            raise ValueError("addresses=[]: weight sync needs at least one inference process")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be positive")
+        self.params, self.on_dead, self.timeout = params, on_dead, timeout
+        self.max_bytes_per_pull = max_bytes_per_pull
+        self.layout = describe_layout(params())
+        if transfer_address is None:
+            loopback = all(_host(a) in _LOOPBACK_HOSTS for a in addresses)
+            transfer_address = "127.0.0.1:0" if loopback else "0.0.0.0:0"
+        self.backend = JaxTransferBackend(transfer_address)
+        self.plans: dict[str, TransferPlan] = {}  # by inference layout: identical replicas share
+        self.replicas: list[_Replica] = []
+        self.dead: dict[str, str] = {}  # address -> why
+        self.history: list[dict] = []
+        for k, address in enumerate(addresses):
+            channel = grpc.insecure_channel(address)
+            try:
+                self.replicas.append(self._handshake(address, k + 1, channel))
+            except grpc.RpcError as err:
+                channel.close()
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(f"inference process {address}: {err.details()}") from err
+                self._mark_dead(address, f"handshake failed: {_why(err)}")
+        if not self.replicas:
+            raise RuntimeError(f"no inference process answered the weights handshake: {self.dead}")
+
+    def _handshake(self, address: str, process: int, channel) -> _Replica:
+        request = {"layout": self.layout, "process_index": process,
+                   "transfer_address": self.backend.address,
+                   "max_bytes_per_pull": self.max_bytes_per_pull}
+        reply = _rpc(channel, "Handshake", self.timeout)(request)
+        check_same_parameters(self.layout, reply["layout"])
+        key = json.dumps(reply["layout"], sort_keys=True)
+        if key not in self.plans:
+            self.plans[key] = build_plan(self.layout, reply["layout"])
+        plan = self.plans[key]
+        if reply["plan_fingerprint"] != plan_fingerprint(plan):
+            raise ValueError(f"inference process {address} built a different transfer plan "
+                             f"({reply['plan_fingerprint']} != {plan_fingerprint(plan)})")
+        entries = assign_processes(plan.entries, LEARNER_PROCESS, process)
+        peer = _reachable(reply["transfer_address"], _host(address))
+        sender = PlanSender(plan, LEARNER_PROCESS, self.backend, {process: peer}, entries=entries,
+                            max_bytes_per_pull=self.max_bytes_per_pull)
+        expected = sum(e.nbytes for e in entries)
+        if reply["expected_bytes"] != expected:
+            raise ValueError(f"inference process {address} expects {reply['expected_bytes']} B "
+                             f"per version, the learner's plan sends it {expected} B")
+        return _Replica(address, process, channel, _rpc(channel, "Pull", self.timeout), sender,
+                        expected)
+
+    @property
+    def live(self) -> list[str]:
+        return [r.address for r in self.replicas]
+
+    def _mark_dead(self, address: str, why: str) -> None:
+        self.dead[address] = why
+        log.warning("inference process %s dropped from weight sync: %s", address, why)
+        if self.on_dead is not None:
+            self.on_dead(address)
+
+    def __call__(self, version: int) -> None:
+        """Serve `version` to every live replica while each pulls it; returns once every replica
+        installed it or was dropped. Raises RuntimeError if none installed it."""
+        if not self.replicas:
+            raise RuntimeError(f"weights version {version} reached no replica: every one failed "
+                               f"before: {self.dead}")
+        t0 = time.perf_counter()
+        params = self.params()
+        inflight = [(r, _in_daemon_thread(r.sender.send, params, version),
+                     _in_daemon_thread(r.pull, {"version": int(version)})) for r in self.replicas]
+        deadline = time.monotonic() + self.timeout
+        failed: dict[str, str] = {}
+        for replica, sent, pulled in inflight:
+            done, _ = cf.wait([sent, pulled], timeout=max(0.0, deadline - time.monotonic()),
+                              return_when=cf.FIRST_EXCEPTION)
+            errors = [f.exception() for f in done if f.exception() is not None]
+            if errors:
+                failed[replica.address] = _why(errors[0])
+            elif len(done) < 2:
+                failed[replica.address] = f"timed out after {self.timeout} s"
+            elif (got := pulled.result())["bytes"] != replica.expected_bytes:
+                failed[replica.address] = (f"received {got['bytes']} B, the plan sends "
+                                           f"{replica.expected_bytes} B")
+        for replica in [r for r in self.replicas if r.address in failed]:
+            self.replicas.remove(replica)
+            replica.channel.close()
+            self._mark_dead(replica.address, f"version {version}: {failed[replica.address]}")
+        if len(failed) == len(inflight):
+            raise RuntimeError(f"weights version {version} reached no replica: {failed}")
+        self.history.append({"version": int(version), "seconds": time.perf_counter() - t0,
+                             "bytes": sum(r.expected_bytes for r in self.replicas),
+                             "replicas": len(self.replicas)})
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.channel.close()
+
+
+# Inference side ----------------------------------------------------------------------------------
+
+
+class WeightsServicer:
+    """Inference side of `hcjax.Weights`: the replica's PlanReceiver and its served versions.
+
+    server: anything with `update_weights(tree, version)` (a RolloutServer).
+    params_template: the served parameter tree; new versions arrive in its layout.
+    host: where this process's transfer server binds (the learner dials it).
+    """
+
+    def __init__(self, server: Any, params_template: Any, host: str = "127.0.0.1") -> None:
+        self.server, self.host = server, host
+        self.layout = describe_layout(params_template)
+        self.paths = [p for p, _ in _flat(params_template)]
+        self.treedef = jax.tree.structure(params_template)
+        self.backend: JaxTransferBackend | None = None
+        self.receiver: PlanReceiver | None = None
+        self.weights = VersionedWeights()
+        self.expected_bytes = 0
+        self.served: list[dict] = []
+        self._lock = threading.Lock()  # one handshake or pull at a time
+
+    def handshake(self, data: bytes, context) -> bytes:
+        import grpc
+
+        request = json.loads(data)
+        try:
+            plan = build_plan(request["layout"], self.layout)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        process = int(request["process_index"])
+        entries = assign_processes(plan.entries, LEARNER_PROCESS, process)
+        with self._lock:
+            if self.backend is None:
+                self.backend = JaxTransferBackend(f"{self.host}:0")
+            learner = _reachable(request["transfer_address"], _peer_host(context.peer()))
+            self.receiver = PlanReceiver(plan, process, self.backend, {LEARNER_PROCESS: learner},
+                                         entries=entries,
+                                         max_bytes_per_pull=int(request["max_bytes_per_pull"]))
+            self.expected_bytes = sum(e.nbytes for e in entries)
+            self.weights = VersionedWeights()  # a new learner session
+        return json.dumps({"layout": self.layout, "transfer_address": self.backend.address,
+                           "expected_bytes": self.expected_bytes,
+                           "plan_fingerprint": plan_fingerprint(plan)}).encode()
+
+    def pull(self, data: bytes, context) -> bytes:
+        import grpc
+
+        version = int(json.loads(data)["version"])
+        with self._lock:
+            receiver = self.receiver
+            if receiver is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"pull of version {version} before any Handshake")
+            received = {}
+
+            def build():
+                result = receiver.receive(version)
+                received["bytes"] = result.bytes_moved
+                tree = jax.tree.unflatten(self.treedef, [result.leaves[p] for p in self.paths])
+                self.server.update_weights(tree, version)
+                return tree
+
+            try:
+                self.weights.update(build, version)
+            except Exception as err:  # the previous version keeps serving
+                context.abort(grpc.StatusCode.INTERNAL, str(err))
+            self.served.append({"version": version, "bytes": received["bytes"]})
+        return json.dumps({"version": version, "bytes": received["bytes"]}).encode()
+
+    def status(self, data: bytes, context) -> bytes:
+        request = json.loads(data or b"{}")
+        version, tree = self.weights.current()
+        reply = {"version": version, "served": self.served, "expected_bytes": self.expected_bytes}
+        if request.get("digests") and tree is not None:
+            reply["digests"] = param_digests(tree)
+        return json.dumps(reply).encode()
+
+    def handler(self):
+        import grpc
+
+        return grpc.method_handlers_generic_handler(WEIGHTS_SERVICE, {
+            "Handshake": grpc.unary_unary_rpc_method_handler(self.handshake),
+            "Pull": grpc.unary_unary_rpc_method_handler(self.pull),
+            "Status": grpc.unary_unary_rpc_method_handler(self.status),
+        })
+
+
+def weights_service(server: Any, params_template: Any, host: str = "127.0.0.1"):
+    """The gRPC handler of `hcjax.Weights` for an inference process serving `server`."""
+    return WeightsServicer(server, params_template, host).handler()
+
+
+def weights_status(address: str, digests: bool = False, timeout: float = 60.0) -> dict:
+    """Call a replica's debug `Status` RPC (served versions, bytes, optional per-leaf digests)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return _rpc(channel, "Status", timeout)({"digests": digests})
