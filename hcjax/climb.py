@@ -40,7 +40,14 @@ from typing import Any  # noqa: E402
 import gin  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hcjax.rl.controller import Controller, ControllerConfig, SequentialSource, StepReport  # noqa: E402
+from hcjax.rl.controller import (  # noqa: E402
+    PRIORITY_RULES,
+    Controller,
+    ControllerConfig,
+    PrioritizedSource,
+    SequentialSource,
+    StepReport,
+)
 from hcjax.rl.sampling import EarlyExit  # noqa: E402
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json  # noqa: E402
 from hcjax.rl.workers import (  # noqa: E402
@@ -106,9 +113,9 @@ class ClimbConfig:
         if self.sampler not in ("sequential", "prioritized"):
             raise ValueError(f"ClimbConfig.sampler={self.sampler!r} is not 'sequential' or "
                              "'prioritized'")
-        if self.priority_rule not in ("kimi", "learnability"):
-            raise ValueError(f"ClimbConfig.priority_rule={self.priority_rule!r} is not 'kimi' "
-                             "or 'learnability'")
+        if self.priority_rule not in PRIORITY_RULES:
+            raise ValueError(f"ClimbConfig.priority_rule={self.priority_rule!r} is not one of "
+                             f"{PRIORITY_RULES}")
         if self.priority_window < 1 or not 0.0 < self.priority_floor <= 1.0:
             raise ValueError(f"ClimbConfig.priority_window={self.priority_window} must be >= 1 "
                              f"and priority_floor={self.priority_floor} in (0, 1]")
@@ -149,9 +156,7 @@ def arithmetic_category(problem) -> str:
 
 def arithmetic_source(suite, tok, cfg: ClimbConfig):
     """The climb's problem source: training problems in index order ("sequential"), or drawn
-    per category with Kimi's prioritised rule ("prioritized", hcjax.rl.controller)."""
-    from hcjax.rl.controller import PrioritizedSource
-
+    per category by a prioritised rule ("prioritized", hcjax.rl.controller.PrioritizedSource)."""
     if cfg.sampler == "sequential":
         return SequentialSource(lambda i: arithmetic_task(i, suite, tok))
     # The categories present in the training stream (a scan of its first problems).

@@ -19,8 +19,7 @@ from flax import nnx
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer
 from hcjax.distill.sft import model_identity
-from hcjax.model import ModelConfig, create_sharded
-from hcjax.rl.advantages import assign_advantages
+from hcjax.model import create_sharded
 from hcjax.rl.batch import pack_rollouts, to_device
 from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.multihost import (
@@ -32,13 +31,9 @@ from hcjax.rl.multihost import (
 )
 from hcjax.rl.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
+from tests.test_rl_learner import CFG, _random_rollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = ModelConfig(
-    vocab_size=48, d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16, window=6,
-    attention_pattern=("local", "global"), d_ff=64, num_experts=4, experts_per_token=2,
-    moe_latent_dim=16, moe_d_ff=32, max_seq_len=64, dtype="float32",
-)
 # A large step (and an eps that keeps Adam's update proportional to tiny gradients) so three steps
 # move the parameters far more than the comparison tolerance.
 LCFG = LearnerConfig(seq_len=16, micro_batches=2, learning_rate=1e-3, adam_eps=1e-6,
@@ -47,20 +42,7 @@ STEPS = 3
 
 
 def _rollouts(seed: int, n: int = 14) -> list[Rollout]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        p, r = int(rng.integers(2, 7)), int(rng.integers(2, 9))
-        out.append(Rollout(
-            prompt_ids=rng.integers(1, CFG.vocab_size, p), response_ids=rng.integers(1, 48, r),
-            logprobs=-rng.uniform(0.5, 4.0, r), n_kept=rng.integers(0, CFG.vocab_size, r),
-            threshold_logit=np.zeros(r), loss_mask=rng.uniform(size=r) < 0.85,
-            versions=np.zeros(r), finish_reason="stop",
-            routing=np.stack([rng.permutation(CFG.num_experts)[:2] for _ in range(p + r - 1)])[None],
-            temperature=float(rng.choice([0.7, 1.0])), group_id=i // 4,
-            reward=float(rng.integers(0, 2)),
-        ))
-    return assign_advantages(out)
+    return _random_rollouts(n, seed)
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
