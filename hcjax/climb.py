@@ -48,6 +48,7 @@ from hcjax.rl.controller import (  # noqa: E402
     SequentialSource,
     StepReport,
 )
+from hcjax.rl.entropy import TemperatureController  # noqa: E402
 from hcjax.rl.sampling import EarlyExit  # noqa: E402
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json  # noqa: E402
 from hcjax.rl.workers import (  # noqa: E402
@@ -72,7 +73,10 @@ class ClimbConfig:
 
     max_minutes: stop climbing after this much wall time (None: run all num_steps).
     early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
-    entropy_target: H* for reports (the learner's EntropyController.target is what acts).
+    temperature: the sampling temperature (the start value when it is controlled).
+    temperature_delta / temperature_range: δ and bounds of the sampling-temperature lever
+    (hcjax.rl.entropy.TemperatureController: T moves by ±δ toward the learner's H* after every
+    step); 0 keeps the temperature fixed (RECIPE §3 has only k).
     """
 
     num_steps: int = 60
@@ -84,6 +88,8 @@ class ClimbConfig:
     advantage: str = "mean_std"
     max_tokens: int = 24
     temperature: float = 1.0
+    temperature_delta: float = 0.0
+    temperature_range: tuple[float, float] = (0.5, 2.0)
     top_p: float = 0.97
     token_budget: int | None = None
     max_retries: int = 3
@@ -119,6 +125,16 @@ class ClimbConfig:
         if self.priority_window < 1 or not 0.0 < self.priority_floor <= 1.0:
             raise ValueError(f"ClimbConfig.priority_window={self.priority_window} must be >= 1 "
                              f"and priority_floor={self.priority_floor} in (0, 1]")
+        if len(self.temperature_range) != 2:
+            raise ValueError(f"ClimbConfig.temperature_range={self.temperature_range} must be "
+                             "(low, high)")
+        if self.temperature_delta > 0 and not (
+                0 < self.temperature_range[0] <= self.temperature <= self.temperature_range[1]):
+            raise ValueError(f"ClimbConfig.temperature={self.temperature} must lie in "
+                             f"temperature_range={self.temperature_range} (low > 0) when "
+                             f"temperature_delta={self.temperature_delta} > 0")
+        if self.temperature_delta < 0:
+            raise ValueError(f"ClimbConfig.temperature_delta={self.temperature_delta} must be >= 0")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"ClimbConfig.max_minutes={self.max_minutes} must be > 0 or None")
 
@@ -399,6 +415,9 @@ def run_climb(
     rollout_worker = RolloutWorker(client, sampling, max_retries=cfg.max_retries, stats=stats,
                                    partials=partials)
     worker = ProblemWorker(rollout_worker, cfg.early_exit(), advantage=cfg.advantage, stats=stats)
+    temperature = TemperatureController(
+        learner_cfg.entropy.target, cfg.temperature_delta, *cfg.temperature_range,
+        temperature=cfg.temperature) if cfg.temperature_delta > 0 else None
     source = arithmetic_source(suite, tok, cfg)
     store = RolloutStore(os.path.join(output_dir, "rollouts"), decode=tok.decode)
     holder: dict[str, Controller] = {}
@@ -426,6 +445,10 @@ def run_climb(
         _restore_partials(partials, data.get("partials", {}))
         history = data["history"]
         resumed_from = latest
+        if temperature is not None and "temperature" in data:
+            temperature.load_state_dict(data["temperature"])
+            rollout_worker.sampling = dataclasses.replace(
+                sampling, temperature=temperature.temperature)
 
     # Serve the learner's current weights as the controller's version.
     if server is not None:
@@ -461,6 +484,8 @@ def run_climb(
             return
         data = {"controller": controller.state_dict(), "partials": _serialize_partials(partials),
                 "history": dict(history, wall_offset=climb_wall())}
+        if temperature is not None:
+            data["temperature"] = temperature.state_dict()
         started = (dist.save(ckpt, step, data, force=force) if dist is not None
                    else ckpt.save(step, learner.state, data, force=force))
         if started:
@@ -497,6 +522,15 @@ def run_climb(
                     "ratio_max", "support_miss_frac", "load_balance_loss", "policy_loss"):
             if key in m:
                 record[key] = m[key]
+        if temperature is not None:
+            # The next samples use the new temperature (in-flight requests keep theirs; every
+            # rollout records the temperature it was sampled at, which the learner uses). A step
+            # with no trained token has no Ĥ and leaves it as it is.
+            if np.isfinite(record["entropy"]):
+                temperature.update(record["entropy"])
+                rollout_worker.sampling = dataclasses.replace(
+                    sampling, temperature=temperature.temperature)
+            record["temperature"] = temperature.temperature
         for age in report.staleness:
             history.setdefault("staleness_hist", {}).setdefault(str(age), 0)
             history["staleness_hist"][str(age)] += 1
@@ -517,7 +551,7 @@ def run_climb(
         tracer.before_step(report.step + 1)
         if progress:
             shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()
-                     if k in ("reward_mean", "heldout_pass_at_1", "entropy", "k",
+                     if k in ("reward_mean", "heldout_pass_at_1", "entropy", "k", "temperature",
                               "staleness_mean", "rollouts_per_s", "wall")}
             print(json.dumps({"step": report.step, **shown}), flush=True)
         save(report.step, force=stop)
@@ -686,7 +720,10 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
         ax.set_xlabel("step")
 
     figure("entropy.png", "entropy vs target", entropy)
-    for key, name, title in [("k", "k.png", "upper-clip offset k"),
+    levers = [("k", "k.png", "upper-clip offset k")]
+    if _series(records, "temperature")[0]:
+        levers.append(("temperature", "temperature.png", "sampling temperature (entropy lever)"))
+    for key, name, title in [*levers,
                              ("response_len_mean", "lengths.png", "mean response length"),
                              ("logp_gap_mean", "logp_gap.png",
                               "train-inference log-prob gap (mean |diff|)")]:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from hcjax.climb import _load_base_params
+from hcjax.climb import ClimbConfig, _load_base_params
 from hcjax.model import ModelConfig
 from hcjax.profiling import trace_files
 from hcjax.rl.store import main as store_main
@@ -125,11 +125,17 @@ def test_climb_resumes_from_its_checkpoint(first_run):
         s["accepted_groups_consumed"] + s["buffered_groups"]
 
 
+# The kill/restart climb also runs the sampling-temperature lever, whose state must survive it.
+TEMPERATURE = ("--gin_param", "ClimbConfig.temperature_delta = 0.05",
+               "--gin_param", "ClimbConfig.temperature_range = (0.6, 1.6)")
+
+
 @pytest.mark.slow
 def test_kill_and_restart_loses_no_accepted_group(first_run, tmp_path):
     base = first_run[0] / "base"
     out = tmp_path / "killed"
-    proc = subprocess.Popen(command(out, 200, "--base_checkpoint", str(base)), cwd=REPO,
+    proc = subprocess.Popen(command(out, 200, "--base_checkpoint", str(base), *TEMPERATURE),
+                            cwd=REPO,
                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckpts = out / "checkpoints"
     deadline = time.time() + 300
@@ -146,13 +152,46 @@ def test_kill_and_restart_loses_no_accepted_group(first_run, tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    s = climb(out, max(done) + 3, "--base_checkpoint", str(base))
+    s = climb(out, max(done) + 3, "--base_checkpoint", str(base), *TEMPERATURE)
     assert s["resumed_from"] is not None and s["resumed_from"] >= 3
     assert s["steps"] == max(done) + 3
     accepted = read_groups(str(out / "rollouts"), accepted_only=True)
     # Every group the first process accepted (written to the store before the kill) was either
     # trained on after the restart or is still buffered: none was lost.
     assert len(accepted) == s["accepted_groups_consumed"] + s["buffered_groups"]
+    # The temperature lever: after every step T moved by ±0.05 toward H* (clipped to the range),
+    # and the restarted process went on from the checkpointed T (a step the killed process logged
+    # past its checkpoint was run again; its last record is the one that counts).
+    last: dict[int, dict] = {}
+    logged = {1.0}  # every temperature any process set (the killed one's included)
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "temperature" in r:
+            last[r["step"]] = r
+            logged.add(round(r["temperature"], 6))
+    steps = sorted(last)
+    assert steps == list(range(1, s["steps"] + 1))
+    previous = 1.0
+    for step in steps:
+        r = last[step]  # a step without trained tokens has no Ĥ and keeps the temperature
+        move = 0.05 * np.sign(r["entropy_target"] - r["entropy"]) if "entropy" in r else 0.0
+        expected = float(np.clip(previous + move, 0.6, 1.6))
+        assert abs(r["temperature"] - expected) < 1e-9, (step, r["temperature"], expected)
+        previous = r["temperature"]
+    # Rollouts record the temperature they were sampled at, and the learner scored them with it.
+    sampled = {round(r.temperature, 6) for g in accepted for r in g.rollouts}
+    assert len(sampled) > 1 and sampled <= logged
+
+
+def test_climb_config_rejects_bad_temperature_settings():
+    with pytest.raises(ValueError, match="temperature_delta=-0.1"):
+        ClimbConfig(temperature_delta=-0.1)
+    with pytest.raises(ValueError, match="temperature=2.5 must lie in"):
+        ClimbConfig(temperature=2.5, temperature_delta=0.01, temperature_range=(0.5, 2.0))
+    with pytest.raises(ValueError, match="temperature_range=.0.5,. must be"):
+        ClimbConfig(temperature_range=(0.5,))
+    # δ = 0 (the default) keeps the given temperature, whatever the range.
+    assert ClimbConfig(temperature=3.0).temperature == 3.0
 
 
 @pytest.mark.slow

@@ -3,6 +3,13 @@
 k ← clip(k + δ·sign(H* − Ĥ), 0, k_max), starting at 0. Below the target entropy k grows, widening
 the upper clip so low-probability tokens with positive advantage can gain mass. The state is a
 plain dict {"k": float32} so it checkpoints with the rest of the learner state.
+
+k can only loosen the upper clip, so it has authority only where that clip binds: it can hold Ĥ
+down toward H*, never lift it above what unclipped updates give. TemperatureController is a second,
+optional lever for regimes where the clip never binds (measured in the tiny climb): the same sign
+rule on the sampling temperature. The learner's π_θ is the tempered policy (hcjax.rl.learner
+divides logits by each rollout's temperature), so Ĥ measures the entropy that is actually sampled.
+It is not part of RECIPE §3 and is off unless a config turns it on.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["EntropyController", "update_k"]
+__all__ = ["EntropyController", "TemperatureController", "update_k"]
 
 
 def update_k(
@@ -59,3 +66,47 @@ class EntropyController:
         if not 0.0 <= k <= self.k_max:
             raise ValueError(f"checkpointed k={k} is outside [0, k_max={self.k_max}]")
         self.k = k
+
+
+@dataclasses.dataclass
+class TemperatureController:
+    """Sampling temperature T ← clip(T + δ·sign(H* − Ĥ), low, high); δ = 0 keeps T fixed."""
+
+    target: float
+    delta: float = 0.0
+    low: float = 0.5
+    high: float = 2.0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.target) and self.target > 0):
+            raise ValueError(f"TemperatureController.target={self.target} must be > 0")
+        if self.delta < 0:
+            raise ValueError(f"TemperatureController.delta={self.delta} must be >= 0")
+        if not 0.0 < self.low <= self.high:
+            raise ValueError(f"TemperatureController range ({self.low}, {self.high}) must satisfy "
+                             "0 < low <= high")
+        if not self.low <= self.temperature <= self.high:
+            raise ValueError(f"TemperatureController.temperature={self.temperature} is outside "
+                             f"[{self.low}, {self.high}]")
+
+    @property
+    def active(self) -> bool:
+        return self.delta > 0
+
+    def update(self, entropy: float) -> float:
+        """One step of the rule on this step's Ĥ; returns the temperature for the next samples."""
+        if not np.isfinite(entropy):
+            raise ValueError(f"entropy={entropy} is not finite")
+        step = self.delta * float(np.sign(self.target - entropy))
+        self.temperature = float(np.clip(self.temperature + step, self.low, self.high))
+        return self.temperature
+
+    def state_dict(self) -> dict[str, float]:
+        return {"temperature": self.temperature}
+
+    def load_state_dict(self, state: dict) -> None:
+        t = float(state["temperature"])
+        if not self.low <= t <= self.high:
+            raise ValueError(f"checkpointed temperature={t} is outside [{self.low}, {self.high}]")
+        self.temperature = t
