@@ -40,6 +40,7 @@ TINY = [
     "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
     "ClimbConfig.max_minutes = None",
     "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
+    "ControllerConfig.max_inflight = None",
     "ControllerConfig.sync_every = 2", "LearnerConfig.seq_len = 64",
 ]
 
