@@ -418,6 +418,9 @@ def run_climb(
     temperature = TemperatureController(
         learner_cfg.entropy.target, cfg.temperature_delta, *cfg.temperature_range,
         temperature=cfg.temperature) if cfg.temperature_delta > 0 else None
+
+    def sample_at(t: float) -> None:  # requests made from now on sample at temperature t
+        rollout_worker.sampling = dataclasses.replace(sampling, temperature=t)
     source = arithmetic_source(suite, tok, cfg)
     store = RolloutStore(os.path.join(output_dir, "rollouts"), decode=tok.decode)
     holder: dict[str, Controller] = {}
@@ -447,8 +450,7 @@ def run_climb(
         resumed_from = latest
         if temperature is not None and "temperature" in data:
             temperature.load_state_dict(data["temperature"])
-            rollout_worker.sampling = dataclasses.replace(
-                sampling, temperature=temperature.temperature)
+            sample_at(temperature.temperature)
 
     # Serve the learner's current weights as the controller's version.
     if server is not None:
@@ -527,9 +529,7 @@ def run_climb(
             # rollout records the temperature it was sampled at, which the learner uses). A step
             # with no trained token has no Ĥ and leaves it as it is.
             if np.isfinite(record["entropy"]):
-                temperature.update(record["entropy"])
-                rollout_worker.sampling = dataclasses.replace(
-                    sampling, temperature=temperature.temperature)
+                sample_at(temperature.update(record["entropy"]))
             record["temperature"] = temperature.temperature
         for age in report.staleness:
             history.setdefault("staleness_hist", {}).setdefault(str(age), 0)
