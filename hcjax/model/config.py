@@ -13,6 +13,11 @@ import jax.numpy as jnp
 
 ATTENTION_KINDS = ("local", "global")
 FFN_KINDS = ("moe", "dense")
+ATTENTION_TYPES = ("gqa", "mla")  # grouped-query, or DeepSeek's multi-head latent attention
+ROPE_SCALINGS = ("none", "llama3", "yarn")
+MOE_TYPES = ("latent", "plain")  # LatentMoE (RECIPE §2), or experts on the model width
+ROUTER_TYPES = ("softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")  # clamped_swiglu: GPT-OSS's (limit, alpha)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # "auto" = the Pallas kernels on TPU/GPU, the XLA path on CPU ("blocked" for the MoE, which is the
 # fastest there); "pallas" forces the kernels (interpret mode on CPU, for tests);
@@ -54,6 +59,51 @@ class ModelConfig:
     moe_impl: str = "ragged"
     attention_impl: str = "reference"
     norm_eps: float = 1e-6
+
+    # --- Switches the open model families need (defaults are the MAI flagship's choices). ---
+    # Embeddings and output head.
+    tie_embeddings: bool = True
+    scale_logits: bool = True  # logits *= d_model**-0.5 (MAI); HF families use plain logits
+    # Attention.
+    attention_type: str = "gqa"
+    rope_global: bool = False  # MAI's global layers use no positional encoding (NoPE)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    attention_bias: bool = False  # GPT-OSS: q/k/v/o biases
+    attention_sinks: bool = False  # GPT-OSS: one learned softmax sink logit per query head
+    attention_output_norm: bool = True  # MAI: zero-initialised RMSNorm on the attention branch
+    # Multi-head latent attention (attention_type="mla"; DeepSeek-V3, Kimi K2).
+    q_lora_rank: int = 0  # 0: queries projected directly from d_model
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # RoPE frequency scaling (as in the Hugging Face rope_type of the same name).
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0  # the pre-extension context ("original_max_position_embeddings")
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_truncate: bool = True  # yarn: floor/ceil the correction range
+    rope_attention_factor: float = 0.0  # yarn: cos/sin scale; 0 = derived from the factor
+    rope_mscale: float = 0.0  # yarn (DeepSeek): mscale
+    rope_mscale_all_dim: float = 0.0  # yarn (DeepSeek): mscale_all_dim, also scales MLA's softmax
+    # Feed-forward layers.
+    first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace: these layers are dense
+    moe_type: str = "latent"
+    router_type: str = "softmax"  # softmax over experts, or DeepSeek's sigmoid scores
+    router_renormalize: bool = True  # gates renormalised over the chosen experts
+    router_bias: bool = False  # GPT-OSS: router logits have a bias
+    router_correction_bias: bool = False  # DeepSeek: bias added for the choice only
+    router_groups: int = 1  # DeepSeek grouped top-k: experts in this many groups ...
+    router_topk_groups: int = 1  # ... of which the best this many are eligible
+    routed_scaling: float = 1.0  # DeepSeek's routed_scaling_factor on the gates
+    num_shared_experts: int = 0  # DeepSeek: always-on experts of moe_d_ff each (one fused MLP)
+    expert_bias: bool = False  # GPT-OSS: biases in the experts' projections
+    expert_activation: str = "swiglu"
+    swiglu_limit: float = 7.0  # clamped_swiglu
+    swiglu_alpha: float = 1.702  # clamped_swiglu
 
     def __post_init__(self) -> None:
         # gin may hand lists where tuples are declared; normalise so the config stays hashable.
@@ -101,13 +151,89 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dropout_rate={self.dropout_rate} must be in [0, 1)")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE pairs)")
+        choices = {
+            "attention_type": ATTENTION_TYPES,
+            "rope_scaling": ROPE_SCALINGS,
+            "moe_type": MOE_TYPES,
+            "router_type": ROUTER_TYPES,
+            "expert_activation": EXPERT_ACTIVATIONS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r} must be one of {allowed}"
+                )
+        non_negative = "q_lora_rank first_dense_layers num_shared_experts rope_original_max_len"
+        for name in non_negative.split():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a non-negative integer")
+        if self.attention_type == "mla":
+            for name in "kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim".split():
+                value = getattr(self, name)
+                if not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(
+                    f"ModelConfig.qk_rope_head_dim={self.qk_rope_head_dim} must be even"
+                )
+            if self.num_kv_heads != self.num_heads:
+                raise ValueError(
+                    f"ModelConfig.num_kv_heads={self.num_kv_heads} must equal num_heads="
+                    f"{self.num_heads} for attention_type='mla' (every head has its own K/V)"
+                )
+            for name in ("qk_norm", "attention_bias"):
+                if getattr(self, name):
+                    raise ValueError(f"ModelConfig.{name}=True is not supported with MLA")
+        if self.num_experts % self.router_groups:
+            raise ValueError(
+                f"ModelConfig.num_experts={self.num_experts} is not a multiple of "
+                f"router_groups={self.router_groups}"
+            )
+        if not 1 <= self.router_topk_groups <= self.router_groups:
+            raise ValueError(
+                f"ModelConfig.router_topk_groups={self.router_topk_groups} must be in "
+                f"[1, router_groups={self.router_groups}]"
+            )
+        if self.router_groups > 1 and (
+            self.num_experts // self.router_groups * self.router_topk_groups
+            < self.experts_per_token
+        ):
+            raise ValueError(
+                f"ModelConfig.router_topk_groups={self.router_topk_groups} groups of "
+                f"{self.num_experts // self.router_groups} experts cannot hold "
+                f"experts_per_token={self.experts_per_token}"
+            )
+        if self.rope_scaling != "none" and self.rope_factor <= 0:
+            raise ValueError(f"ModelConfig.rope_factor={self.rope_factor} must be positive")
+        if self.rope_scaling == "llama3" and not (
+            self.rope_original_max_len > 0 and self.rope_high_freq_factor > self.rope_low_freq_factor
+        ):
+            raise ValueError(
+                "ModelConfig.rope_scaling='llama3' needs rope_original_max_len > 0 and "
+                f"rope_high_freq_factor={self.rope_high_freq_factor} > rope_low_freq_factor="
+                f"{self.rope_low_freq_factor}"
+            )
+        uses_pallas_attention = self.attention_impl == "pallas"
+        if uses_pallas_attention and (
+            self.attention_type == "mla" or self.attention_sinks
+        ):
+            raise ValueError(
+                "ModelConfig.attention_impl='pallas' supports GQA without sinks; MLA and attention "
+                "sinks run on attention_impl='reference' or 'auto'"
+            )
 
     # Layer layout ---------------------------------------------------------------------------
     def attention_kind(self, layer: int) -> str:
         return self.attention_pattern[layer % len(self.attention_pattern)]
 
     def ffn_kind(self, layer: int) -> str:
+        if layer < self.first_dense_layers:
+            return "dense"
         return self.ffn_pattern[layer % len(self.ffn_pattern)]
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.attention_kind(layer) == "local" or self.rope_global
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
