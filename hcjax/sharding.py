@@ -29,6 +29,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "latent": None,
+    "q_lora": None,
+    "kv_lora": None,
     "experts": "expert",
     "expert_mlp": "tensor",
     "router_experts": None,

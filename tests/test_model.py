@@ -298,10 +298,11 @@ def test_config_errors_are_clear():
 
 def test_blocked_and_ragged_dispatch_with_skewed_routing_and_empty_experts():
     from hcjax.model.moe import (
-        _expert_swiglu_blocked,
-        _expert_swiglu_dense,
-        _expert_swiglu_grouped,
+        _expert_mlp_blocked,
+        _expert_mlp_dense,
+        _expert_mlp_grouped,
         _ragged_dot,
+        swiglu_act,
     )
 
     n, k, e, r, f = 37, 3, 6, 8, 12
@@ -313,12 +314,12 @@ def test_blocked_and_ragged_dispatch_with_skewed_routing_and_empty_experts():
     expert_nk = jnp.stack([jnp.zeros(n, jnp.int32), 2 + jnp.arange(n) % 2, jnp.full(n, 5)], 1)
     gates = jax.nn.softmax(jax.random.normal(keys[4], (n, k)), -1)
     combine = jnp.sum(jax.nn.one_hot(expert_nk, e) * gates[..., None], 1)
-    ref = _expert_swiglu_dense(x, wg, wu, wo, combine)
-    blocked = _expert_swiglu_blocked(x, wg, wu, wo, expert_nk, gates)
-    ragged = _expert_swiglu_grouped(x, wg, wu, wo, expert_nk, gates, _ragged_dot)
+    ref = _expert_mlp_dense(x, {"gate": wg, "up": wu, "out": wo}, combine, swiglu_act)
+    blocked = _expert_mlp_blocked(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act)
+    ragged = _expert_mlp_grouped(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act, _ragged_dot)
     np.testing.assert_allclose(blocked, ref, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(ragged, ref, rtol=1e-5, atol=1e-4)
-    grad_b = jax.grad(lambda w: jnp.sum(_expert_swiglu_blocked(x, w, wu, wo, expert_nk, gates)))(wg)
-    grad_d = jax.grad(lambda w: jnp.sum(_expert_swiglu_dense(x, w, wu, wo, combine)))(wg)
+    grad_b = jax.grad(lambda w: jnp.sum(_expert_mlp_blocked(x, {"gate": w, "up": wu, "out": wo}, expert_nk, gates, swiglu_act)))(wg)
+    grad_d = jax.grad(lambda w: jnp.sum(_expert_mlp_dense(x, {"gate": w, "up": wu, "out": wo}, combine, swiglu_act)))(wg)
     np.testing.assert_allclose(grad_b, grad_d, rtol=1e-4, atol=1e-4)
     assert float(jnp.abs(grad_b[1]).max()) == 0.0  # an empty expert gets no gradient

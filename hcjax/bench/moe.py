@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from hcjax.model.moe import (
-    _expert_swiglu_blocked,
-    _expert_swiglu_dense,
-    _expert_swiglu_grouped,
+    _expert_mlp_blocked,
+    _expert_mlp_dense,
+    _expert_mlp_grouped,
     _ragged_dot,
+    swiglu_act,
 )
 
 
@@ -54,13 +55,13 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
 
     # Routing arrives as arguments (as in the model), not as compile-time constants.
     def grouped_loss(x, wg, wu, wo, expert_nk, gates):
-        return jnp.sum(_expert_swiglu_grouped(x, wg, wu, wo, expert_nk, gates, _ragged_dot) ** 2)
+        return jnp.sum(_expert_mlp_grouped(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act, _ragged_dot) ** 2)
 
     def dense_loss(x, wg, wu, wo, combine):
-        return jnp.sum(_expert_swiglu_dense(x, wg, wu, wo, combine) ** 2)
+        return jnp.sum(_expert_mlp_dense(x, {"gate": wg, "up": wu, "out": wo}, combine, swiglu_act) ** 2)
 
     def blocked_loss(x, wg, wu, wo, expert_nk, gates):
-        return jnp.sum(_expert_swiglu_blocked(x, wg, wu, wo, expert_nk, gates) ** 2)
+        return jnp.sum(_expert_mlp_blocked(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act) ** 2)
 
     grouped = jax.jit(jax.value_and_grad(grouped_loss, argnums=(0, 1, 2, 3)))
     blocked = jax.jit(jax.value_and_grad(blocked_loss, argnums=(0, 1, 2, 3)))

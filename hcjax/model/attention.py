@@ -1,13 +1,21 @@
-"""Grouped-query attention for local (sliding-window, RoPE) and global (NoPE) layers, with KV cache.
+"""Attention layers with a KV cache: grouped-query attention (GQA) and multi-head latent attention.
+
+GQA serves the MAI flagship (local sliding-window layers with RoPE, global NoPE layers) and the open
+families (RoPE everywhere; Qwen3's per-head q/k RMSNorm; GPT-OSS's q/k/v/o biases and learned
+attention sinks). MLA is DeepSeek-V3's / Kimi K2's: queries through a LoRA, keys and values from a
+compressed latent plus one shared RoPE key; its cache holds only the latent and the RoPE key, and
+cached attention runs in the absorbed form (the up-projections folded into query and output).
 
 Scores and softmax are fp32. K/V are never repeated per query head: queries are reshaped to
 [B, T, Hkv, G, D] and contracted against [B, S, Hkv, D]. Masks are built from token positions
 (causal, window) and segment ids (packed rows), so the same code serves the full forward and cached
-generation. A cache layer holds `k`, `v` ([B, S, Hkv, D]) and `pos` ([B, S], -1 = empty); local
-layers keep a ring buffer of `window` slots (position p lives in slot p % window).
+generation. A cache layer holds per-position entries ([B, S, ...]) and `pos` ([B, S], -1 = empty);
+local layers keep a ring buffer of `window` slots (position p lives in slot p % window).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +23,7 @@ from flax import nnx
 
 import pallas_kernels
 from hcjax.model.config import ModelConfig, use_pallas
-from hcjax.model.layers import param, rope
+from hcjax.model.layers import RMSNorm, param, rope, rope_frequencies
 
 _MASKED = -1e30  # finite, so a fully masked row (a padding query) gives no NaN
 
@@ -30,29 +38,40 @@ def attention_mask(q_pos, k_pos, q_seg, k_seg, window: int | None):
     return visible
 
 
-def gqa_attention(q_bthd, k_bshd, v_bshd, mask_bts):
-    """Softmax attention with grouped K/V heads; fp32 scores and statistics."""
+def gqa_attention(q_bthd, k_bshd, v_bshd, mask_bts, *, scale=None, sinks_h=None):
+    """Softmax attention with grouped K/V heads; fp32 scores and statistics.
+
+    `scale` defaults to head_dim**-0.5. `sinks_h` ([Hq] logits, GPT-OSS) join every row's softmax
+    as one extra key that has no value: they only enlarge the denominator. V may have its own head
+    size (MLA).
+    """
     b, t, hq, d = q_bthd.shape
     hkv = k_bshd.shape[2]
-    q = q_bthd.reshape(b, t, hkv, hq // hkv, d)
+    g = hq // hkv
+    q = q_bthd.reshape(b, t, hkv, g, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
+    scores = scores * (d**-0.5 if scale is None else scale)
     scores = jnp.where(mask_bts[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks_h is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks_h.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
+        top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - top)
+        probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_bshd.dtype), v_bshd)
-    return out.reshape(b, t, hq, d)
+    return out.reshape(b, t, hq, v_bshd.shape[-1])
 
 
-def init_layer_cache(batch: int, slots: int, num_kv_heads: int, head_dim: int, dtype) -> dict:
-    return {
-        "k": jnp.zeros((batch, slots, num_kv_heads, head_dim), dtype),
-        "v": jnp.zeros((batch, slots, num_kv_heads, head_dim), dtype),
-        "pos": jnp.full((batch, slots), -1, jnp.int32),
-    }
+def init_layer_cache(batch: int, slots: int, entries: dict, dtype) -> dict:
+    """Empty cache layer: one [batch, slots, *shape] array per entry, and `pos` = -1."""
+    cache = {name: jnp.zeros((batch, slots, *shape), dtype) for name, shape in entries.items()}
+    cache["pos"] = jnp.full((batch, slots), -1, jnp.int32)
+    return cache
 
 
-def write_cache(cache: dict, k_bthd, v_bthd, pos_bt, ring: bool) -> dict:
-    """Scatter a chunk's keys/values into the cache; ring buffers keep only the last `slots`."""
+def write_cache(cache: dict, entries_bt: dict, pos_bt, ring: bool) -> dict:
+    """Scatter a chunk's per-position entries into the cache; ring buffers keep the last `slots`."""
     slots = cache["pos"].shape[1]
     if ring:
         newest = jnp.max(pos_bt, axis=1, keepdims=True)
@@ -63,15 +82,40 @@ def write_cache(cache: dict, k_bthd, v_bthd, pos_bt, ring: bool) -> dict:
         slot = pos_bt
     slot = jnp.where(keep, slot, slots)  # out of range -> dropped by the scatter
     rows = jnp.arange(pos_bt.shape[0])[:, None]
-    return {
-        "k": cache["k"].at[rows, slot].set(k_bthd.astype(cache["k"].dtype), mode="drop"),
-        "v": cache["v"].at[rows, slot].set(v_bthd.astype(cache["v"].dtype), mode="drop"),
-        "pos": cache["pos"].at[rows, slot].set(pos_bt, mode="drop"),
+    new = {
+        name: cache[name].at[rows, slot].set(x.astype(cache[name].dtype), mode="drop")
+        for name, x in entries_bt.items()
     }
+    new["pos"] = cache["pos"].at[rows, slot].set(pos_bt, mode="drop")
+    return new
+
+
+def _cached_keys(cache: dict, entries_bt: dict, pos_bt):
+    """What the cache held before this chunk plus the chunk itself (one row = one sequence)."""
+    keys = {
+        name: jnp.concatenate([cache[name], x.astype(cache[name].dtype)], axis=1)
+        for name, x in entries_bt.items()
+    }
+    return keys, jnp.concatenate([cache["pos"], pos_bt], axis=1)
+
+
+class _Rope:
+    """RoPE of one layer: the frequency table is a static tuple (hashable graph data)."""
+
+    def __init__(self, cfg: ModelConfig, dim: int):
+        inv_freq, self.scale = rope_frequencies(cfg, dim)
+        self.inv_freq = tuple(float(f) for f in inv_freq)
+
+    def __call__(self, x_bthd, positions_bt):
+        return rope(x_bthd, positions_bt, self.inv_freq, self.scale)
 
 
 class Attention(nnx.Module):
-    """One attention layer; `kind` is "local" (window + RoPE) or "global" (full causal, NoPE)."""
+    """One GQA layer; `kind` is "local" (sliding window) or "global" (full causal).
+
+    Local layers always use RoPE; global layers use it when `rope_global` (the open families) and
+    no positional encoding otherwise (MAI's NoPE global layers).
+    """
 
     def __init__(self, cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs):
         d, hq, hkv, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -79,46 +123,71 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"))
         self.wv = param(rngs, (d, hkv, hd), ("embed", "kv_heads", "head_dim"))
         self.wo = param(rngs, (hq, hd, d), ("q_heads", "head_dim", "embed"), std=(hq * hd) ** -0.5)
+        if cfg.attention_bias:
+            self.bq = param(rngs, (hq, hd), ("q_heads", "head_dim"), value=0.0)
+            self.bk = param(rngs, (hkv, hd), ("kv_heads", "head_dim"), value=0.0)
+            self.bv = param(rngs, (hkv, hd), ("kv_heads", "head_dim"), value=0.0)
+            self.bo = param(rngs, (d,), ("embed",), value=0.0)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, rngs=rngs)
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, rngs=rngs)
+        if cfg.attention_sinks:
+            self.sinks = param(rngs, (hq,), ("q_heads",), value=0.0)
+        self.has_bias, self.has_qk_norm, self.has_sinks = (
+            cfg.attention_bias, cfg.qk_norm, cfg.attention_sinks
+        )
         self.kind = kind
         self.window = cfg.window if kind == "local" else None
-        self.rope_theta = cfg.rope_theta
+        self.rope = _Rope(cfg, hd) if (kind == "local" or cfg.rope_global) else None
         self.dtype = cfg.compute_dtype
-        self.use_kernel = use_pallas(cfg.attention_impl)
+        # The Pallas kernels have no sink term; with sinks the XLA path runs on every backend.
+        self.use_kernel = use_pallas(cfg.attention_impl) and not cfg.attention_sinks
+
+    @staticmethod
+    def cache_entries(cfg: ModelConfig) -> dict:
+        return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
+
+    def _project(self, x, name):
+        y = jnp.einsum("btd,dhk->bthk", x, getattr(self, "w" + name)[...].astype(self.dtype))
+        if self.has_bias:
+            y = y + getattr(self, "b" + name)[...].astype(self.dtype)
+        return y
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, cache: dict | None = None):
         dt = self.dtype
         x = x_btd.astype(dt)
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
-        if self.kind == "local":  # global layers use no positional encoding (NoPE)
-            q = rope(q, positions_bt, self.rope_theta)
-            k = rope(k, positions_bt, self.rope_theta)
+        q, k, v = self._project(x, "q"), self._project(x, "k"), self._project(x, "v")
+        if self.has_qk_norm:
+            q = self.q_norm(q).astype(dt)
+            k = self.k_norm(k).astype(dt)
+        if self.rope is not None:
+            q = self.rope(q, positions_bt)
+            k = self.rope(k, positions_bt)
+        sinks = self.sinks[...] if self.has_sinks else None
+        ring = self.kind == "local"
 
         new_cache = None
         if cache is None:
-            out = self._attend_self(q, k, v, positions_bt, segment_ids_bt)
+            out = self._attend_self(q, k, v, positions_bt, segment_ids_bt, sinks)
         elif self.use_kernel and q.shape[1] == 1:
             # One-token decode on the Pallas kernel: store first, then attend over the cache.
-            new_cache = write_cache(cache, k, v, positions_bt, ring=self.kind == "local")
+            new_cache = write_cache(cache, {"k": k, "v": v}, positions_bt, ring=ring)
             lengths = jnp.maximum(positions_bt[:, 0] + 1, 0)
             out = pallas_kernels.decode_attention(
                 q[:, 0], new_cache["k"].astype(dt), new_cache["v"].astype(dt), lengths,
-                window=self.window, ring=self.kind == "local", impl="pallas",
+                window=self.window, ring=ring, impl="pallas",
             )[:, None]
         else:
-            # Attend to what the cache held before this chunk plus the chunk itself, then store
-            # the chunk; one row = one sequence, so segment ids are not used here.
-            keys = jnp.concatenate([cache["k"], k.astype(cache["k"].dtype)], axis=1)
-            vals = jnp.concatenate([cache["v"], v.astype(cache["v"].dtype)], axis=1)
-            k_pos = jnp.concatenate([cache["pos"], positions_bt], axis=1)
+            keys, k_pos = _cached_keys(cache, {"k": k, "v": v}, positions_bt)
             mask = attention_mask(positions_bt, k_pos, None, None, self.window)
-            out = gqa_attention(q, keys.astype(dt), vals.astype(dt), mask)
-            new_cache = write_cache(cache, k, v, positions_bt, ring=self.kind == "local")
+            out = gqa_attention(q, keys["k"].astype(dt), keys["v"].astype(dt), mask, sinks_h=sinks)
+            new_cache = write_cache(cache, {"k": k, "v": v}, positions_bt, ring=ring)
         y = jnp.einsum("bthk,hkd->btd", out.astype(dt), self.wo[...].astype(dt))
+        if self.has_bias:
+            y = y + self.bo[...].astype(dt)
         return y, new_cache
 
-    def _attend_self(self, q, k, v, positions_bt, segment_ids_bt):
+    def _attend_self(self, q, k, v, positions_bt, segment_ids_bt, sinks):
         if self.use_kernel:
             # The kernel masks by index (causal, window) and segment ids; rows whose positions
             # restart per document are handled by the segment ids.
@@ -129,4 +198,104 @@ class Attention(nnx.Module):
         mask = attention_mask(
             positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, self.window
         )
-        return gqa_attention(q, k, v, mask)
+        return gqa_attention(q, k, v, mask, sinks_h=sinks)
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim**-0.5, times mscale² under YaRN with mscale_all_dim (DeepSeek-V3)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim and cfg.rope_factor > 1:
+        m = 0.1 * cfg.rope_mscale_all_dim * math.log(cfg.rope_factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2).
+
+    q = W_qb · norm(W_qa · x) (or W_q · x), split per head into a no-RoPE and a RoPE part;
+    [c, k_pe] = W_kva · x with c the kv latent (normed) and k_pe one RoPE key shared by all heads;
+    [k_nope, v] = W_kvb · c per head. The cache stores c and k_pe only (kv_lora_rank + rope dims a
+    position, against 2·H·D for GQA); cached attention contracts queries against the latent
+    directly (W_kvb's key half folded into q, its value half applied after the weighted sum).
+    """
+
+    def __init__(self, cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs):
+        d, h = cfg.d_model, cfg.num_heads
+        nope, rd, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        r_q, r_kv = cfg.q_lora_rank, cfg.kv_lora_rank
+        if r_q:
+            self.wq_a = param(rngs, (d, r_q), ("embed", "q_lora"))
+            self.q_norm = RMSNorm(r_q, eps=cfg.norm_eps, rngs=rngs)
+            self.wq_b = param(rngs, (r_q, h, nope + rd), ("q_lora", "q_heads", "head_dim"))
+        else:
+            self.wq = param(rngs, (d, h, nope + rd), ("embed", "q_heads", "head_dim"))
+        self.wkv_a = param(rngs, (d, r_kv + rd), ("embed", "kv_lora"))
+        self.kv_norm = RMSNorm(r_kv, eps=cfg.norm_eps, rngs=rngs)
+        self.wkv_b = param(rngs, (r_kv, h, nope + vd), ("kv_lora", "q_heads", "head_dim"))
+        self.wo = param(rngs, (h, vd, d), ("q_heads", "head_dim", "embed"), std=(h * vd) ** -0.5)
+        self.q_lora = bool(r_q)
+        self.nope, self.rope_dim, self.kv_rank = nope, rd, r_kv
+        self.kind = kind
+        self.window = cfg.window if kind == "local" else None
+        self.rope = _Rope(cfg, rd)
+        self.scale = mla_softmax_scale(cfg)
+        self.dtype = cfg.compute_dtype
+
+    @staticmethod
+    def cache_entries(cfg: ModelConfig) -> dict:
+        return {"c": (cfg.kv_lora_rank,), "k_pe": (cfg.qk_rope_head_dim,)}
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, cache: dict | None = None):
+        dt = self.dtype
+        x = x_btd.astype(dt)
+        if self.q_lora:
+            q_lat = self.q_norm(x @ self.wq_a[...].astype(dt)).astype(dt)
+            q = jnp.einsum("btr,rhk->bthk", q_lat, self.wq_b[...].astype(dt))
+        else:
+            q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        q_nope, q_pe = q[..., : self.nope], self.rope(q[..., self.nope :], positions_bt)
+        kv_a = x @ self.wkv_a[...].astype(dt)
+        c = self.kv_norm(kv_a[..., : self.kv_rank]).astype(dt)  # [B, T, R]
+        k_pe = self.rope(kv_a[..., None, self.kv_rank :], positions_bt)[:, :, 0]  # [B, T, P]
+        wkv_b = self.wkv_b[...].astype(dt)
+
+        new_cache = None
+        if cache is None:
+            kv = jnp.einsum("btr,rhk->bthk", c, wkv_b)
+            k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+            k_pe_h = jnp.broadcast_to(k_pe[:, :, None], (*k_nope.shape[:3], self.rope_dim))
+            mask = attention_mask(
+                positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, self.window
+            )
+            out = gqa_attention(
+                jnp.concatenate([q_nope, q_pe], -1), jnp.concatenate([k_nope, k_pe_h], -1), v,
+                mask, scale=self.scale,
+            )
+        else:
+            # Absorbed form over the compressed cache: one shared "key head" [c, k_pe] and one
+            # shared "value head" c; W_kvb's key half moves to the query, its value half after.
+            entries = {"c": c, "k_pe": k_pe}
+            keys, k_pos = _cached_keys(cache, entries, positions_bt)
+            q_abs = jnp.einsum("bthn,rhn->bthr", q_nope, wkv_b[..., : self.nope])
+            key = jnp.concatenate([keys["c"], keys["k_pe"]], -1).astype(dt)[:, :, None]
+            mask = attention_mask(positions_bt, k_pos, None, None, self.window)
+            out_lat = gqa_attention(
+                jnp.concatenate([q_abs, q_pe], -1), key, keys["c"].astype(dt)[:, :, None], mask,
+                scale=self.scale,
+            )
+            out = jnp.einsum("bthr,rhv->bthv", out_lat.astype(dt), wkv_b[..., self.nope :])
+            new_cache = write_cache(cache, entries, positions_bt, ring=self.kind == "local")
+        y = jnp.einsum("bthv,hvd->btd", out.astype(dt), self.wo[...].astype(dt))
+        return y, new_cache
+
+
+def make_attention(cfg: ModelConfig, kind: str, *, rngs: nnx.Rngs) -> Attention | MLAttention:
+    """The attention layer `cfg.attention_type` names."""
+    cls = MLAttention if cfg.attention_type == "mla" else Attention
+    return cls(cfg, kind, rngs=rngs)
+
+
+def attention_cache_entries(cfg: ModelConfig) -> dict:
+    cls = MLAttention if cfg.attention_type == "mla" else Attention
+    return cls.cache_entries(cfg)

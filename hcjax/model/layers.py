@@ -6,8 +6,11 @@ names to mesh axes. Nothing here knows about meshes or RL.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -36,16 +39,85 @@ class RMSNorm(nnx.Module):
         return x32 * jax.lax.rsqrt(var + self.eps) * self.scale[...]
 
 
-def rope(x_bthd, positions_bt, theta: float):
-    """Rotary position embedding on the last axis (pairs of halves), computed in fp32."""
+def rope_frequencies(cfg, dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale of RoPE under `cfg.rope_scaling`.
+
+    "none": theta^(-2i/dim). "llama3": long wavelengths divided by the factor, short ones kept,
+    a smooth blend between (Llama 3.1). "yarn": per-frequency blend of interpolated and
+    extrapolated frequencies over the correction range of (beta_fast, beta_slow) rotations, and an
+    attention factor 0.1·ln(factor) + 1 (or the mscale ratio) on cos/sin (YaRN, as used by GPT-OSS
+    and DeepSeek-V3). Computed once in float64 numpy: these are constants of the model.
+    """
+    base = cfg.rope_theta
+    inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if cfg.rope_scaling == "llama3":
+        factor, old_len = cfg.rope_factor, cfg.rope_original_max_len
+        low_wavelen = old_len / cfg.rope_low_freq_factor
+        high_wavelen = old_len / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, blended, scaled), 1.0
+    if cfg.rope_scaling == "yarn":
+        factor = cfg.rope_factor
+        old_len = cfg.rope_original_max_len or cfg.max_seq_len
+        if cfg.rope_original_max_len:
+            # The context extension the checkpoint declares (max / original) sets the factor.
+            factor = cfg.max_seq_len / cfg.rope_original_max_len
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if cfg.rope_attention_factor:
+            attention_factor = cfg.rope_attention_factor
+        elif cfg.rope_mscale and cfg.rope_mscale_all_dim:
+            attention_factor = mscale(factor, cfg.rope_mscale) / mscale(
+                factor, cfg.rope_mscale_all_dim
+            )
+        else:
+            attention_factor = mscale(factor)
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolate = 1 - ramp
+        inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+        return inv_freq, attention_factor
+    return inv_freq, 1.0
+
+
+def rope(x_bthd, positions_bt, inv_freq, scale: float = 1.0):
+    """Rotary position embedding on the last axis (pairs of halves), computed in fp32.
+
+    `inv_freq` is [D/2] (a theta for the plain form, or the table of `rope_frequencies`); `scale`
+    multiplies cos and sin (YaRN's attention factor).
+    """
     d = x_bthd.shape[-1]
-    freqs = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) / (d // 2))
+    if isinstance(inv_freq, int | float):
+        inv_freq = rope_frequencies_plain(inv_freq, d)
+    freqs = jnp.asarray(inv_freq, jnp.float32)
     angles = positions_bt.astype(jnp.float32)[..., None] * freqs  # [B,T,D/2]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    sin = (jnp.sin(angles) * scale)[:, :, None, :]
+    cos = (jnp.cos(angles) * scale)[:, :, None, :]
     x = x_bthd.astype(jnp.float32)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_bthd.dtype)
+
+
+def rope_frequencies_plain(theta: float, dim: int) -> np.ndarray:
+    return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
 
 
 def swiglu(x, w_gate, w_up, w_down, dtype):

@@ -1,4 +1,10 @@
-"""LatentMoE (RECIPE §2): down-project, fp32 router top-k, dropless experts in latent space, up-project.
+"""Mixture-of-experts layers: MAI's LatentMoE (RECIPE §2) and the open families' plain experts.
+
+LatentMoE down-projects, routes in fp32, runs the experts in the latent space and up-projects;
+plain experts (Qwen3-MoE, GPT-OSS, DeepSeek-V3) run on the model width, optionally with biases and
+GPT-OSS's clamped SwiGLU, plus DeepSeek's always-on shared experts. Routers: softmax over experts
+(top-k, optionally renormalised over the chosen ones; GPT-OSS's logit bias), or DeepSeek's sigmoid
+scores with a choice-only correction bias, grouped top-k and a routed scaling factor.
 
 Dispatch is dropless: the (token, expert) assignments are sorted by expert and run as grouped
 matmuls over variable-size groups (`jax.lax.ragged_dot`, or our Pallas `gmm`, or "blocked": groups
@@ -20,7 +26,7 @@ from flax import nnx
 
 import pallas_kernels
 from hcjax.model.config import ModelConfig, use_pallas
-from hcjax.model.layers import param
+from hcjax.model.layers import DenseMLP, param
 
 
 def load_balance_loss(token_counts, prob_sums, num_tokens, experts_per_token: int):
@@ -51,35 +57,62 @@ def load_balance_loss_from_stats(*stats_per_batch, experts_per_token: int):
     return jnp.mean(jnp.stack(losses))
 
 
-def _expert_swiglu_dense(x_nr, w_gate, w_up, w_out, combine_ne):
+
+def swiglu_act(g, u):
+    return jax.nn.silu(g) * u
+
+
+def clamped_swiglu_act(limit: float, alpha: float):
+    """GPT-OSS's expert activation: gate clamped above, up clamped both ways, (u + 1)·g·σ(αg)."""
+
+    def act(g, u):
+        g = jnp.minimum(g, limit)
+        u = jnp.clip(u, -limit, limit)
+        return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+    return act
+
+
+def _expert_mlp_dense(x_nr, w, combine_ne, act):
     """Reference: every expert on every token, then a one-hot weighted combine."""
-    h = jax.nn.silu(jnp.einsum("nr,erf->nef", x_nr, w_gate)) * jnp.einsum("nr,erf->nef", x_nr, w_up)
-    y = jnp.einsum("nef,efr->ner", h, w_out)
+    g = jnp.einsum("nr,erf->nef", x_nr, w["gate"])
+    u = jnp.einsum("nr,erf->nef", x_nr, w["up"])
+    if "b_gate" in w:
+        g, u = g + w["b_gate"][None], u + w["b_up"][None]
+    y = jnp.einsum("nef,efr->ner", act(g, u), w["out"])
+    if "b_out" in w:
+        y = y + w["b_out"][None]
     return jnp.einsum("ne,ner->nr", combine_ne.astype(y.dtype), y)
 
 
-def _expert_swiglu_grouped(x_nr, w_gate, w_up, w_out, expert_nk, gates_nk, matmul):
+def _expert_mlp_grouped(x_nr, w, expert_nk, gates_nk, act, matmul):
     """Dropless: sort assignments by expert, grouped matmuls, unsort, gate-weighted sum."""
     n, k = expert_nk.shape
-    num_experts = w_gate.shape[0]
+    num_experts = w["gate"].shape[0]
     flat_expert = expert_nk.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
     token_of = order // k
+    sorted_expert = flat_expert[order]
     xs = x_nr[token_of]
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    h = jax.nn.silu(matmul(xs, w_gate, group_sizes)) * matmul(xs, w_up, group_sizes)
-    ys = matmul(h, w_out, group_sizes)
+    g, u = matmul(xs, w["gate"], group_sizes), matmul(xs, w["up"], group_sizes)
+    if "b_gate" in w:
+        g, u = g + w["b_gate"][sorted_expert], u + w["b_up"][sorted_expert]
+    ys = matmul(act(g, u), w["out"], group_sizes)
+    if "b_out" in w:
+        ys = ys + w["b_out"][sorted_expert]
     y_sorted_back = jnp.zeros_like(ys).at[order].set(ys)
     y_nkr = y_sorted_back.reshape(n, k, -1)
     return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_nkr.dtype), y_nkr)
 
 
-def _expert_swiglu_blocked(x_nr, w_gate, w_up, w_out, expert_nk, gates_nk):
+def _expert_mlp_blocked(x_nr, w, expert_nk, gates_nk, act):
     """Dropless with dense batched matmuls: each expert's rows are padded to whole tiles, every tile
     belongs to one expert and multiplies that expert's weights. Padding is at most tile-1 rows per
     expert, so no token is ever dropped; it is the fast path on CPU, where ragged_dot is slow."""
     n, k = expert_nk.shape
-    num_experts, latent, _ = w_gate.shape
+    num_experts, width, _ = w["gate"].shape
+    out_width = w["out"].shape[-1]
     assignments = n * k
     tile = int(min(128, max(8, 1 << max(0, (assignments // num_experts - 1).bit_length()))))
     flat_expert = expert_nk.reshape(-1)
@@ -92,15 +125,21 @@ def _expert_swiglu_blocked(x_nr, w_gate, w_up, w_out, expert_nk, gates_nk):
     dest = (padded_end - padded)[sorted_expert] + jnp.arange(assignments) - start[sorted_expert]
     rows = -(-(assignments + num_experts * (tile - 1)) // tile) * tile
     num_tiles = rows // tile
-    xs = jnp.zeros((rows, latent), x_nr.dtype).at[dest].set(x_nr[order // k])
+    xs = jnp.zeros((rows, width), x_nr.dtype).at[dest].set(x_nr[order // k])
     tile_expert = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * tile, side="right")
     tile_expert = jnp.minimum(tile_expert, num_experts - 1)  # trailing all-padding tiles
-    xt = xs.reshape(num_tiles, tile, latent)
-    h = jax.nn.silu(jnp.einsum("tbr,trf->tbf", xt, w_gate[tile_expert]))
-    h = h * jnp.einsum("tbr,trf->tbf", xt, w_up[tile_expert])
-    y = jnp.einsum("tbf,tfr->tbr", h, w_out[tile_expert]).reshape(rows, latent)
-    y_assign = jnp.zeros((assignments, latent), y.dtype).at[order].set(y[dest])
-    return jnp.einsum("nk,nkr->nr", gates_nk.astype(y.dtype), y_assign.reshape(n, k, latent))
+    xt = xs.reshape(num_tiles, tile, width)
+    g = jnp.einsum("tbr,trf->tbf", xt, w["gate"][tile_expert])
+    u = jnp.einsum("tbr,trf->tbf", xt, w["up"][tile_expert])
+    if "b_gate" in w:
+        g = g + w["b_gate"][tile_expert][:, None]
+        u = u + w["b_up"][tile_expert][:, None]
+    y = jnp.einsum("tbf,tfr->tbr", act(g, u), w["out"][tile_expert])
+    if "b_out" in w:
+        y = y + w["b_out"][tile_expert][:, None]
+    y = y.reshape(rows, out_width)
+    y_assign = jnp.zeros((assignments, out_width), y.dtype).at[order].set(y[dest])
+    return jnp.einsum("nk,nkr->nr", gates_nk.astype(y.dtype), y_assign.reshape(n, k, out_width))
 
 
 def _ragged_dot(lhs, rhs, group_sizes):
@@ -111,15 +150,79 @@ def _pallas_gmm(lhs, rhs, group_sizes):
     return pallas_kernels.gmm(lhs, rhs, group_sizes, impl="pallas")
 
 
-class LatentMoE(nnx.Module):
+def route(cfg: ModelConfig, logits_ne, correction_e, expert_nk=None):
+    """Chosen experts [N, k], their gates [N, k] and the router probabilities [N, E] (fp32).
+
+    softmax: p = softmax(logits); top-k by logit; gates = p at the chosen experts, renormalised
+    over them when `router_renormalize` (= softmax over the chosen logits).
+    sigmoid (DeepSeek-V3): s = σ(logits); the choice uses s + correction bias, restricted to the
+    best `router_topk_groups` groups (a group's score is the sum of its two best choice scores;
+    experts outside them count 0); gates = s at the chosen experts, renormalised when asked.
+    Both then scale by `routed_scaling`. A given `expert_nk` (routing replay) skips the choice; the
+    gates still come from the current logits, so the router keeps its gradient.
+    """
+    k, num_experts = cfg.experts_per_token, cfg.num_experts
+    if cfg.router_type == "softmax":
+        probs = jax.nn.softmax(logits_ne, axis=-1)
+        if expert_nk is None:
+            _, expert_nk = jax.lax.top_k(logits_ne, k)
+        if cfg.router_renormalize:
+            gates = jax.nn.softmax(jnp.take_along_axis(logits_ne, expert_nk, -1), axis=-1)
+        else:
+            gates = jnp.take_along_axis(probs, expert_nk, -1)
+    else:
+        scores = jax.nn.sigmoid(logits_ne)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)  # for the load-balance statistics
+        if expert_nk is None:
+            choice = scores if correction_e is None else scores + correction_e
+            if cfg.router_groups > 1:
+                n = choice.shape[0]
+                grouped = choice.reshape(n, cfg.router_groups, num_experts // cfg.router_groups)
+                group_score = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], -1)
+                _, best = jax.lax.top_k(group_score, cfg.router_topk_groups)
+                keep = jnp.sum(jax.nn.one_hot(best, cfg.router_groups, dtype=jnp.bool_), 1)
+                choice = jnp.where(keep[:, :, None], grouped, 0.0).reshape(n, num_experts)
+            _, expert_nk = jax.lax.top_k(choice, k)
+        gates = jnp.take_along_axis(scores, expert_nk, -1)
+        if cfg.router_renormalize:
+            gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+    return expert_nk, gates * cfg.routed_scaling, probs
+
+
+class MoE(nnx.Module):
+    """Routed experts (dropless) and optional shared experts; `moe_type` latent or plain.
+
+    Returns (y [B, T, D], chosen experts [B, T, k], load-balance stats).
+    """
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, r, f, e = cfg.d_model, cfg.moe_latent_dim, cfg.moe_d_ff, cfg.num_experts
+        d, e = cfg.d_model, cfg.num_experts
+        self.latent = cfg.moe_type == "latent"
+        r, f = (cfg.moe_latent_dim if self.latent else d), cfg.moe_d_ff
+        width_axis = "latent" if self.latent else "embed"
         self.router = param(rngs, (d, e), ("embed", "router_experts"), std=d**-0.5)
-        self.w_down = param(rngs, (d, r), ("embed", "latent"))
-        self.w_gate = param(rngs, (e, r, f), ("experts", "latent", "expert_mlp"), std=r**-0.5)
-        self.w_up = param(rngs, (e, r, f), ("experts", "latent", "expert_mlp"), std=r**-0.5)
-        self.w_out = param(rngs, (e, f, r), ("experts", "expert_mlp", "latent"), std=f**-0.5)
-        self.w_up_proj = param(rngs, (r, d), ("latent", "embed"))
+        if cfg.router_bias:
+            self.router_bias = param(rngs, (e,), ("router_experts",), value=0.0)
+        if cfg.router_correction_bias:
+            self.correction_bias = param(rngs, (e,), ("router_experts",), value=0.0)
+        if self.latent:
+            self.w_down = param(rngs, (d, r), ("embed", "latent"))
+        self.w_gate = param(rngs, (e, r, f), ("experts", width_axis, "expert_mlp"), std=r**-0.5)
+        self.w_up = param(rngs, (e, r, f), ("experts", width_axis, "expert_mlp"), std=r**-0.5)
+        self.w_out = param(rngs, (e, f, r), ("experts", "expert_mlp", width_axis), std=f**-0.5)
+        if cfg.expert_bias:
+            self.b_gate = param(rngs, (e, f), ("experts", "expert_mlp"), value=0.0)
+            self.b_up = param(rngs, (e, f), ("experts", "expert_mlp"), value=0.0)
+            self.b_out = param(rngs, (e, r), ("experts", width_axis), value=0.0)
+        if self.latent:
+            self.w_up_proj = param(rngs, (r, d), ("latent", "embed"))
+        if cfg.num_shared_experts:
+            self.shared = DenseMLP(
+                d, cfg.moe_d_ff * cfg.num_shared_experts, dtype=cfg.compute_dtype, rngs=rngs
+            )
+        self.cfg = cfg
+        self.has_router_bias, self.has_correction = cfg.router_bias, cfg.router_correction_bias
+        self.has_expert_bias, self.has_shared = cfg.expert_bias, bool(cfg.num_shared_experts)
         self.k = cfg.experts_per_token
         self.num_experts = e
         self.dtype = cfg.compute_dtype
@@ -131,30 +234,44 @@ class LatentMoE(nnx.Module):
         x = x_btd.reshape(b * t, d)
         # Router in fp32 (RECIPE §2 numerics).
         logits = x.astype(jnp.float32) @ self.router[...]
-        probs = jax.nn.softmax(logits, axis=-1)
-        if routing_btk is None:
-            _, expert_nk = jax.lax.top_k(logits, self.k)
-        else:
+        if self.has_router_bias:
+            logits = logits + self.router_bias[...]
+        replay = None
+        if routing_btk is not None:
             if routing_btk.shape != (b, t, self.k):
                 raise ValueError(
                     f"routing replay has shape {routing_btk.shape}, expected {(b, t, self.k)}"
                 )
-            expert_nk = routing_btk.reshape(b * t, self.k).astype(jnp.int32)
-        gates = jax.nn.softmax(jnp.take_along_axis(logits, expert_nk, axis=-1), axis=-1)
+            replay = routing_btk.reshape(b * t, self.k).astype(jnp.int32)
+        correction = self.correction_bias[...] if self.has_correction else None
+        expert_nk, gates, probs = route(self.cfg, logits, correction, replay)
 
-        latent = x.astype(dt) @ self.w_down[...].astype(dt)
-        w_gate, w_up, w_out = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_out))
+        h = x.astype(dt) @ self.w_down[...].astype(dt) if self.latent else x.astype(dt)
+        w = {"gate": self.w_gate, "up": self.w_up, "out": self.w_out}
+        if self.has_expert_bias:
+            w.update(b_gate=self.b_gate, b_up=self.b_up, b_out=self.b_out)
+        w = {name: v[...].astype(dt) for name, v in w.items()}
+        act = swiglu_act
+        if self.cfg.expert_activation == "clamped_swiglu":
+            act = clamped_swiglu_act(self.cfg.swiglu_limit, self.cfg.swiglu_alpha)
         if self.impl == "dense":
             combine = jnp.sum(jax.nn.one_hot(expert_nk, self.num_experts) * gates[..., None], 1)
-            y = _expert_swiglu_dense(latent, w_gate, w_up, w_out, combine)
+            y = _expert_mlp_dense(h, w, combine, act)
         elif self.impl == "blocked" or (self.impl == "auto" and not use_pallas("auto")):
-            y = _expert_swiglu_blocked(latent, w_gate, w_up, w_out, expert_nk, gates)
+            y = _expert_mlp_blocked(h, w, expert_nk, gates, act)
         else:
             matmul = _pallas_gmm if use_pallas(self.impl) else _ragged_dot
-            y = _expert_swiglu_grouped(latent, w_gate, w_up, w_out, expert_nk, gates, matmul)
-        out = (y.astype(dt) @ self.w_up_proj[...].astype(dt)).reshape(b, t, d)
+            y = _expert_mlp_grouped(h, w, expert_nk, gates, act, matmul)
+        if self.latent:
+            y = y.astype(dt) @ self.w_up_proj[...].astype(dt)
+        if self.has_shared:
+            y = y.astype(dt) + self.shared(x)
+        out = y.reshape(b, t, d)
 
         valid = valid_bt.reshape(b * t).astype(jnp.float32)
         counts = jnp.sum(jax.nn.one_hot(expert_nk, self.num_experts) * valid[:, None, None], (0, 1))
         stats = (jax.lax.stop_gradient(counts), jnp.sum(probs * valid[:, None], 0), jnp.sum(valid))
         return out, expert_nk.reshape(b, t, self.k), stats
+
+
+LatentMoE = MoE  # the MAI flagship's MoE is this layer with moe_type="latent"

@@ -1,8 +1,11 @@
-"""The decoder-only MoE transformer of RECIPE §2 (Flax NNX), its KV cache, and sharded creation.
+"""The decoder-only transformer (Flax NNX), its KV cache, and sharded creation.
 
-Residual stream in fp32; matmuls in the compute dtype; no biases; tied input/output embeddings.
-Each block: pre-norm attention whose output passes an RMSNorm with gain initialised to 0 (so every
-attention branch starts at zero), then a pre-norm FFN (LatentMoE or dense SwiGLU by layer).
+One code path for the MAI flagship of RECIPE §2 and the open families (Llama 3, Qwen3, Qwen3-MoE,
+GPT-OSS, DeepSeek-V3 / Kimi K2): `ModelConfig` picks the attention (GQA or MLA), the FFN of each
+layer (dense SwiGLU or MoE) and the head. Residual stream in fp32; matmuls in the compute dtype.
+Each block: pre-norm attention (MAI: its output passes an RMSNorm with gain initialised to 0, so
+every attention branch starts at zero), then a pre-norm FFN. MAI ties the input and output
+embeddings and scales logits by d_model**-0.5; the open families use a plain (often untied) head.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from hcjax import sharding as shd
-from hcjax.model.attention import Attention, init_layer_cache
+from hcjax.model.attention import attention_cache_entries, init_layer_cache, make_attention
 from hcjax.model.config import ModelConfig
 from hcjax.model.layers import DenseMLP, RMSNorm, dropout, param
-from hcjax.model.moe import LatentMoE, load_balance_loss_from_stats
+from hcjax.model.moe import MoE, load_balance_loss_from_stats
 
 
 @struct.dataclass
@@ -34,19 +37,23 @@ class ModelOutput:
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(cfg, cfg.attention_kind(layer), rngs=rngs)
-        self.attn_out_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, init_gain=0.0, rngs=rngs)
+        self.attn = make_attention(cfg, cfg.attention_kind(layer), rngs=rngs)
+        self.has_attn_out_norm = cfg.attention_output_norm
+        if cfg.attention_output_norm:
+            self.attn_out_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, init_gain=0.0, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.is_moe = cfg.ffn_kind(layer) == "moe"
         if self.is_moe:
-            self.ffn = LatentMoE(cfg, rngs=rngs)
+            self.ffn = MoE(cfg, rngs=rngs)
         else:
             self.ffn = DenseMLP(cfg.d_model, cfg.d_ff, dtype=cfg.compute_dtype, rngs=rngs)
         self.dropout_rate = cfg.dropout_rate
 
     def __call__(self, x, positions, segment_ids, valid, routing, cache, rngs_pair):
         h, new_cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
-        x = x + dropout(self.attn_out_norm(h), self.dropout_rate, rngs_pair[0])
+        if self.has_attn_out_norm:
+            h = self.attn_out_norm(h)
+        x = x + dropout(h.astype(jnp.float32), self.dropout_rate, rngs_pair[0])
         moe_out = None
         if self.is_moe:
             y, chosen, stats = self.ffn(self.ffn_norm(x), valid, routing)
@@ -61,6 +68,10 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=1.0)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(
+                rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.d_model**-0.5
+            )
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
 
@@ -113,9 +124,13 @@ class Transformer(nnx.Module):
                 moe_index += 1
 
         h = self.final_norm(x).astype(cfg.compute_dtype)
-        emb = self.embed[...].astype(cfg.compute_dtype)
-        logits = jnp.einsum("btd,vd->btv", h, emb, preferred_element_type=jnp.float32)
-        logits = logits * (cfg.d_model**-0.5)
+        head = self.embed if cfg.tie_embeddings else self.lm_head
+        logits = jnp.einsum(
+            "btd,vd->btv", h, head[...].astype(cfg.compute_dtype),
+            preferred_element_type=jnp.float32,
+        )
+        if cfg.scale_logits:
+            logits = logits * (cfg.d_model**-0.5)
         stats = tuple(stats)
         lb = load_balance_loss_from_stats(stats, experts_per_token=cfg.experts_per_token)
         return ModelOutput(
@@ -128,14 +143,18 @@ class Transformer(nnx.Module):
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple:
-    """Empty KV cache: ring buffers of `window` slots for local layers, `max_len` for global ones."""
+    """Empty KV cache: ring buffers of `window` slots for local layers, `max_len` for global ones.
+
+    GQA layers hold K and V per KV head; MLA layers hold the compressed latent and the RoPE key.
+    """
     if max_len <= 0 or batch_size <= 0:
         raise ValueError(f"init_cache: batch_size={batch_size} and max_len={max_len} must be > 0")
     dtype = dtype or cfg.compute_dtype
+    entries = attention_cache_entries(cfg)
     layers = []
     for i in range(cfg.num_layers):
         slots = min(cfg.window, max_len) if cfg.attention_kind(i) == "local" else max_len
-        layers.append(init_layer_cache(batch_size, slots, cfg.num_kv_heads, cfg.head_dim, dtype))
+        layers.append(init_layer_cache(batch_size, slots, entries, dtype))
     return tuple(layers)
 
 
