@@ -51,34 +51,39 @@ def test_byte_errors():
 
 
 @pytest.fixture()
-def hf_json(tmp_path):
+def hf_folder(tmp_path):
+    """A minimal Hugging Face folder: a trained tokenizer.json and its tokenizer_config.json."""
+    import json
+
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     hf = Tokenizer(models.BPE(unk_token="[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]"])
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "</s>"])
     hf.train_from_iterator(["the cat sat on the mat", "12 + 34 = 46", "hello world"] * 20, trainer)
-    path = tmp_path / "tokenizer.json"
-    hf.save(str(path))
-    return str(path)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return str(tmp_path)
 
 
-def test_hf_tokenizer_round_trip_and_specials(hf_json):
-    tok = load_tokenizer(hf_json)
+def test_hf_tokenizer_round_trip_and_no_added_tokens(hf_folder):
+    from tokenizers import Tokenizer
+
+    tok = load_tokenizer(hf_folder)
     assert isinstance(tok, HFTokenizer)
     ids = tok.encode("the cat sat")
     assert tok.decode(ids) == "the cat sat"
-    # The template's special tokens were added, with distinct ids inside the vocabulary.
-    specials = [tok.special_id(s) for s in T.SPECIAL_TOKENS]
-    assert len(set(specials)) == len(specials)
-    assert max(specials) < tok.vocab_size
-    assert tok.pad_id == tok.special_id(T.PAD)
+    assert tok.eos_id == tok.pad_id == tok.special_id("</s>")
+    # Nothing is appended to a real vocabulary: the byte template's tokens are a clear error.
+    raw = Tokenizer.from_file(f"{hf_folder}/tokenizer.json")
+    assert tok.vocab_size == raw.get_vocab_size(with_added_tokens=True)
+    with pytest.raises(ValueError, match=r"'<\|user\|>' is not in the vocabulary"):
+        tok.special_id(T.USER)
 
 
 def test_hf_tokenizer_bad_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.json"):
-        HFTokenizer(str(tmp_path / "missing.json"))
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ValueError, match="bad.json"):
-        HFTokenizer(str(bad))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_tokenizer(str(tmp_path / "missing"))
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_tokenizer(str(tmp_path))

@@ -1,11 +1,14 @@
-"""Tokenizers: a built-in byte-level tokenizer (no files needed) and a wrapper around a local
-Hugging Face `tokenizer.json`, both exposing the same small interface and special-token ids."""
+"""Tokenizers: a built-in byte-level tokenizer (no files needed) with the special tokens of our
+own chat template, and the loader that picks it or a local Hugging Face folder (`HFTokenizer`, in
+hf_tokenizer.py), both exposing the same small interface."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from typing import Protocol
+
+from hcjax.data.hf_tokenizer import HFTokenizer
 
 # Special tokens of the chat / reasoning template (RECIPE §3). The byte tokenizer gives them the
 # first ids so that id 0 is padding everywhere (segment id 0 is padding in the model too).
@@ -90,46 +93,9 @@ class ByteTokenizer:
         return self._special[token]
 
 
-class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer loaded from a local `tokenizer.json`.
-
-    The template's special tokens are added to the vocabulary if the file lacks them, so the
-    same templates work with either tokenizer.
-    """
-
-    def __init__(self, path: str, pad: str = PAD, bos: str = BOS, eos: str = EOS) -> None:
-        from tokenizers import AddedToken
-        from tokenizers import Tokenizer as _HFTok
-
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
-        try:
-            self._tok = _HFTok.from_file(path)
-        except Exception as e:  # the library raises a bare Exception on bad JSON
-            raise ValueError(f"tokenizer file {path!r} could not be parsed: {e}") from e
-        missing = [t for t in SPECIAL_TOKENS if self._tok.token_to_id(t) is None]
-        if missing:
-            self._tok.add_special_tokens([AddedToken(t, special=True) for t in missing])
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.pad_id = self.special_id(pad)
-        self.bos_id = self.special_id(bos)
-        self.eos_id = self.special_id(eos)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
-
-    def special_id(self, token: str) -> int:
-        i = self._tok.token_to_id(token)
-        if i is None:
-            raise ValueError(f"special token {token!r} is not in the tokenizer vocabulary")
-        return i
-
-
-def load_tokenizer(path: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """The byte tokenizer when `path` is None or "byte", else the `tokenizer.json` at `path`."""
+def load_tokenizer(path: str | os.PathLike | None = None) -> ByteTokenizer | HFTokenizer:
+    """The byte tokenizer when `path` is None or "byte", else the Hugging Face model folder at
+    `path` (`HFTokenizer.from_pretrained`)."""
     if path is None or path == "byte":
         return ByteTokenizer()
-    return HFTokenizer(path)
+    return HFTokenizer.from_pretrained(path)
