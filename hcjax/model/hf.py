@@ -322,11 +322,15 @@ def check_coverage(rules: list[Rule], reader: HFReader, cfg: ModelConfig, hf_con
                 )
             used.update(stored)
         expect = shapes[ours[0]]
-        got = _ours_shape(rule, reader)
-        if tuple(got) != tuple(expect):
+        try:
+            got = _ours_shape(rule, reader)
+        except (TypeError, ValueError):  # the layout itself cannot apply to this shape
+            got = None
+        if got is None or tuple(got) != tuple(expect):
+            stored = reader.shape(hf_names(rule)[0])
             raise ValueError(
-                f"tensor {hf_names(rule)[0]!r} gives parameter {ours[0]!r} shape {tuple(got)}; "
-                f"the config says {tuple(expect)}"
+                f"tensor {hf_names(rule)[0]!r} has shape {tuple(stored)}, which does not give "
+                f"parameter {ours[0]!r} the shape {tuple(expect)} the config implies"
             )
     mapped_params = {o for r in rules for o in ([r.gate, r.up] if isinstance(r, Interleaved) else [r.ours])}
     unmapped = sorted(set(shapes) - mapped_params)
