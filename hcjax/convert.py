@@ -107,8 +107,7 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
     from flax import nnx
 
     from hcjax.checkpoint import CheckpointConfig, Checkpointer
-    from hcjax.model import ModelConfig, abstract_model
-    from hcjax.model import hf
+    from hcjax.model import ModelConfig, abstract_model, hf
 
     t0 = time.perf_counter()
     ckpt_dir = os.path.join(src, "checkpoints")

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
