@@ -22,15 +22,19 @@ from hcjax.model.transformer import abstract_model
 def _component(path: tuple, is_expert: bool) -> str:
     keys = [str(p) for p in path]
     if keys[0] == "embed":
-        return "embedding (tied)"
+        return "embedding"
+    if keys[0] == "lm_head":
+        return "output head"
     if keys[0] == "final_norm" or "norm" in keys[2]:
         return "norms"
     if keys[2] == "attn":
         return "attention"
     if is_expert:
         return "moe experts"
-    if keys[-1] == "router":
+    if keys[-1] in ("router", "router_bias", "correction_bias"):
         return "moe router"
+    if "shared" in keys:
+        return "moe shared experts"
     if keys[-1] in ("w_down", "w_up_proj"):
         return "moe latent projections"
     return "dense mlp"
@@ -52,9 +56,13 @@ def summarize(cfg: ModelConfig) -> dict:
         active += act
         by_component[comp]["total"] += n
         by_component[comp]["active"] += act
+    embedding = by_component["embedding"]["total"]
     return {
         "total_params": total,
         "active_params": int(round(active)),
+        # Some model cards (e.g. OpenAI's for gpt-oss) count active parameters without the input
+        # embedding table, which is read, not multiplied.
+        "active_params_without_embedding": int(round(active)) - embedding,
         "components": {k: {"total": v["total"], "active": int(v["active"])}
                        for k, v in sorted(by_component.items())},
         "config": {
@@ -70,6 +78,10 @@ def summarize(cfg: ModelConfig) -> dict:
             "moe_d_ff": cfg.moe_d_ff,
             "d_ff": cfg.d_ff,
             "vocab_size": cfg.vocab_size,
+            "tie_embeddings": cfg.tie_embeddings,
+            "attention_type": cfg.attention_type,
+            "moe_type": cfg.moe_type,
+            "num_shared_experts": cfg.num_shared_experts,
         },
     }
 

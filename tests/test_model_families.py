@@ -1,0 +1,60 @@
+"""Every real model's gin file gives its published parameter counts (`hcjax.model.summary`, from
+shapes only), and the flagship keeps its ~1T / ~35B."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import pytest
+
+from hcjax.model import ModelConfig
+from hcjax.model.summary import summarize
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (gin file, published total, published active, active counted without the input embedding,
+#  relative tolerance). Sources: each model's card / report (see the gin file headers).
+PUBLISHED = [
+    ("models/llama3_8b.gin", 8.03e9, 8.03e9, False, 0.005),
+    ("models/llama3_70b.gin", 70.6e9, 70.6e9, False, 0.005),
+    ("models/qwen3_8b.gin", 8.2e9, 8.2e9, False, 0.01),
+    ("models/qwen3_30b_a3b.gin", 30.5e9, 3.3e9, False, 0.02),
+    ("models/qwen3_235b_a22b.gin", 235e9, 22e9, False, 0.01),
+    # OpenAI counts active parameters without the embedding table (20.91B / 3.61B, 116.83B / 5.13B).
+    ("models/gpt_oss_20b.gin", 20.91e9, 3.61e9, True, 0.005),
+    ("models/gpt_oss_120b.gin", 116.83e9, 5.13e9, True, 0.005),
+    # DeepSeek-V3's 671B excludes its 14B multi-token-prediction module (not part of the model).
+    ("models/deepseek_v3_671b.gin", 671e9, 37e9, False, 0.02),
+    # Kimi K2: "1.04T total, 32B activated" in its report (rounded figures).
+    ("models/kimi_k2_1t.gin", 1.04e12, 32e9, False, 0.03),
+    ("mai_base_1t_a35b.gin", 1.0e12, 35e9, False, 0.01),
+]
+
+
+def config_of(gin_file: str) -> ModelConfig:
+    from hcjax import config as hcfg
+
+    hcfg.bind([gin_file], [])
+    try:
+        return ModelConfig()
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("gin_file,total,active,without_embedding,tol", PUBLISHED)
+def test_published_parameter_counts(gin_file, total, active, without_embedding, tol):
+    s = summarize(config_of(gin_file))
+    got_active = s["active_params_without_embedding" if without_embedding else "active_params"]
+    print(f"{gin_file}: total {s['total_params'] / 1e9:.2f}B, active {got_active / 1e9:.2f}B")
+    assert abs(s["total_params"] - total) <= tol * total
+    assert abs(got_active - active) <= tol * active
+
+
+def test_summary_cli_on_a_family_config():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hcjax.model.summary", "--gin_file", "models/deepseek_v3_671b.gin"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "moe shared experts" in proc.stdout and "output head" in proc.stdout
