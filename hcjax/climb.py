@@ -1,10 +1,12 @@
 """`python -m hcjax.climb`: the RL climb end to end (RECIPE §1, §3, §4) on the synthetic suite.
 
-With no arguments it pre-trains the tiny base (hcjax.sft) unless `--base_checkpoint` is given,
-then climbs: an in-process rollout server on the inference devices, the GRPO learner on disjoint
-learner devices, weights pushed through a transfer plan, all driven by hcjax.rl.controller. With
-`--inference_address` the rollouts go to remote `python -m hcjax.climb --role inference`
-processes through the router, and weights move to them by a reshard plan (hcjax.rl.weight_sync).
+With no arguments it pre-trains the tiny base (hcjax.sft) unless `--base_checkpoint` is given
+(or `--hf_checkpoint DIR`: a Hugging Face folder's model and tokenizer, prompts in its chat
+template, stopping on its eos ids), then climbs: an in-process rollout server on the inference
+devices, the GRPO learner on disjoint learner devices, weights pushed through a transfer plan,
+all driven by hcjax.rl.controller. With `--inference_address` the rollouts go to remote
+`python -m hcjax.climb --role inference` processes through the router, and weights move to them
+by a reshard plan (hcjax.rl.weight_sync).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class ClimbConfig:
     temperature_delta / temperature_range: δ and bounds of the sampling-temperature lever
     (hcjax.rl.entropy.TemperatureController: T moves by ±δ toward the learner's H* after every
     step); 0 keeps the temperature fixed (RECIPE §3 has only k).
+    max_prompt_len: the engine's max prefill length, the longest prompt a task may have (longer
+    ones are an error); None: 32 for the byte template, else measured from the suite's prompts in
+    the tokenizer's chat template (`longest_prompt`).
     """
 
     num_steps: int = 60
@@ -106,6 +111,7 @@ class ClimbConfig:
     profile_start: int = -1
     profile_stop: int = -1
     seed: int = 0
+    max_prompt_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "group", "early_group", "max_tokens", "eval_every",
@@ -137,6 +143,9 @@ class ClimbConfig:
             raise ValueError(f"ClimbConfig.temperature_delta={self.temperature_delta} must be >= 0")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"ClimbConfig.max_minutes={self.max_minutes} must be > 0 or None")
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            raise ValueError(f"ClimbConfig.max_prompt_len={self.max_prompt_len} must be >= 1 "
+                             "or None")
 
     def early_exit(self) -> EarlyExit:
         return EarlyExit(self.early_group, self.group, tuple(self.early_window),
@@ -152,12 +161,18 @@ class ClimbResult:
 # Tasks -----------------------------------------------------------------------------------------
 
 
-def arithmetic_task(index: int, suite, tok) -> Task:
-    """Training problem `index` of the synthetic suite as a worker Task (reward = correctness)."""
+def arithmetic_task(index: int, suite, tok, max_prompt_len: int | None = None) -> Task:
+    """Training problem `index` of the synthetic suite as a worker Task (reward = correctness);
+    a prompt longer than `max_prompt_len` tokens (the engine's prefill limit) is an error."""
     from hcjax.data.template import prompt_ids
 
     problem = suite.train_problem(index)
-    return Task(problem.id, tuple(prompt_ids(problem.prompt, tok)), _grader(problem, tok),
+    ids = tuple(prompt_ids(problem.prompt, tok))
+    if max_prompt_len is not None and len(ids) > max_prompt_len:
+        raise ValueError(
+            f"problem {problem.id} ({problem.prompt!r}) has a {len(ids)}-token prompt; "
+            f"the engine's max prefill length is {max_prompt_len} (set ClimbConfig.max_prompt_len)")
+    return Task(problem.id, ids, _grader(problem, tok),
                 {"prompt": problem.prompt, "answer": problem.answer, "index": index,
                  "category": arithmetic_category(problem)})
 
@@ -170,18 +185,18 @@ def arithmetic_category(problem) -> str:
     return f"{problem.kind}:{len(a)}x{len(b)}"
 
 
-def arithmetic_source(suite, tok, cfg: ClimbConfig):
+def arithmetic_source(suite, tok, cfg: ClimbConfig, max_prompt_len: int | None = None):
     """The climb's problem source: training problems in index order ("sequential"), or drawn
     per category by a prioritised rule ("prioritized", hcjax.rl.controller.PrioritizedSource)."""
     if cfg.sampler == "sequential":
-        return SequentialSource(lambda i: arithmetic_task(i, suite, tok))
+        return SequentialSource(lambda i: arithmetic_task(i, suite, tok, max_prompt_len))
     # The categories present in the training stream (a scan of its first problems).
     categories = sorted({arithmetic_category(suite.train_problem(i)) for i in range(2000)})
 
     def make(category: str, cursor: int) -> tuple[Task, int]:
         for i in range(cursor, cursor + 100_000):
             if arithmetic_category(suite.train_problem(i)) == category:
-                return arithmetic_task(i, suite, tok), i + 1
+                return arithmetic_task(i, suite, tok, max_prompt_len), i + 1
         raise RuntimeError(f"no training problem of category {category!r} after index {cursor}")
 
     return PrioritizedSource(categories, make, lambda task: task.meta["category"],
@@ -189,9 +204,26 @@ def arithmetic_source(suite, tok, cfg: ClimbConfig):
                              rule=cfg.priority_rule, seed=cfg.seed)
 
 
+def longest_prompt(suite, tok, scan: int = 2000) -> int:
+    """Tokens of the longest templated prompt the suite can give: the longest over its held-out
+    problems and first `scan` training problems, and at least the template's own tokens plus one
+    per character of the longest prompt the digit range allows (BPE never spends more than a
+    token on a digit or operator)."""
+    from hcjax.data.template import prompt_ids
+
+    problems = [*suite.heldout(), *(suite.train_problem(i) for i in range(scan))]
+    seen = max(len(prompt_ids(p.prompt, tok)) for p in problems)
+    # "a op b =": a has at most max_digits digits, b too (add/sub) or 1 (mul) or 2 (mod).
+    longest_chars = 2 * suite.max_digits + 2
+    bound = len(prompt_ids("", tok)) + longest_chars
+    return max(seen, bound)
+
+
 def _grader(problem, tok) -> Callable[[Sequence[int]], Grade]:
+    from hcjax.eval import grade_response
+
     def grade(ids: Sequence[int]) -> Grade:
-        ok = bool(problem.check(tok.decode(list(ids))))
+        ok = bool(grade_response(problem, tok.decode(list(ids)), tok))
         return Grade(reward=float(ok), correct=ok)
 
     return grade
@@ -200,6 +232,7 @@ def _grader(problem, tok) -> Callable[[Sequence[int]], Grade]:
 def heldout_pass_at_1(client, problems, tok, max_tokens: int, stop_tokens) -> float:
     """Greedy pass@1 of the served policy on `problems` (all submitted at once, then checked)."""
     from hcjax.data.template import prompt_ids
+    from hcjax.eval import grade_response
     from hcjax.rollout.request import GenerateRequest
 
     if not problems:
@@ -210,7 +243,7 @@ def heldout_pass_at_1(client, problems, tok, max_tokens: int, stop_tokens) -> fl
                               temperature=0.0, top_p=1.0, seed=0, stop_tokens=tuple(stop_tokens),
                               request_id=f"eval-{p.id}")
         rec = client.generate(req)[0]
-        return p.check(tok.decode(rec.response_ids.tolist()))
+        return grade_response(p, tok.decode(rec.response_ids.tolist()), tok)
 
     from concurrent import futures
 
@@ -292,6 +325,7 @@ def run_climb(
     output_dir: str,
     *,
     base_checkpoint: str | None = None,
+    hf_checkpoint: str | None = None,
     inference_addresses: Sequence[str] = (),
     mode: str | None = None,
     progress: bool = True,
@@ -299,6 +333,9 @@ def run_climb(
 ) -> ClimbResult:
     """Run (or resume) a climb in `output_dir`; returns its summary (also in summary.json).
 
+    hf_checkpoint: a Hugging Face folder as the base (instead of base_checkpoint or the tiny
+    pre-training): its model on the learner mesh, its tokenizer and chat template for prompts,
+    stop ids and grading; recorded in the checkpoints' meta and OUTPUT_DIR/hf for export.
     inference_addresses: remote `hcjax.serve` replicas (multi-process placement); empty = the
     in-process engine on this process's inference devices. mode overrides ControllerConfig.mode.
     stop_at_gain: stop once held-out pass@1 is this much above the base's (used by bench.climb).
@@ -309,7 +346,7 @@ def run_climb(
     from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
     from hcjax.data.tasks import ArithmeticSuite
     from hcjax.data.template import stop_ids
-    from hcjax.data.tokenizer import ByteTokenizer
+    from hcjax.data.tokenizer import ByteTokenizer, load_tokenizer
     from hcjax.metrics import MetricsWriter
     from hcjax.model import ModelConfig
     from hcjax.profiling import StepTracer
@@ -317,6 +354,12 @@ def run_climb(
     from hcjax.rl.multihost import DistributedLearner
     from hcjax.sharding import MeshConfig, make_mesh
 
+    if hf_checkpoint is not None and base_checkpoint is not None:
+        raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint={base_checkpoint!r}:"
+                         " the climb starts from one base, give one of them")
+    if hf_checkpoint is not None and inference_addresses:
+        raise ValueError("hf_checkpoint with remote inference (inference_addresses) is not "
+                         "supported: `--role inference` serves the gin ModelConfig")
     t_start = time.perf_counter()
     output_dir = os.path.abspath(output_dir)
     os.makedirs(output_dir, exist_ok=True)
@@ -327,8 +370,11 @@ def run_climb(
     model_cfg = ModelConfig()
     learner_cfg = LearnerConfig()
     suite = ArithmeticSuite()
-    tok = ByteTokenizer()
+    tok = ByteTokenizer() if hf_checkpoint is None else load_tokenizer(hf_checkpoint)
     stops = stop_ids(tok)
+    max_prompt_len = cfg.max_prompt_len
+    if max_prompt_len is None:
+        max_prompt_len = 32 if hf_checkpoint is None else longest_prompt(suite, tok)
 
     processes = jax.process_count()
     if processes > 1 and not inference_addresses:
@@ -351,9 +397,19 @@ def run_climb(
                                         num_devices=cfg.learner_devices))
 
     t_base = time.perf_counter()
-    base_dir = base_checkpoint or _pretrain_base(output_dir)
+    ckpt_meta: dict[str, Any] = {}
+    if hf_checkpoint is not None:
+        from hcjax.distill.sft import hf_source_meta, load_hf_model
+
+        model, model_cfg = load_hf_model(hf_checkpoint, learner_mesh)
+        ckpt_meta = hf_source_meta(hf_checkpoint, output_dir)
+        if tok.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"the tokenizer of {hf_checkpoint!r} has {tok.vocab_size} ids; the "
+                             f"model's vocab_size is {model_cfg.vocab_size}")
+    else:
+        base_dir = base_checkpoint or _pretrain_base(output_dir)
+        model, _ = _load_base_params(base_dir, model_cfg, learner_mesh)
     base_seconds = time.perf_counter() - t_base
-    model, _ = _load_base_params(base_dir, model_cfg, learner_mesh)
     learner = Learner(model, learner_cfg, learner_mesh)
     # Several learner processes: process 0 sends every learner call (train, gather, save,
     # restore) to the others, which run them in the same order (hcjax.rl.multihost). From here
@@ -362,7 +418,7 @@ def run_climb(
     adapter = LearnerAdapter(dist or learner)
     ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"),
                         CheckpointConfig(save_every=cfg.checkpoint_every, keep=2),
-                        {"model_config": jsonable(model_cfg)})
+                        {"model_config": jsonable(model_cfg), **ckpt_meta})
     if dist is not None and not dist.is_leader:
         return _follow(output_dir, dist, ckpt, t_start)
 
@@ -388,11 +444,10 @@ def run_climb(
                                         num_devices=cfg.inference_devices))
         graphdef, params = nnx.split(learner.model())
         inf_model = nnx.merge(graphdef, shard_state(jax.tree.map(jnp_copy, params), inf_mesh))
-        longest_prompt = 32
         engine = Engine(inf_model, mesh=inf_mesh, max_concurrent_decodes=cfg.max_concurrent_decodes,
-                        max_prefill_length=longest_prompt,
+                        max_prefill_length=max_prompt_len,
                         max_target_length=min(model_cfg.max_seq_len,
-                                              longest_prompt + cfg.max_tokens + 8))
+                                              max_prompt_len + cfg.max_tokens + 8))
         served = VersionedWeights(None, -1)
         plan = make_plan(learner.state.params,
                          jax.tree.map(lambda x: x.sharding, engine.load_params()))
@@ -421,7 +476,7 @@ def run_climb(
 
     def sample_at(t: float) -> None:  # requests made from now on sample at temperature t
         rollout_worker.sampling = dataclasses.replace(sampling, temperature=t)
-    source = arithmetic_source(suite, tok, cfg)
+    source = arithmetic_source(suite, tok, cfg, max_prompt_len)
     store = RolloutStore(os.path.join(output_dir, "rollouts"), decode=tok.decode)
     holder: dict[str, Controller] = {}
 
@@ -849,9 +904,13 @@ def _extra_args(parser) -> None:
     parser.add_argument("--role", choices=("climb", "inference"), default="climb",
                         help="climb: learner + controller (+ in-process inference unless "
                         "--inference_address); inference: a rollout server process")
-    parser.add_argument("--base_checkpoint", default=None,
-                        help="run folder (or checkpoints/ folder) of an hcjax.sft base; default: "
-                        "pre-train the tiny base into OUTPUT_DIR/base")
+    base = parser.add_mutually_exclusive_group()
+    base.add_argument("--base_checkpoint", default=None,
+                      help="run folder (or checkpoints/ folder) of an hcjax.sft base; default: "
+                      "pre-train the tiny base into OUTPUT_DIR/base")
+    from hcjax.config import add_hf_checkpoint_flag
+
+    add_hf_checkpoint_flag(base)
     parser.add_argument("--inference_address", action="append", default=[],
                         help="host:port of an inference process (repeatable)")
     parser.add_argument("--host", default="127.0.0.1", help="inference role: address to bind")
@@ -869,8 +928,11 @@ def main(argv: Sequence[str] | None = None) -> ClimbResult | None:
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
-    config.bind(flags.gin_files, flags.gin_params)
     args = flags.extra
+    if args.hf_checkpoint and (args.role == "inference" or args.inference_address):
+        raise SystemExit("error: --hf_checkpoint runs the in-process engine only; --role inference"
+                         " and --inference_address serve the gin ModelConfig")
+    config.bind(flags.gin_files, flags.gin_params)
     leader = True
     if args.coordinator_address:
         import jax
@@ -897,6 +959,7 @@ def main(argv: Sequence[str] | None = None) -> ClimbResult | None:
     if leader:
         config.write_config(output_dir, flags)
     result = run_climb(output_dir, base_checkpoint=args.base_checkpoint,
+                       hf_checkpoint=args.hf_checkpoint,
                        inference_addresses=args.inference_address, mode=args.mode,
                        progress=not args.quiet and leader)
     if not leader:  # a follower learner process: its summary is its role and steps

@@ -20,6 +20,8 @@ __all__ = [
     "ConfigError",
     "Flags",
     "add_gin_flags",
+    "add_hf_checkpoint_flag",
+    "hf_checkpoint_folder",
     "bind",
     "parse_flags",
     "write_config",
@@ -57,6 +59,32 @@ def add_gin_flags(parser: argparse.ArgumentParser, default_gin_files: Sequence[s
         help="one gin binding, e.g. \"ModelConfig.num_layers = 4\" (repeatable; applied last)",
     )
     parser.add_argument("--output_dir", default=None, help="folder for config, metrics, outputs")
+
+
+def hf_checkpoint_folder(path: str) -> str:
+    """argparse `type` of `--hf_checkpoint`: the absolute path of a Hugging Face model folder
+    (one holding config.json), else an argparse error (`error: ...`, exit 2, no traceback)."""
+    folder = os.path.abspath(path)
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"Hugging Face model folder {path!r} does not exist")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise argparse.ArgumentTypeError(
+            f"{path!r} has no config.json; expected a Hugging Face model folder"
+        )
+    return folder
+
+
+def add_hf_checkpoint_flag(parser: argparse.ArgumentParser | argparse._ActionsContainer) -> None:
+    """`--hf_checkpoint DIR`: model (config.json + safetensors) and tokenizer from a Hugging Face
+    folder instead of the gin ModelConfig and the byte tokenizer."""
+    parser.add_argument(
+        "--hf_checkpoint",
+        type=hf_checkpoint_folder,
+        default=None,
+        metavar="DIR",
+        help="Hugging Face model folder: the model and tokenizer come from it (the gin "
+        "ModelConfig only contributes its kernel choices, moe_impl and attention_impl)",
+    )
 
 
 def parse_flags(

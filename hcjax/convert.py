@@ -134,7 +134,17 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
     target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=here), target)
     ck = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), {})
     try:
-        params = ck.restore_subtree(step, "params", target)
+        try:
+            params = ck.restore_subtree(step, "params", target)
+        except ValueError as e:
+            # The climb's learner saves each parameter as {"value": array} (an nnx.State).
+            if "different structure" not in str(e):
+                raise
+            wrapped = jax.tree.map(lambda t: {"value": t}, target)
+            params = jax.tree.map(
+                lambda d: d["value"], ck.restore_subtree(step, "params", wrapped),
+                is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"},
+            )
     finally:
         ck.close()
     state = nnx.State(abstract)
@@ -173,8 +183,9 @@ def copy_side_files(src: str, dst: str, skip: Sequence[str] = ()) -> list[str]:
 def write_model_gin(cfg, path: str, source: str = "") -> None:
     """`ModelConfig` bindings that rebuild `cfg` (pass with --gin_file to sft / climb / serve)."""
     from hcjax.model import ModelConfig
+    from hcjax.model.hf_config import class_defaults
 
-    default = ModelConfig()
+    default = ModelConfig(**class_defaults())
     lines = [f"# ModelConfig of {source} (written by hcjax.convert)."]
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)

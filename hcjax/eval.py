@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hcjax.data.tasks import Problem
-from hcjax.data.template import parse_answer, prompt_ids, stop_ids
+from hcjax.data.hf_tokenizer import HFTokenizer
+from hcjax.data.tasks import Problem, normalize_answer
+from hcjax.data.template import prompt_ids, response_answer, stop_ids
 from hcjax.data.tokenizer import ByteTokenizer, Tokenizer
 from hcjax.model import init_cache
 
@@ -105,12 +106,23 @@ def generate(
     return result
 
 
+def grade_response(problem: Problem, text: str, tok: Tokenizer) -> bool:
+    """Whether a decoded response solves `problem`: `Problem.check` (its `<answer>` block) for our
+    template; for a Hugging Face chat template, whose models need not write `<answer>` tags, the
+    answer `hcjax.data.template.hf_answer` reads (tag, `\\boxed{}`, or last number after the
+    reasoning), compared the way `Problem.check` compares."""
+    if not isinstance(tok, HFTokenizer):
+        return problem.check(text)
+    got = response_answer(text, tok)
+    return got is not None and normalize_answer(got) == normalize_answer(problem.answer)
+
+
 @dataclasses.dataclass
 class EvalResult:
     num_problems: int
     num_samples: int
     pass_at_1: float  # mean over problems of the fraction of correct samples
-    format_rate: float  # fraction of samples with a complete <answer> block
+    format_rate: float  # fraction of samples with an answer (an <answer> block in our template)
     by_kind: dict[str, float]
     by_difficulty: dict[int, float]
     examples: list[dict[str, Any]]
@@ -163,8 +175,8 @@ def evaluate_problems(
         for j, ((p, _), ids) in enumerate(zip(chunk, outs, strict=True)):
             text = tok.decode(ids)
             texts.append(text)
-            correct[start + j] = p.check(text)
-            formatted[start + j] = parse_answer(text) is not None
+            correct[start + j] = grade_response(p, text, tok)
+            formatted[start + j] = response_answer(text, tok) is not None
     per_problem = correct.reshape(len(problems), num_samples).mean(axis=1)
     by_kind: dict[str, list[float]] = defaultdict(list)
     by_difficulty: dict[int, list[float]] = defaultdict(list)

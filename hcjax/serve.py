@@ -3,7 +3,9 @@
 Builds the gin-configured model on the inference mesh, serves it until SIGTERM/SIGINT, and prints
 one JSON line {"event": "serving", "port": ...} once it is compiled and accepts requests (launchers and tests read
 it). Weights are the seeded initialisation, optionally with noise (`--init_noise`, for tests and
-benchmarks of an untrained model); new weights arrive through `RolloutServer.update_weights`.
+benchmarks of an untrained model), or a Hugging Face folder's (`--hf_checkpoint DIR`, whose
+tokenizer's stop ids the serving line reports as `eos_ids`); new weights arrive through
+`RolloutServer.update_weights`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def _extra_args(parser) -> None:
     parser.add_argument("--version", type=int, default=0, help="version of the served weights")
     parser.add_argument("--no_warmup", dest="warmup", action="store_false",
                         help="announce readiness before compiling the engine")
+    hcfg.add_hf_checkpoint_flag(parser)
 
 
 def main(argv=None) -> None:
@@ -46,7 +49,15 @@ def main(argv=None) -> None:
 
     args = flags.extra
     mesh = make_mesh(MeshConfig())
-    model = create_sharded(ModelConfig(), mesh, seed=args.seed)
+    serving: dict = {}
+    if args.hf_checkpoint:
+        from hcjax.data.tokenizer import load_tokenizer
+        from hcjax.distill.sft import load_hf_model
+
+        serving["eos_ids"] = list(load_tokenizer(args.hf_checkpoint).eos_ids)
+        model, _ = load_hf_model(args.hf_checkpoint, mesh)
+    else:
+        model = create_sharded(ModelConfig(), mesh, seed=args.seed)
     if args.init_noise > 0:
         nnx.update(model, perturbed(nnx.state(model), args.seed + 1, args.init_noise))
     engine = Engine(model, mesh=mesh)
@@ -59,7 +70,8 @@ def main(argv=None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(json.dumps({"event": "serving", "port": port, "version": args.version}), flush=True)
+    print(json.dumps({"event": "serving", "port": port, "version": args.version, **serving}),
+          flush=True)
     stop.wait()
     grpc_server.stop(grace=2.0).wait()
     server.stop()

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from hcjax.data.packing import OVERLONG_MODES, PackedBatchIterator
 from hcjax.data.readers import read_conversations, read_problems
 from hcjax.data.tasks import ArithmeticSuite, Problem
-from hcjax.data.template import encode_chat, encode_prompt_response
+from hcjax.data.template import encode_conversation, encode_prompt_response
 from hcjax.data.tokenizer import Tokenizer, load_tokenizer
 
 SOURCES = ("arithmetic", "problems_jsonl", "chat_jsonl")
@@ -61,7 +61,7 @@ def _problem_doc(p: Problem, tok: Tokenizer) -> dict[str, np.ndarray]:
 
 
 def _chat_doc(messages: list[dict[str, str]], tok: Tokenizer) -> dict[str, np.ndarray]:
-    ids, mask = encode_chat(messages, tok)
+    ids, mask = encode_conversation(messages, tok)
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 
 

@@ -4,6 +4,8 @@ exact gradient accumulation, dropout, Orbax checkpoints with exact resume, metri
 
 Defaults are the self-distillation values of RECIPE §3 (cosine LR 1.7e-5 → 5.2e-6, 2% warm-up,
 weight decay 0.001, load-balance coefficient 1e-2); the tiny base binds its own in gin.
+With `--hf_checkpoint DIR` the run starts from a Hugging Face folder's weights, config and
+tokenizer (its chat template encodes the data and the evaluation prompts).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hcjax import sharding as shd
 from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
 from hcjax.data.pipeline import DataConfig, make_batch_iterator, put_on_mesh
+from hcjax.data.tokenizer import Tokenizer
 from hcjax.metrics import MetricsWriter, Progress, plot_curves, read_metrics, write_summary
 from hcjax.model import ModelConfig, create_sharded
 from hcjax.model.moe import load_balance_loss
@@ -231,6 +234,28 @@ _STEP_CACHE: dict[tuple, Callable] = {}
 _IMPLEMENTATION_FIELDS = ("moe_impl", "attention_impl")
 
 
+def load_hf_model(path: str, mesh: Mesh) -> tuple[nnx.Module, ModelConfig]:
+    """(model, config) of the Hugging Face folder `path`, parameters born sharded on `mesh`, with
+    the gin ModelConfig's kernel choices (moe_impl, attention_impl): they change how, not what,
+    the model computes, and the folder cannot know which suit this machine."""
+    from hcjax.model import hf
+
+    gin_cfg = ModelConfig()
+    impl = {f: getattr(gin_cfg, f) for f in _IMPLEMENTATION_FIELDS}
+    return hf.load(path, mesh=mesh, **impl)
+
+
+def hf_source_meta(path: str, output_dir: str) -> dict[str, Any]:
+    """Record the Hugging Face folder a run starts from, so its checkpoints export back to one
+    (`python -m hcjax.convert --to_hf OUTPUT_DIR`): copies the folder's config and tokenizer files
+    into OUTPUT_DIR/hf and returns the checkpoint meta entries (its path and config.json)."""
+    from hcjax.convert import copy_side_files
+    from hcjax.model import hf
+
+    copy_side_files(path, os.path.join(output_dir, "hf"))
+    return {"hf_checkpoint": os.path.abspath(path), "hf_config": hf.read_hf_config(path)}
+
+
 def model_identity(model_cfg: ModelConfig) -> dict[str, Any]:
     """The model config as written into checkpoints and compared on restore."""
     d = jsonable(model_cfg)
@@ -260,7 +285,15 @@ class SFTTrainer:
         mesh: Mesh,
         profile: tuple[int, int] = (-1, -1),
         progress: bool = True,
+        model: nnx.Module | None = None,
+        tok: Tokenizer | None = None,
+        hf_checkpoint: str | None = None,
     ) -> None:
+        """model: the starting weights (on `mesh`, of `model_cfg`), e.g. a Hugging Face model;
+        None: a fresh seeded initialisation. tok: the data's tokenizer (None: DataConfig's).
+        hf_checkpoint: the folder `model` came from, recorded in the checkpoints' meta and under
+        OUTPUT_DIR/hf (`hf_source_meta`: a run is not resumed from another source's checkpoints,
+        and exports back with `python -m hcjax.convert --to_hf`)."""
         self.output_dir = os.path.abspath(output_dir)
         os.makedirs(self.output_dir, exist_ok=True)
         self.model_cfg, self.cfg, self.data_cfg, self.mesh = model_cfg, cfg, data_cfg, mesh
@@ -274,6 +307,8 @@ class SFTTrainer:
             "row_len": data_cfg.row_len,
             "batch_size": cfg.batch_size,
         }
+        if hf_checkpoint is not None:
+            meta.update(hf_source_meta(hf_checkpoint, self.output_dir))
         self.ckpt = Checkpointer(os.path.join(self.output_dir, "checkpoints"), ckpt_cfg, meta)
         # Refuse a checkpoint folder of another configuration before building anything.
         latest = self.ckpt.latest_step()
@@ -292,11 +327,13 @@ class SFTTrainer:
         self.data = make_batch_iterator(
             data_cfg,
             cfg.batch_size // jax.process_count(),
+            tok=tok,
             shard_index=jax.process_index(),
             num_shards=jax.process_count(),
         )
         self.batch_sharding = shd.batch_sharding(mesh)
-        model = create_sharded(model_cfg, mesh, seed=cfg.seed)
+        if model is None:
+            model = create_sharded(model_cfg, mesh, seed=cfg.seed)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = make_optimizer(cfg)
         params = _to_pure(params)
@@ -449,18 +486,36 @@ def run_sft(
     stop_after: int | None = None,
     eval_problems: int = 200,
     eval_max_new_tokens: int = 32,
+    hf_checkpoint: str | None = None,
 ) -> TrainResult:
     """Train (or resume) a run in `output_dir`, then evaluate and write summary and loss curve.
 
     stop_after: run at most this many steps now (checkpointed), leaving the rest for a resume.
     eval_problems: held-out problems of the arithmetic suite evaluated (greedy pass@1) at the end.
+    hf_checkpoint: a Hugging Face folder to start from: its weights and config replace the fresh
+    gin ModelConfig model (`model_cfg` must then be None), and its tokenizer, with its chat
+    template, encodes the data and the evaluation (unless DataConfig.tokenizer names another).
     """
+    from hcjax.data.tokenizer import load_tokenizer
     from hcjax.eval import evaluate_problems
 
-    model_cfg = model_cfg or ModelConfig()
     cfg = SFTConfig()
     data_cfg = DataConfig()
     mesh = shd.make_mesh(mesh_cfg or shd.MeshConfig())
+    model = None
+    if hf_checkpoint is not None:
+        if model_cfg is not None:
+            raise ValueError("run_sft: pass model_cfg or hf_checkpoint, not both")
+        if data_cfg.tokenizer == "byte":
+            data_cfg = dataclasses.replace(data_cfg, tokenizer=hf_checkpoint)
+        model, model_cfg = load_hf_model(hf_checkpoint, mesh)
+    model_cfg = model_cfg or ModelConfig()
+    tok = load_tokenizer(data_cfg.tokenizer)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer {data_cfg.tokenizer!r} has {tok.vocab_size} ids; the model's vocab_size "
+            f"is {model_cfg.vocab_size}"
+        )
     trainer = SFTTrainer(
         output_dir,
         model_cfg,
@@ -470,6 +525,9 @@ def run_sft(
         mesh,
         profile=(profile_start, profile_stop),
         progress=progress,
+        model=model,
+        tok=tok,
+        hf_checkpoint=hf_checkpoint,
     )
     try:
         result = trainer.train(stop_after)
@@ -482,7 +540,7 @@ def run_sft(
         problems = ArithmeticSuite().heldout()[:eval_problems]
         t = time.perf_counter()
         result.eval = evaluate_problems(
-            trainer.model(), problems, max_new_tokens=eval_max_new_tokens
+            trainer.model(), problems, tok, max_new_tokens=eval_max_new_tokens
         ).summary()
         result.eval["eval_wall_s"] = time.perf_counter() - t
         with open(os.path.join(output_dir, "eval.json"), "w", encoding="utf-8") as f:
@@ -499,6 +557,8 @@ def run_sft(
         "row_len": data_cfg.row_len,
         "num_params": sum(x.size for x in jax.tree.leaves(trainer.state["params"])),
     }
+    if hf_checkpoint is not None:
+        items["hf_checkpoint"] = os.path.abspath(hf_checkpoint)
     if result.eval:
         items.update({f"eval_{k}": v for k, v in result.eval.items() if k != "examples"})
     write_summary(output_dir, "hcjax.sft run summary", items)
@@ -510,12 +570,13 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
     from hcjax import config
 
     flags = config.parse_flags(
-        argv, description="hcjax SFT / pre-training", default_gin_files=["tiny_cpu.gin"]
+        argv, description="hcjax SFT / pre-training", default_gin_files=["tiny_cpu.gin"],
+        extra_args=config.add_hf_checkpoint_flag,
     )
     config.bind(flags.gin_files, flags.gin_params)
     output_dir = flags.output_dir or os.path.join("runs", "sft")
     config.write_config(output_dir, flags)
-    result = run_sft(output_dir)
+    result = run_sft(output_dir, hf_checkpoint=flags.extra.hf_checkpoint)
     config.write_operative_config(output_dir)
     with open(os.path.join(output_dir, "summary.txt"), encoding="utf-8") as f:
         print(f.read())

@@ -387,7 +387,14 @@ def from_hf_config(hf: dict, dtype: str = "float32") -> ModelConfig:
     read = _Reader(hf, model_type)
     fields = _common_fields(read, dtype)
     fields.update(_READERS[model_type](read))
-    return ModelConfig(**fields)
+    # Every field explicit: a ModelConfig built while gin bindings are active would otherwise take
+    # bound values (e.g. the tiny model's sizes) for the fields this family leaves alone.
+    return ModelConfig(**{**class_defaults(), **fields})
+
+
+def class_defaults() -> dict:
+    """ModelConfig's own field defaults, whatever gin has bound."""
+    return {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 # --- ModelConfig -> config.json ---------------------------------------------------------------
@@ -555,7 +562,7 @@ def canonical(cfg: ModelConfig) -> ModelConfig:
     Two configs with equal canonical forms build the same model; `to_hf_config` uses this to tell
     a field the family cannot express from one that does not matter.
     """
-    default = ModelConfig()
+    default = ModelConfig(**class_defaults())
     n = cfg.num_layers
     ffn = tuple(cfg.ffn_kind(i) for i in range(n))
     attention = tuple(cfg.attention_kind(i) for i in range(n))
