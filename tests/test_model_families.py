@@ -102,3 +102,37 @@ def test_packing_replay_and_load_balance_statistics(family):
     other = model(jnp.asarray(row), positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg),
                   routing=tuple((r + 1) % cfg.num_experts for r in packed.routing))
     assert float(jnp.abs(other.logits - packed.logits).max()) > 1e-3
+
+
+def test_family_switch_errors_name_the_field():
+    cases = [
+        (dict(attention_type="flash"), "attention_type='flash'"),
+        (dict(rope_scaling="ntk"), "rope_scaling='ntk'"),
+        (dict(router_type="relu"), "router_type='relu'"),
+        (dict(moe_type="fused"), "moe_type='fused'"),
+        (dict(expert_activation="gelu"), "expert_activation='gelu'"),
+        (dict(q_lora_rank=-1), "q_lora_rank=-1"),
+        (dict(attention_type="mla", num_heads=8, num_kv_heads=2), "num_kv_heads=2 must equal"),
+        (dict(attention_type="mla", num_kv_heads=8, qk_rope_head_dim=7), "qk_rope_head_dim=7"),
+        (dict(attention_type="mla", num_kv_heads=8, qk_norm=True), "qk_norm=True"),
+        (dict(num_experts=8, router_groups=3), "router_groups=3"),
+        (dict(num_experts=8, router_groups=4, router_topk_groups=5), "router_topk_groups=5"),
+        (dict(num_experts=8, experts_per_token=4, router_groups=4, router_topk_groups=1),
+         "cannot hold experts_per_token=4"),
+        (dict(rope_scaling="llama3"), "rope_original_max_len"),
+        (dict(attention_sinks=True, attention_impl="pallas"), "attention_impl='pallas'"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            ModelConfig(**overrides)
+
+
+def test_bfloat16_compute_stays_near_the_fp32_reference():
+    model, cfg = hf.load(str(FIXTURES / "gpt_oss"), dtype="bfloat16")
+    assert cfg.compute_dtype == jnp.bfloat16
+    assert model.blocks[0].attn.wq[...].dtype == jnp.float32  # fp32 masters
+    ids = np.load(FIXTURES / "gpt_oss" / "golden" / "input_ids.npy")
+    ref = np.load(FIXTURES / "gpt_oss" / "golden" / "logits.npy")
+    got = np.asarray(model(jnp.asarray(ids)).logits)
+    print(f"bf16 compute vs fp32 reference: median |diff| {np.median(np.abs(got - ref)):.3g}")
+    assert np.median(np.abs(got - ref)) < 0.05
