@@ -136,3 +136,11 @@ def test_bfloat16_compute_stays_near_the_fp32_reference():
     got = np.asarray(model(jnp.asarray(ids)).logits)
     print(f"bf16 compute vs fp32 reference: median |diff| {np.median(np.abs(got - ref)):.3g}")
     assert np.median(np.abs(got - ref)) < 0.05
+
+
+def test_yarn_frequencies_do_not_depend_on_max_seq_len():
+    # The engine may shorten max_seq_len; RoPE must stay the checkpoint's (declared factor).
+    ids = np.load(FIXTURES / "gpt_oss" / "golden" / "input_ids.npy")
+    ref = np.load(FIXTURES / "gpt_oss" / "golden" / "logits.npy")
+    model, _ = hf.load(str(FIXTURES / "gpt_oss"), max_seq_len=64)
+    assert np.abs(np.asarray(model(jnp.asarray(ids)).logits) - ref).max() < 1e-4

@@ -63,11 +63,10 @@ def rope_frequencies(cfg, dim: int) -> tuple[np.ndarray, float]:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, blended, scaled), 1.0
     if cfg.rope_scaling == "yarn":
+        # The declared factor, as transformers 5 uses it (not max_seq_len / original length, so
+        # shortening max_seq_len for an engine leaves the frequencies alone).
         factor = cfg.rope_factor
         old_len = cfg.rope_original_max_len or cfg.max_seq_len
-        if cfg.rope_original_max_len:
-            # The context extension the checkpoint declares (max / original) sets the factor.
-            factor = cfg.max_seq_len / cfg.rope_original_max_len
 
         def mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

@@ -182,7 +182,9 @@ def pack_rollouts(
 
     if routing is not None:
         routing = np.ascontiguousarray(
-            routing.reshape(routing.shape[0], n_rows // m, m, t, -1).transpose(2, 0, 1, 3, 4)
+            # Sizes spelled out: a dense model's record is empty ([0, ...]), where -1 is ambiguous.
+            routing.reshape(routing.shape[0], n_rows // m, m, t, routing.shape[-1])
+            .transpose(2, 0, 1, 3, 4)
         )
     return LearnerBatch(
         tokens=split(tokens), positions=split(positions), segment_ids=split(segment_ids),

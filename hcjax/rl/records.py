@@ -46,7 +46,8 @@ class Rollout:
       n_kept: int32 [R], top-p support record (0 = no record: full vocabulary).
       threshold_logit: float32 [R], scaled logit of the last kept token (diagnostic only).
       routing: int32 [num_moe_layers, P + R - 1, experts_per_token], experts chosen at sampling
-        time for every token fed to the model, or None when not recorded.
+        time for every token fed to the model, or None when not recorded. A model without MoE
+        layers records an empty [0, P + R - 1, 0].
       loss_mask: bool [R], True for policy tokens, False for tool observations.
       versions: int32 [R], the policy version that produced each token (partial rollouts span
         several versions); -1 for tokens no policy produced (tool observations).
@@ -83,6 +84,9 @@ class Rollout:
         self.versions = np.asarray(self.versions, np.int32)
         if self.routing is not None:
             self.routing = np.asarray(self.routing, np.int32)
+            if self.routing.size == 0 and self.routing.ndim != 3:
+                # An empty record (no MoE layer) loses its shape on the way through JSON ([]).
+                self.routing = self.routing.reshape(0, self.input_len, 0)
         self.validate()
 
     @property

@@ -510,18 +510,17 @@ def _make_record(sample: _Sample, reason: str) -> SampledRollout:
     partial = reason == "length" and total < sp.max_tokens and not (
         sample.tokens and sample.tokens[-1] in sp.stop_tokens
     )
-    routing = None
-    if sample.prompt_routing.shape[0]:
-        # The learner feeds prompt + response minus its last token: the prefill covered the
-        # prompt (and any resumed tokens); each generated token's experts were recorded when it
-        # was fed, and the last one is never an input.
-        new = [r[:, None, :] for r in sample.routing]
-        parts = [sample.prompt_routing] + new
-        routing = np.concatenate(parts, axis=1)[:, : sample.prompt.size + total - 1]
-        if prior is not None and prior.routing is not None:
-            # Keep the experts recorded when the earlier tokens were sampled.
-            keep = prior.routing.shape[1]
-            routing[:, :keep] = prior.routing
+    # The learner feeds prompt + response minus its last token: the prefill covered the prompt
+    # (and any resumed tokens); each generated token's experts were recorded when it was fed, and
+    # the last one is never an input. A model without MoE layers records [0, P + R - 1, 0]: an
+    # empty record, not a missing one, so routing replay needs no special case for it.
+    new = [r[:, None, :] for r in sample.routing]
+    parts = [sample.prompt_routing] + new
+    routing = np.concatenate(parts, axis=1)[:, : sample.prompt.size + total - 1]
+    if prior is not None and prior.routing is not None:
+        # Keep the experts recorded when the earlier tokens were sampled.
+        keep = prior.routing.shape[1]
+        routing[:, :keep] = prior.routing
     raw_old = None if prior is None else prior.raw_logprobs
     raw = np.concatenate(
         [np.zeros((0,), np.float32) if raw_old is None else raw_old,
