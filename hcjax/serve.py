@@ -27,6 +27,13 @@ def _extra_args(parser) -> None:
     parser.add_argument("--version", type=int, default=0, help="version of the served weights")
     parser.add_argument("--no_warmup", dest="warmup", action="store_false",
                         help="announce readiness before compiling the engine")
+    parser.add_argument("--max_concurrent_decodes", type=int, default=8, help="decode slots")
+    parser.add_argument("--max_target_length", type=int, default=None,
+                        help="prompt + response tokens a slot holds (default: the model's "
+                             "max_seq_len, capped at 8192 for Hugging Face models, whose "
+                             "max_seq_len is their full context)")
+    parser.add_argument("--max_prefill_length", type=int, default=None,
+                        help="longest prompt (default: half of --max_target_length)")
     hcfg.add_hf_checkpoint_flag(parser)
 
 
@@ -60,7 +67,12 @@ def main(argv=None) -> None:
         model = create_sharded(ModelConfig(), mesh, seed=args.seed)
     if args.init_noise > 0:
         nnx.update(model, perturbed(nnx.state(model), args.seed + 1, args.init_noise))
-    engine = Engine(model, mesh=mesh)
+    max_len = args.max_target_length
+    if max_len is None and args.hf_checkpoint:
+        max_len = min(model.config.max_seq_len, 8192)
+    engine = Engine(model, mesh=mesh, max_concurrent_decodes=args.max_concurrent_decodes,
+                    max_prefill_length=args.max_prefill_length, max_target_length=max_len)
+    serving["max_target_length"] = engine.max_target_length
     server = RolloutServer(engine, version=args.version).start()
     if args.warmup:  # compile prefill, insert and generate before announcing readiness
         server.generate(GenerateRequest(prompt=[0], max_tokens=2, temperature=0.0, seed=0))
