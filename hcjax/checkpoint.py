@@ -15,8 +15,8 @@ from typing import Any
 
 import gin
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 @gin.configurable
@@ -52,6 +52,35 @@ def _keys_like(tree: Any, target: Any) -> Any:
     by_str = {str(k): k for k in target}
     return {by_str.get(str(k), k): _keys_like(v, target.get(by_str.get(str(k), k)))
             for k, v in tree.items()}
+
+
+def _is_array_metadata(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _aligned(saved: Any, target: Any, where: str) -> Any:
+    """The saved metadata tree with each leaf made an abstract array like the matching `target`
+    leaf (its dtype and sharding); errors name the first place the structures differ."""
+    if isinstance(saved, dict):
+        if not isinstance(target, dict):
+            raise ValueError(f"{where} has a different structure from this run's (a dict where "
+                             f"the run has {type(target).__name__})")
+        by_str = {str(k): k for k in target}
+        if set(map(str, saved)) != set(by_str):
+            extra = sorted(set(map(str, saved)) - set(by_str))[:3]
+            missing = sorted(set(by_str) - set(map(str, saved)))[:3]
+            raise ValueError(f"{where} has a different structure from this run's (checkpoint "
+                             f"only: {extra}, run only: {missing})")
+        return {k: _aligned(v, target[by_str[str(k)]], f"{where}/{k}") for k, v in saved.items()}
+    if not _is_array_metadata(saved) or not hasattr(target, "shape"):
+        raise ValueError(f"{where} has a different structure from this run's")
+    if tuple(saved.shape) != tuple(target.shape):
+        raise ValueError(f"{where} has shape {tuple(saved.shape)}, this run expects "
+                         f"{tuple(target.shape)}")
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(saved.shape, target.dtype, sharding=sharding)
 
 
 def jsonable(obj: Any) -> Any:
@@ -148,29 +177,33 @@ class Checkpointer:
 
     def restore_subtree(self, step: int, key: str, target: Any) -> Any:
         """Only `state[key]` of a checkpoint (e.g. the params of another run, whose optimiser
-        state may differ), placed like `target`."""
-        # Onto one local device: the checkpoint may come from another device topology (e.g. the
-        # climb's base, pre-trained in a process with more devices than this one has).
+        state may differ), read straight into the shardings and dtypes of `target`.
+
+        Every other entry is skipped (a partial restore), and each array is read by the
+        devices that hold its shards, so no device ever holds the whole subtree: the checkpoint
+        may come from another device topology (e.g. a base pre-trained with more devices).
+        """
         meta = self._mngr.item_metadata(step)["state"]
-        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        on_one = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), meta
-        )
-        restored = self._mngr.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(on_one))
-        )
-        sub = restored["state"].get(key)
-        if sub is None:
+        if key not in meta:
             raise ValueError(f"checkpoint {self.directory!r} step {step} has no {key!r} entry")
-        sub = _keys_like(sub, target)
-        if jax.tree.structure(sub) != jax.tree.structure(target):
-            raise ValueError(
-                f"checkpoint {self.directory!r} step {step}: {key!r} has a different structure "
-                "from this run's"
-            )
-        return jax.tree.map(
-            lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), sub, target
+        where = f"checkpoint {self.directory!r} step {step}: {key!r}"
+        abstract = _aligned(meta[key], target, where)
+        item_dir = os.path.join(self.directory, str(step), "state")
+        if not os.path.isdir(item_dir):
+            raise FileNotFoundError(f"{where}: no state folder at {item_dir!r}")
+        restore_args = jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                           dtype=a.dtype),
+            abstract,
         )
+        # A partial restore of the one entry: the rest of the state is never read.
+        restored = ocp.PyTreeCheckpointHandler().restore(
+            epath.Path(item_dir),
+            args=ocp.args.PyTreeRestore(
+                item={key: abstract}, restore_args={key: restore_args}, partial_restore=True
+            ),
+        )
+        return _keys_like(restored[key], target)
 
     def wait(self) -> None:
         """Block until pending async saves are on disk."""

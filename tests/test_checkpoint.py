@@ -81,3 +81,30 @@ def test_bad_config():
         CheckpointConfig(save_every=0)
     with pytest.raises(ValueError, match="keep=0"):
         CheckpointConfig(keep=0)
+
+
+def test_restore_subtree_reads_straight_into_another_sharding(tmp_path):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array(jax.devices())
+    eight = NamedSharding(Mesh(devices.reshape(8), ("x",)), PartitionSpec("x", None))
+    four = NamedSharding(Mesh(devices[4:].reshape(2, 2), ("a", "b")), PartitionSpec("b", "a"))
+    vec = NamedSharding(Mesh(devices.reshape(8), ("x",)), PartitionSpec("x"))
+    params = {"w": jax.device_put(jnp.arange(64.0).reshape(16, 4), eight),
+              "blocks": {0: {"b": jax.device_put(jnp.ones(8), vec)}}}
+    state = {"params": params, "opt": {"mu": jnp.zeros((1000,))}, "step": jnp.int32(3)}
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False), {})
+    ck.save(1, state, force=True)
+    target = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=four),
+              "blocks": {0: {"b": jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=vec)}}}
+    got = ck.restore_subtree(1, "params", target)
+    assert got["w"].sharding == four and got["blocks"][0]["b"].dtype == jnp.bfloat16
+    assert {s.data.shape for s in got["w"].addressable_shards} == {(8, 2)}
+    np.testing.assert_array_equal(got["w"], np.arange(64.0).reshape(16, 4))
+    bad = {"w": jax.ShapeDtypeStruct((4, 16), jnp.float32)}
+    with pytest.raises(ValueError, match="different structure"):
+        ck.restore_subtree(1, "params", bad)
+    bad = dict(target, w=jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    with pytest.raises(ValueError, match=r"params'/w has shape \(16, 4\)"):
+        ck.restore_subtree(1, "params", bad)
+    ck.close()

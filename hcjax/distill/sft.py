@@ -231,7 +231,10 @@ def _to_pure(params: nnx.State) -> dict:
 _STEP_CACHE: dict[tuple, Callable] = {}
 # Kernel choices: they change how, not what, the model computes, so checkpoints move freely
 # between them.
-_IMPLEMENTATION_FIELDS = ("moe_impl", "attention_impl")
+# Switches of how the model runs, not what it computes: checkpoints stay compatible across them.
+_IMPLEMENTATION_FIELDS = (
+    "moe_impl", "attention_impl", "expert_parallel", "scan_layers", "remat_policy",
+)
 
 
 def load_hf_model(path: str, mesh: Mesh) -> tuple[nnx.Module, ModelConfig]:
