@@ -175,6 +175,7 @@ _CONFIGURABLE_MODULES = [
     "hcjax.rl.controller",
     "hcjax.rl.multihost",
     "hcjax.climb",
+    "hcjax.plan",
 ]
 
 

@@ -3,7 +3,9 @@
 A mesh is described by `MeshConfig` (axis sizes plus the slice of `jax.devices()` it uses), so a
 learner mesh and an inference mesh can live on disjoint devices of one process. Parameters carry
 logical axis names (e.g. ("embed", "mlp")); `logical_to_spec` turns them into a `PartitionSpec`
-through `LOGICAL_RULES`. This module must not hard-code device counts.
+through `LOGICAL_RULES`. Activations inside the model are constrained by logical names too
+(`constrain`), against the mesh the caller put in context with `jax.set_mesh(mesh)`; with no mesh in
+context that is a no-op. This module must not hard-code device counts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "router_experts": None,
     "norm": None,
     "layers": None,
+    # Activations (`constrain`), MaxText-style: the batch over every data-parallel axis (the expert
+    # axis too: outside the MoE it holds its own slice of the batch), the residual stream's width,
+    # heads and MLP hidden over the tensor axis, sequence unsharded.
+    "activation_batch": ("data", "fsdp", "expert"),
+    "activation_length": None,
+    "activation_embed": "tensor",
+    "activation_heads": "tensor",
+    "activation_kv_heads": "tensor",
+    "activation_head_dim": None,
+    "activation_mlp": "tensor",
+    "activation_vocab": "tensor",
 }
 
 
@@ -192,3 +205,30 @@ def optimizer_state_on_mesh(tx, params, mesh: Mesh):
         tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
         transform_non_params=lambda _: replicated)
     return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Mapping | None = None):
+    """`with_sharding_constraint` of `x` by logical axis names on the context mesh.
+
+    The mesh reaches the model through JAX's context: trace it under `with jax.set_mesh(mesh):`
+    (or `jax.sharding.use_mesh`). With no mesh in context this returns `x` unchanged, so CPU tests
+    without a mesh run exactly as before. Only the mesh's Auto axes are used (not Manual axes
+    inside a `shard_map`, not Explicit ones), and a dimension keeps only the leading mesh axes
+    whose product divides it (a batch of 1 in decode stays unsharded instead of failing).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.auto_axes:
+        return x
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {x.shape}")
+    auto = set(mesh.auto_axes)
+    spec = []
+    for size, entry in zip(x.shape, logical_to_spec(logical_axes, rules)):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept: list[str] = []
+        for axis in (a for a in axes if a in auto and mesh.shape[a] > 1):
+            if size % (int(np.prod([mesh.shape[a] for a in kept])) * mesh.shape[axis]):
+                break
+            kept.append(axis)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))

@@ -22,10 +22,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig, use_pallas
 from hcjax.model.layers import RMSNorm, param, rope, rope_frequencies
 
 _MASKED = -1e30  # finite, so a fully masked row (a padding query) gives no NaN
+# Logical axes of per-head activations (`shd.constrain`; a no-op without a mesh in context).
+_Q_BTHD = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+_KV_BTHD = ("activation_batch", "activation_length", "activation_kv_heads", "activation_head_dim")
 
 
 def attention_mask(q_pos, k_pos, q_seg, k_seg, window: int | None):
@@ -163,6 +167,7 @@ class Attention(nnx.Module):
         if self.rope is not None:
             q = self.rope(q, positions_bt)
             k = self.rope(k, positions_bt)
+        q, k, v = shd.constrain(q, _Q_BTHD), shd.constrain(k, _KV_BTHD), shd.constrain(v, _KV_BTHD)
         sinks = self.sinks[...] if self.has_sinks else None
         ring = self.kind == "local"
 
@@ -182,6 +187,7 @@ class Attention(nnx.Module):
             mask = attention_mask(positions_bt, k_pos, None, None, self.window)
             out = gqa_attention(q, keys["k"].astype(dt), keys["v"].astype(dt), mask, sinks_h=sinks)
             new_cache = write_cache(cache, {"k": k, "v": v}, positions_bt, ring=ring)
+        out = shd.constrain(out, _Q_BTHD)
         y = jnp.einsum("bthk,hkd->btd", out.astype(dt), self.wo[...].astype(dt))
         if self.has_bias:
             y = y + self.bo[...].astype(dt)
@@ -254,6 +260,7 @@ class MLAttention(nnx.Module):
             q = jnp.einsum("btr,rhk->bthk", q_lat, self.wq_b[...].astype(dt))
         else:
             q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        q = shd.constrain(q, _Q_BTHD)
         q_nope, q_pe = q[..., : self.nope], self.rope(q[..., self.nope :], positions_bt)
         kv_a = x @ self.wkv_a[...].astype(dt)
         c = self.kv_norm(kv_a[..., : self.kv_rank]).astype(dt)  # [B, T, R]
@@ -286,6 +293,7 @@ class MLAttention(nnx.Module):
             )
             out = jnp.einsum("bthr,rhv->bthv", out_lat.astype(dt), wkv_b[..., self.nope :])
             new_cache = write_cache(cache, entries, positions_bt, ring=self.kind == "local")
+        out = shd.constrain(out, _Q_BTHD)
         y = jnp.einsum("bthv,hvd->btd", out.astype(dt), self.wo[...].astype(dt))
         return y, new_cache
 

@@ -7,6 +7,7 @@ combinations fail in `__post_init__` with the field named, before anything is co
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import gin
 import jax.numpy as jnp
@@ -23,7 +24,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # fastest there); "pallas" forces the kernels (interpret mode on CPU, for tests);
 # "reference"/"ragged"/"blocked"/"dense" are XLA-only paths.
 MOE_IMPLS = ("ragged", "blocked", "dense", "pallas", "auto")
+# Expert parallelism for the routed experts (hcjax/model/moe.py), used when the context mesh
+# (`jax.set_mesh`) has an `expert` axis larger than 1: "all_to_all" sends each assignment to the
+# device holding its expert (ragged all-to-all), "all_gather" gathers the tokens over the expert
+# axis and reduce-scatters the outputs back; "none" keeps the global (GSPMD) dispatch.
+EXPERT_PARALLEL_MODES = ("none", "all_to_all", "all_gather")
 ATTENTION_IMPLS = ("reference", "pallas", "auto")
+# Rematerialisation of each layer (hcjax/model/transformer.py): "none" keeps every activation,
+# "full" saves nothing (recomputes the layer in the backward pass), "dots" saves the outputs of
+# matmuls without batch dimensions (the weight matmuls, not attention scores), "minimal" saves
+# only the activations tagged with `checkpoint_name` (each layer's attention and FFN outputs).
+REMAT_POLICIES = ("none", "full", "dots", "minimal")
 
 
 def use_pallas(impl: str) -> bool:
@@ -57,8 +68,14 @@ class ModelConfig:
     dropout_rate: float = 0.0
     max_seq_len: int = 4096
     moe_impl: str = "ragged"
+    expert_parallel: str = "none"  # one of EXPERT_PARALLEL_MODES
     attention_impl: str = "reference"
     norm_eps: float = 1e-6
+    # Scale: layers after `first_dense_layers` run under one `jax.lax.scan` over whole periods of
+    # the layer pattern (parameters stacked on a leading "layers" axis), and each layer is
+    # rematerialised by `remat_policy` (one of REMAT_POLICIES).
+    scan_layers: bool = False
+    remat_policy: str = "none"
 
     # --- Switches the open model families need (defaults are the MAI flagship's choices). ---
     # Embeddings and output head.
@@ -157,6 +174,7 @@ class ModelConfig:
             "moe_type": MOE_TYPES,
             "router_type": ROUTER_TYPES,
             "expert_activation": EXPERT_ACTIVATIONS,
+            "expert_parallel": EXPERT_PARALLEL_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -214,6 +232,18 @@ class ModelConfig:
                 f"rope_high_freq_factor={self.rope_high_freq_factor} > rope_low_freq_factor="
                 f"{self.rope_low_freq_factor}"
             )
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"ModelConfig.remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}"
+            )
+        scanned = self.num_layers - self.first_dense_layers
+        if self.scan_layers and (scanned <= 0 or scanned % self.layer_period):
+            raise ValueError(
+                f"ModelConfig.num_layers={self.num_layers} cannot be scanned: the {scanned} layers "
+                f"after first_dense_layers={self.first_dense_layers} must be a positive multiple "
+                f"of the layer-pattern period {self.layer_period} (lcm of the attention_pattern "
+                f"and ffn_pattern lengths)"
+            )
         uses_pallas_attention = self.attention_impl == "pallas"
         if uses_pallas_attention and (
             self.attention_type == "mla" or self.attention_sinks
@@ -224,6 +254,11 @@ class ModelConfig:
             )
 
     # Layer layout ---------------------------------------------------------------------------
+    @property
+    def layer_period(self) -> int:
+        """Layers after which the (attention, ffn) pattern repeats: the unit of the layer scan."""
+        return math.lcm(len(self.attention_pattern), len(self.ffn_pattern))
+
     def attention_kind(self, layer: int) -> str:
         return self.attention_pattern[layer % len(self.attention_pattern)]
 

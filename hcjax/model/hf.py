@@ -32,7 +32,13 @@ from hcjax.model import quant
 from hcjax.model.config import ModelConfig
 from hcjax.model.hf_config import from_hf_config, to_hf_config
 from hcjax.model.safetensors_io import SafetensorsCheckpoint, write_safetensors
-from hcjax.model.transformer import Transformer, abstract_model, param_shardings
+from hcjax.model.transformer import (
+    Transformer,
+    abstract_model,
+    param_shardings,
+    stack_layers,
+    unstack_layers,
+)
 
 Array = np.ndarray
 
@@ -435,6 +441,9 @@ def load(
     cfg = from_hf_config(hf_config, dtype=dtype)
     if config_overrides:
         cfg = dataclasses.replace(cfg, **config_overrides)
+    if cfg.scan_layers:
+        return _load_scanned(path, cfg, dtype, mesh, rules=rules, param_dtype=param_dtype,
+                             progress=progress, report=report, **config_overrides)
     ckpt = SafetensorsCheckpoint.open(path)
     block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
     reader = HFReader(ckpt, block)
@@ -493,6 +502,25 @@ def load(
     return nnx.merge(graphdef, state), cfg
 
 
+def _load_scanned(path, cfg, dtype, mesh, *, rules, **kwargs):
+    """Load in the unrolled layout, then stack the layers into the scanned one on the target
+    shardings (one transient extra copy of the layer parameters, on the devices)."""
+    overrides = {k: v for k, v in kwargs.items()
+                 if k not in ("param_dtype", "progress", "report")}
+    overrides["scan_layers"] = False
+    flat, _ = load(path, dtype, mesh, rules=rules, param_dtype=kwargs["param_dtype"],
+                   progress=kwargs["progress"], report=kwargs["report"], **overrides)
+    graphdef, abstract = abstract_model(cfg)
+    if mesh is not None:
+        out_shardings = param_shardings(abstract, mesh, rules)
+    else:
+        device = SingleDeviceSharding(jax.devices()[0])
+        out_shardings = jax.tree.map(lambda _: device, abstract)
+    stacked = jax.jit(lambda st: stack_layers(st, cfg), out_shardings=out_shardings)(
+        nnx.state(flat))
+    return nnx.merge(graphdef, stacked), cfg
+
+
 def _flat_shardings(shardings) -> Iterator[tuple[str, Any]]:
     for path, s in jax.tree_util.tree_flatten_with_path(
         shardings, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding | nnx.Variable)
@@ -524,6 +552,11 @@ def save(
     Parameters are fetched from the devices one HF tensor at a time (per expert for stacked ones).
     """
     cfg = model.config
+    if cfg.scan_layers:  # save in the unrolled layout, whose names map one layer at a time
+        flat_cfg = dataclasses.replace(cfg, scan_layers=False)
+        graphdef, _ = abstract_model(flat_cfg)
+        model = nnx.merge(graphdef, unstack_layers(nnx.state(model), cfg))
+        cfg = flat_cfg
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"save: dtype={dtype!r} must be 'float32' or 'bfloat16'")
     out_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(_bf16())

@@ -1,7 +1,8 @@
 """Small building blocks of the transformer: parameters with logical axes, RMSNorm, RoPE, SwiGLU.
 
 Every parameter is an fp32 `nnx.Param` carrying `logical_axes` metadata; `hcjax.sharding` maps those
-names to mesh axes. Nothing here knows about meshes or RL.
+names to mesh axes, and `hcjax.sharding.constrain` applies the activation names to whatever mesh the
+caller put in context (none: no-op). Nothing here knows about mesh sizes or RL.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from hcjax import sharding as shd
 
 
 def param(rngs: nnx.Rngs, shape, axes, *, std: float | None = None, value: float | None = None):
@@ -123,6 +126,9 @@ def swiglu(x, w_gate, w_up, w_down, dtype):
     """SwiGLU MLP: (silu(x Wg) * x Wu) Wd, in the compute dtype."""
     x = x.astype(dtype)
     h = jax.nn.silu(x @ w_gate.astype(dtype)) * (x @ w_up.astype(dtype))
+    # [B, T, F] (or [N, F] for flattened tokens): the hidden is split over the tensor axis.
+    hidden_axes = ("activation_batch",) + ("activation_length",) * (h.ndim - 2) + ("activation_mlp",)
+    h = shd.constrain(h, hidden_axes)
     return h @ w_down.astype(dtype)
 
 

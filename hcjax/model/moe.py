@@ -13,6 +13,12 @@ no token dropped. A dense one-hot path computes every expert for every token and
 in tests. The router can be forced to given experts (routing replay); the gates then still come
 from the current router logits at those experts, so the router keeps its gradient.
 
+Expert parallelism (`ModelConfig.expert_parallel`): the routed experts run under `jax.shard_map`
+over the context mesh's expert axis, each device holding E/n of them; see `_expert_parallel`. The
+mesh is the one the caller entered with `jax.set_mesh(mesh)` (read at trace time through
+`jax.sharding.get_abstract_mesh()`); with no mesh, or an expert axis of size 1, the global
+dispatch above runs. Router, shared experts and statistics stay outside, on the global batch.
+
 Load balance (global batch): per layer we return (token_counts[E], prob_sums[E], num_tokens) over
 the valid tokens of the batch; the loss E·Σ_e f_e·P_e is formed from these sums, so statistics
 summed over devices or micro-batches give exactly the global-batch loss.
@@ -25,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig, use_pallas
 from hcjax.model.layers import DenseMLP, param
 
@@ -96,11 +103,14 @@ def _expert_mlp_grouped(x_nr, w, expert_nk, gates_nk, act, matmul):
     xs = x_nr[token_of]
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
     g, u = matmul(xs, w["gate"], group_sizes), matmul(xs, w["up"], group_sizes)
+    # Ids == num_experts mark rows of no local group (expert parallelism): bincount drops them,
+    # the sort puts them last, the matmuls leave them zero and their gate is 0.
+    bias_index = jnp.minimum(sorted_expert, num_experts - 1)
     if "b_gate" in w:
-        g, u = g + w["b_gate"][sorted_expert], u + w["b_up"][sorted_expert]
+        g, u = g + w["b_gate"][bias_index], u + w["b_up"][bias_index]
     ys = matmul(act(g, u), w["out"], group_sizes)
     if "b_out" in w:
-        ys = ys + w["b_out"][sorted_expert]
+        ys = ys + w["b_out"][bias_index]
     y_sorted_back = jnp.zeros_like(ys).at[order].set(ys)
     y_nkr = y_sorted_back.reshape(n, k, -1)
     return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_nkr.dtype), y_nkr)
@@ -115,7 +125,9 @@ def _expert_mlp_blocked(x_nr, w, expert_nk, gates_nk, act):
     out_width = w["out"].shape[-1]
     assignments = n * k
     tile = int(min(128, max(8, 1 << max(0, (assignments // num_experts - 1).bit_length()))))
-    flat_expert = expert_nk.reshape(-1)
+    # Ids == num_experts (experts held elsewhere, gate 0) run as the last expert: every index stays
+    # in bounds and their output is multiplied by 0.
+    flat_expert = jnp.minimum(expert_nk.reshape(-1), num_experts - 1)
     order = jnp.argsort(flat_expert, stable=True)
     sorted_expert = flat_expert[order]
     sizes = jnp.bincount(flat_expert, length=num_experts)
@@ -148,6 +160,201 @@ def _ragged_dot(lhs, rhs, group_sizes):
 
 def _pallas_gmm(lhs, rhs, group_sizes):
     return pallas_kernels.gmm(lhs, rhs, group_sizes, impl="pallas")
+
+
+def routed_experts_fn(impl: str):
+    """The dropless expert computation for `moe_impl`: f(x [N, r], w, experts [N, k], gates [N, k],
+    act) -> gate-weighted sum of the chosen experts' outputs [N, r]."""
+    if impl == "dense":
+
+        def dense(x_nr, w, expert_nk, gates_nk, act):
+            num_experts = w["gate"].shape[0]
+            combine = jnp.sum(jax.nn.one_hot(expert_nk, num_experts) * gates_nk[..., None], 1)
+            return _expert_mlp_dense(x_nr, w, combine, act)
+
+        return dense
+    if impl == "blocked" or (impl == "auto" and not use_pallas("auto")):
+        return _expert_mlp_blocked
+    matmul = _pallas_gmm if use_pallas(impl) else _ragged_dot
+    return lambda x_nr, w, expert_nk, gates_nk, act: _expert_mlp_grouped(
+        x_nr, w, expert_nk, gates_nk, act, matmul
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism. Inside `shard_map` each device holds tokens [n, r] (the batch split over the
+# batch axes and the expert axis) and experts [E_loc = E/P, r, f_loc] (f split over the tensor
+# axis). Both forms are dropless, so their receive buffers are sized for the worst case: every
+# assignment of the P peers landing on one device (P·n·k rows, as many as an all-gather).
+
+
+def _expert_parallel_mesh(cfg: ModelConfig):
+    """The context mesh when `cfg.expert_parallel` is on and its expert axes have size > 1."""
+    if cfg.expert_parallel == "none":
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    axes = _mesh_axes(mesh, shd.LOGICAL_RULES["experts"])
+    if not axes or _axes_size(mesh, axes) == 1:
+        return None
+    return mesh
+
+
+def _mesh_axes(mesh, target) -> tuple[str, ...]:
+    """A rule's mesh axes (str, tuple or None) that exist in `mesh`, in order."""
+    targets = (target,) if isinstance(target, str) else tuple(target or ())
+    return tuple(a for a in targets if a in mesh.axis_names)
+
+
+def _axes_size(mesh, axes) -> int:
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
+
+
+def _spec(mesh, *logical):
+    """PartitionSpec of logical axes by the one rule table, keeping only `mesh`'s axes."""
+    out = []
+    for entry in shd.logical_to_spec(logical):
+        kept = _mesh_axes(mesh, entry)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return jax.sharding.PartitionSpec(*out)
+
+
+def _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                     *, axes, cap: int, native_ragged: bool):
+    """`jax.lax.ragged_all_to_all` with one slice per peer (same contract: `output_offsets` say
+    where the sent slices land on their receivers). XLA:CPU has no ragged all-to-all, so there
+    (`native_ragged=False`) the slices are padded to `cap` rows, exchanged with a dense all_to_all
+    and scattered into place: same result, P times the traffic."""
+
+    def native(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+        return jax.lax.ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+            axis_name=axes,
+        )
+
+    def padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+        rows = jnp.arange(cap, dtype=jnp.int32)
+        src = jnp.minimum(input_offsets[:, None] + rows, operand.shape[0] - 1)  # [P, cap]
+        slices = jnp.where((rows < send_sizes[:, None])[..., None], operand[src], 0)
+        slices = jax.lax.all_to_all(slices, axes, 0, 0, tiled=True)  # [P, cap, r], from each peer
+        at = jax.lax.all_to_all(output_offsets, axes, 0, 0, tiled=True)
+        dest = jnp.where(rows < recv_sizes[:, None], at[:, None] + rows, output.shape[0])
+        flat = slices.reshape(-1, operand.shape[-1])
+        return output.at[dest.reshape(-1)].set(flat, mode="drop")
+
+    args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    return native(*args) if native_ragged else padded(*args)
+
+
+def _local_ids(expert_nk, first, num_local):
+    """Global expert ids -> local ids in [0, num_local), num_local for experts held elsewhere."""
+    local = expert_nk - first
+    return jnp.where((local >= 0) & (local < num_local), local, num_local)
+
+
+def _ep_all_gather(x_nr, expert_nk, gates_nk, w, act, mlp, axes):
+    """Gather every peer's tokens, run the local experts on them, reduce-scatter the outputs."""
+    num_local = w["gate"].shape[0]
+    x_all = jax.lax.all_gather(x_nr, axes, axis=0, tiled=True)
+    expert_all = jax.lax.all_gather(expert_nk, axes, axis=0, tiled=True)
+    gates_all = jax.lax.all_gather(gates_nk, axes, axis=0, tiled=True)
+    local = _local_ids(expert_all, jax.lax.axis_index(axes) * num_local, num_local)
+    gates_all = jnp.where(local < num_local, gates_all, 0.0)
+    y_all = mlp(x_all, w, local, gates_all, act)  # this device's experts' share of every token
+    return jax.lax.psum_scatter(y_all, axes, scatter_dimension=0, tiled=True)
+
+
+def _ep_all_to_all(x_nr, expert_nk, gates_nk, w, act, mlp, axes, num_peers, native_ragged):
+    """Send each assignment to its expert's device, run the local experts, send the rows back."""
+    n, k = expert_nk.shape
+    num_local = w["gate"].shape[0]
+    assignments = n * k
+    flat = expert_nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
+    xs = x_nr[order // k]
+    counts = jnp.bincount(flat, length=num_local * num_peers).reshape(num_peers, num_local)
+    send = jnp.sum(counts, 1).astype(jnp.int32)
+    start = (jnp.cumsum(send) - send).astype(jnp.int32)
+    # Each destination learns how many rows of each of its experts come from us, and where they
+    # start in our buffer (for the way back). Row j of `meta` is then about peer j.
+    meta = jnp.concatenate([counts.astype(jnp.int32), start[:, None]], 1)
+    meta = jax.lax.all_to_all(meta, axes, 0, 0, tiled=True)
+    recv_counts, their_start = meta[:, :num_local], meta[:, num_local]
+    recv = jnp.sum(recv_counts, 1)
+    me = jax.lax.axis_index(axes)
+    slot = jnp.arange(num_peers, dtype=jnp.int32) * assignments
+    # Peer j's rows land in slot j of our buffer (assignments rows each), sorted by expert.
+    buffer = jnp.zeros((num_peers * assignments, x_nr.shape[1]), x_nr.dtype)
+    xr = _ragged_exchange(xs, buffer, start, send, jnp.full_like(send, me * assignments), recv,
+                          axes=axes, cap=assignments, native_ragged=native_ragged)
+    rows = jnp.arange(assignments)
+    ends = jnp.cumsum(recv_counts, 1)
+    local = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends).reshape(-1, 1)
+    yr = mlp(xr, w, local, (local < num_local).astype(gates_nk.dtype), act)
+    back = jnp.zeros((assignments, yr.shape[1]), yr.dtype)
+    ys = _ragged_exchange(yr, back, slot, recv, their_start, send, axes=axes, cap=assignments,
+                          native_ragged=native_ragged)
+    y_assign = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
+    return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_assign.dtype), y_assign)
+
+
+def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, mlp):
+    """The routed experts under `shard_map` over `mesh` (see the section comment above).
+
+    Tokens are split over the batch axes and the expert axes; expert weights over the expert axis
+    and (their hidden size) the tensor axis, as the logical rules place them, and are gathered
+    over the others at the boundary. Outputs partial over the tensor axis are summed there. Tokens
+    are padded (gate 0) to a multiple of the token shards, so any batch size works.
+    """
+    expert_axes = _mesh_axes(mesh, shd.LOGICAL_RULES["experts"])
+    batch_axes = _mesh_axes(mesh, shd.LOGICAL_RULES["batch"])
+    token_axes = batch_axes + tuple(a for a in expert_axes if a not in batch_axes)
+    num_peers = _axes_size(mesh, expert_axes)
+    num_experts = w["gate"].shape[0]
+    if num_experts % num_peers:
+        raise ValueError(
+            f"num_experts={num_experts} is not a multiple of the expert axes {expert_axes} "
+            f"of total size {num_peers}"
+        )
+    n = x_nr.shape[0]
+    shards = _axes_size(mesh, token_axes)
+    pad = -n % shards
+    if pad:
+        x_nr = jnp.pad(x_nr, ((0, pad), (0, 0)))
+        expert_nk = jnp.pad(expert_nk, ((0, pad), (0, 0)))
+        gates_nk = jnp.pad(gates_nk, ((0, pad), (0, 0)))
+    P = jax.sharding.PartitionSpec
+    tokens = P(token_axes or None, None)
+    w_specs = {
+        "gate": _spec(mesh, "experts", None, "expert_mlp"),
+        "up": _spec(mesh, "experts", None, "expert_mlp"),
+        "out": _spec(mesh, "experts", "expert_mlp", None),
+        "b_gate": _spec(mesh, "experts", "expert_mlp"),
+        "b_up": _spec(mesh, "experts", "expert_mlp"),
+    }
+    tensor_axes = _mesh_axes(mesh, shd.LOGICAL_RULES["expert_mlp"])
+    # The mesh's platform, not the default backend: a CPU host may compile for a TPU topology.
+    device = getattr(mesh, "abstract_device", None)
+    native_ragged = getattr(device, "platform", jax.default_backend()) != "cpu"
+
+    def local(x, e, g, w):
+        if mode == "all_gather":
+            y = _ep_all_gather(x, e, g, w, act, mlp, expert_axes)
+        else:
+            y = _ep_all_to_all(x, e, g, w, act, mlp, expert_axes, num_peers, native_ragged)
+        return jax.lax.psum(y, tensor_axes) if tensor_axes else y
+
+    y = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, {name: w_specs[name] for name in w}),
+        out_specs=tokens,
+    )(x_nr, expert_nk.astype(jnp.int32), gates_nk, w)
+    return y[:n]
 
 
 def route(cfg: ModelConfig, logits_ne, correction_e, expert_nk=None):
@@ -254,14 +461,16 @@ class MoE(nnx.Module):
         act = swiglu_act
         if self.cfg.expert_activation == "clamped_swiglu":
             act = clamped_swiglu_act(self.cfg.swiglu_limit, self.cfg.swiglu_alpha)
-        if self.impl == "dense":
-            combine = jnp.sum(jax.nn.one_hot(expert_nk, self.num_experts) * gates[..., None], 1)
-            y = _expert_mlp_dense(h, w, combine, act)
-        elif self.impl == "blocked" or (self.impl == "auto" and not use_pallas("auto")):
-            y = _expert_mlp_blocked(h, w, expert_nk, gates, act)
+        mlp = routed_experts_fn(self.impl)
+        mesh = _expert_parallel_mesh(self.cfg)
+        if mesh is None:
+            y = mlp(h, w, expert_nk, gates, act)
         else:
-            matmul = _pallas_gmm if use_pallas(self.impl) else _ragged_dot
-            y = _expert_mlp_grouped(h, w, expert_nk, gates, act, matmul)
+            # b_out is added once here, not on every tensor shard inside the shard_map.
+            b_out = w.pop("b_out", None)
+            y = _expert_parallel(self.cfg.expert_parallel, mesh, h, w, expert_nk, gates, act, mlp)
+            if b_out is not None:
+                y = y + jnp.einsum("nk,nkr->nr", gates.astype(dt), b_out[expert_nk])
         if self.latent:
             y = y.astype(dt) @ self.w_up_proj[...].astype(dt)
         if self.has_shared:

@@ -48,8 +48,8 @@ def summarize(cfg: ModelConfig) -> dict:
     frac_active = cfg.experts_per_token / cfg.num_experts
     for path, var in nnx_flat(abstract):
         n = int(np.prod(var.shape))
-        # Expert weights are the ones with a leading experts axis.
-        is_expert = var.get_metadata().get("logical_axes", (None,))[0] == "experts"
+        # Expert weights are the ones with an experts axis (after "layers" when scanned).
+        is_expert = "experts" in (var.get_metadata().get("logical_axes") or ())
         comp = _component(path, is_expert)
         act = n * frac_active if is_expert else n
         total += n

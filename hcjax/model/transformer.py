@@ -6,16 +6,26 @@ layer (dense SwiGLU or MoE) and the head. Residual stream in fp32; matmuls in th
 Each block: pre-norm attention (MAI: its output passes an RMSNorm with gain initialised to 0, so
 every attention branch starts at zero), then a pre-norm FFN. MAI ties the input and output
 embeddings and scales logits by d_model**-0.5; the open families use a plain (often untied) head.
+
+At scale (`ModelConfig.scan_layers`): the leading `first_dense_layers` stay unrolled and the rest run
+under one `jax.lax.scan` whose step is one period of the layer pattern (lcm of the attention and FFN
+pattern lengths), its parameters stacked on a leading "layers" axis; `stack_layers` /
+`unstack_layers` convert parameter states between the two layouts, `stack_cache` / `unstack_cache`
+the KV cache. Each layer is rematerialised by `ModelConfig.remat_policy`, and activations are
+constrained by logical axis names on the mesh in context (`jax.set_mesh`; none: no-op).
+The public record (`ModelOutput`: routing and stats one entry per MoE layer, in layer order) is the
+same in both layouts.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from hcjax import sharding as shd
@@ -34,6 +44,18 @@ class ModelOutput:
     cache: tuple | None = None
 
 
+_RESIDUAL_BTD = ("activation_batch", "activation_length", "activation_embed")
+_LOGITS_BTV = ("activation_batch", "activation_length", "activation_vocab")
+# The `checkpoint_name` tags of each layer; remat_policy="minimal" saves exactly these.
+SAVED_ACTIVATIONS = ("attention_out", "ffn_out")
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Weight matmuls only: attention scores/probabilities (batched dots) are recomputed.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal": jax.checkpoint_policies.save_only_these_names(*SAVED_ACTIVATIONS),
+}
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
@@ -49,19 +71,54 @@ class Block(nnx.Module):
             self.ffn = DenseMLP(cfg.d_model, cfg.d_ff, dtype=cfg.compute_dtype, rngs=rngs)
         self.dropout_rate = cfg.dropout_rate
 
-    def __call__(self, x, positions, segment_ids, valid, routing, cache, rngs_pair):
-        h, new_cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+    def __call__(self, x_btd, positions, segment_ids, valid, routing, cache, rngs_2):
+        """x + attention, then + FFN. `rngs_2`: dropout keys of the two branches, or None.
+
+        Returns (x [B, T, D] fp32, new cache layer or None, (chosen [B, T, k], stats) or None).
+        """
+        rng_attn, rng_ffn = (None, None) if rngs_2 is None else (rngs_2[0], rngs_2[1])
+        x_btd = shd.constrain(x_btd, _RESIDUAL_BTD)
+        h_btd, new_cache = self._attention(x_btd, positions, segment_ids, cache)
+        x_btd = x_btd + dropout(h_btd, self.dropout_rate, rng_attn)
+        y_btd, moe_out = self._ffn(x_btd, valid, routing)
+        x_btd = x_btd + dropout(y_btd, self.dropout_rate, rng_ffn)
+        return x_btd, new_cache, moe_out
+
+    def _attention(self, x_btd, positions, segment_ids, cache):
+        h_btd, new_cache = self.attn(self.attn_norm(x_btd), positions, segment_ids, cache)
         if self.has_attn_out_norm:
-            h = self.attn_out_norm(h)
-        x = x + dropout(h.astype(jnp.float32), self.dropout_rate, rngs_pair[0])
-        moe_out = None
+            h_btd = self.attn_out_norm(h_btd)
+        h_btd = shd.constrain(h_btd.astype(jnp.float32), _RESIDUAL_BTD)
+        return checkpoint_name(h_btd, "attention_out"), new_cache
+
+    def _ffn(self, x_btd, valid, routing):
+        h_btd = self.ffn_norm(x_btd)
         if self.is_moe:
-            y, chosen, stats = self.ffn(self.ffn_norm(x), valid, routing)
-            moe_out = (chosen, stats)
+            y_btd, chosen_btk, stats = self.ffn(h_btd, valid, routing)
+            moe_out = (chosen_btk, stats)
         else:
-            y = self.ffn(self.ffn_norm(x))
-        x = x + dropout(y.astype(jnp.float32), self.dropout_rate, rngs_pair[1])
-        return x, new_cache, moe_out
+            y_btd, moe_out = self.ffn(h_btd), None
+        y_btd = shd.constrain(y_btd.astype(jnp.float32), _RESIDUAL_BTD)
+        return checkpoint_name(y_btd, "ffn_out"), moe_out
+
+
+def _layer_fn(graphdef, remat_policy: str, *, prevent_cse: bool = True) -> Callable:
+    """`(state, x, shared, per_layer) -> Block outputs` for one block, rematerialised by policy.
+
+    shared = (positions, segment_ids, valid) for every layer; per_layer = (routing replay, cache
+    layer, dropout keys), each possibly None. Pure in the block's state, so it can be remat'd and
+    scanned.
+    """
+
+    def run(state, x_btd, shared, per_layer):
+        positions, segment_ids, valid = shared
+        routing, cache, rngs_2 = per_layer
+        block = nnx.merge(graphdef, state)
+        return block(x_btd, positions, segment_ids, valid, routing, cache, rngs_2)
+
+    if remat_policy == "none":
+        return run
+    return jax.checkpoint(run, policy=_REMAT_POLICIES[remat_policy], prevent_cse=prevent_cse)
 
 
 class Transformer(nnx.Module):
@@ -72,7 +129,15 @@ class Transformer(nnx.Module):
             self.lm_head = param(
                 rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), std=cfg.d_model**-0.5
             )
-        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        # Built layer by layer in both layouts, so a seed gives the same weights either way.
+        blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+        if cfg.scan_layers:
+            unrolled, periodic = _scan_groups(blocks, cfg)
+            self.blocks = nnx.List(unrolled)
+            # scan_blocks[r]: the blocks at position r of every period, parameters [n, ...].
+            self.scan_blocks = nnx.List([_stack_modules(group) for group in periodic])
+        else:
+            self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
 
     def __call__(
@@ -99,31 +164,97 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"routing replay has {len(routing)} layers, the model has {cfg.num_moe_layers}"
             )
-        if cache is not None and len(cache) != cfg.num_layers:
-            raise ValueError(f"cache has {len(cache)} layers, the model has {cfg.num_layers}")
+        cache_entries = cache_layout_size(cfg)
+        if cache is not None and len(cache) != cache_entries:
+            raise ValueError(
+                f"cache has {len(cache)} entries, the model expects {cache_entries} "
+                f"(scan_layers={cfg.scan_layers}; see init_cache)"
+            )
         if dropout_rng is not None and cfg.dropout_rate > 0:
             layer_rngs = jax.random.split(dropout_rng, (cfg.num_layers, 2))
         else:
             layer_rngs = None
 
         x = self.embed[...][tokens].astype(jnp.float32)  # fp32 residual stream
-        new_cache, chosen, stats = [], [], []
-        moe_index = 0
-        for i, block in enumerate(self.blocks):
-            replay = None
-            if block.is_moe and routing is not None:
-                replay = routing[moe_index]
-            pair = (None, None) if layer_rngs is None else (layer_rngs[i, 0], layer_rngs[i, 1])
-            x, layer_cache, moe_out = block(
-                x, positions, segment_ids, valid, replay, None if cache is None else cache[i], pair
+        shared = (positions, segment_ids, valid)
+        routing_of = {} if routing is None else dict(zip(cfg.moe_layers, routing))
+        cache_in = (None,) * cache_entries if cache is None else tuple(cache)
+        new_cache, moe_of = [], {}  # moe_of: layer -> (chosen, stats)
+        for i, block in enumerate(self.blocks):  # every layer, or the unrolled leading ones
+            graphdef, state = nnx.split(block)
+            rngs_2 = None if layer_rngs is None else layer_rngs[i]
+            x, layer_cache, moe_out = _layer_fn(graphdef, cfg.remat_policy)(
+                state, x, shared, (routing_of.get(i), cache_in[i], rngs_2)
             )
             new_cache.append(layer_cache)
             if moe_out is not None:
-                chosen.append(moe_out[0])
-                stats.append(moe_out[1])
-                moe_index += 1
+                moe_of[i] = moe_out
+        if cfg.scan_layers:
+            x, scan_cache, scan_moe = self._scan_periods(
+                x, shared, routing_of, cache_in[len(self.blocks) :], layer_rngs
+            )
+            new_cache.extend(scan_cache)
+            moe_of.update(scan_moe)
 
-        h = self.final_norm(x).astype(cfg.compute_dtype)
+        logits = self._head(x)
+        chosen = tuple(moe_of[i][0] for i in cfg.moe_layers)
+        stats = tuple(moe_of[i][1] for i in cfg.moe_layers)
+        lb = load_balance_loss_from_stats(stats, experts_per_token=cfg.experts_per_token)
+        return ModelOutput(
+            logits=logits,
+            routing=chosen,
+            load_balance_loss=lb,
+            moe_stats=stats,
+            cache=None if cache is None else tuple(new_cache),
+        )
+
+    def _scan_periods(self, x_btd, shared, routing_of, caches, layer_rngs):
+        """The scanned layers: each `lax.scan` step runs one period (scan_blocks[0..period-1]).
+
+        Per-layer inputs (routing replay, stacked cache, dropout keys) are stacked [n, ...] per
+        period position r, and outputs unstacked back to their layers, so the caller sees layers.
+        """
+        cfg = self.config
+        period = cfg.layer_period
+        layers = _scan_groups(list(range(cfg.num_layers)), cfg)[1]  # [period][n] layer indices
+        graphdefs, states = zip(*(nnx.split(block) for block in self.scan_blocks))
+        fns = [_layer_fn(g, cfg.remat_policy, prevent_cse=False) for g in graphdefs]
+
+        def stacked_routing(r):
+            if not routing_of or layers[r][0] not in routing_of:
+                return None
+            return jnp.stack([routing_of[i] for i in layers[r]])
+
+        xs = (
+            states,
+            tuple(stacked_routing(r) for r in range(period)),
+            tuple(caches),
+            tuple(None if layer_rngs is None else layer_rngs[ids[0] :: period] for ids in layers),
+        )
+
+        def period_step(x, xs_one_period):
+            states_p, routing_p, caches_p, rngs_p = xs_one_period
+            outs = []
+            for r in range(period):
+                x, layer_cache, moe_out = fns[r](
+                    states_p[r], x, shared, (routing_p[r], caches_p[r], rngs_p[r])
+                )
+                outs.append((layer_cache, moe_out))
+            return x, tuple(outs)
+
+        x_btd, outs = jax.lax.scan(period_step, x_btd, xs)
+        moe_of = {}
+        for r, (_, moe_out) in enumerate(outs):
+            if moe_out is None:
+                continue
+            chosen_nbtk, stats_n = moe_out
+            for j, layer in enumerate(layers[r]):
+                moe_of[layer] = (chosen_nbtk[j], tuple(s[j] for s in stats_n))
+        return x_btd, [layer_cache for layer_cache, _ in outs], moe_of
+
+    def _head(self, x_btd):
+        cfg = self.config
+        h = self.final_norm(x_btd).astype(cfg.compute_dtype)
         head = self.embed if cfg.tie_embeddings else self.lm_head
         logits = jnp.einsum(
             "btd,vd->btv", h, head[...].astype(cfg.compute_dtype),
@@ -131,31 +262,143 @@ class Transformer(nnx.Module):
         )
         if cfg.scale_logits:
             logits = logits * (cfg.d_model**-0.5)
-        stats = tuple(stats)
-        lb = load_balance_loss_from_stats(stats, experts_per_token=cfg.experts_per_token)
-        return ModelOutput(
-            logits=logits,
-            routing=tuple(chosen),
-            load_balance_loss=lb,
-            moe_stats=stats,
-            cache=None if cache is None else tuple(new_cache),
-        )
+        return shd.constrain(logits, _LOGITS_BTV)
+
+
+# Unrolled <-> scanned layouts ------------------------------------------------------------------
+
+
+def _scan_groups(per_layer: Sequence, cfg: ModelConfig) -> tuple[list, list[list]]:
+    """Per-layer items -> (the unrolled leading ones, [period position r][period j] the rest)."""
+    p0, period = cfg.first_dense_layers, cfg.layer_period
+    return list(per_layer[:p0]), [list(per_layer[p0 + r :: period]) for r in range(period)]
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _stack_values(values: Sequence):
+    if isinstance(values[0], jax.ShapeDtypeStruct):  # abstract states (nnx.eval_shape)
+        return jax.ShapeDtypeStruct((len(values), *values[0].shape), values[0].dtype)
+    return jnp.stack(values)
+
+
+def _stack_leaves(*leaves):
+    """One stacked leaf; a Variable's logical axes gain a leading "layers" axis."""
+    first = leaves[0]
+    if not _is_variable(first):
+        return _stack_values(leaves)
+    meta = dict(first.get_metadata())
+    if meta.get("logical_axes") is not None:
+        meta["logical_axes"] = ("layers", *meta["logical_axes"])
+    return type(first)(_stack_values([v.get_value() for v in leaves]), **meta)
+
+
+def _stack_trees(trees: Sequence):
+    return jax.tree.map(_stack_leaves, *trees, is_leaf=_is_variable)
+
+
+def _unstack_tree(tree, n: int) -> list:
+    """Inverse of `_stack_trees`: slice j of every leaf, for j < n."""
+
+    def slice_leaf(j, leaf):
+        if not _is_variable(leaf):
+            return leaf[j]
+        meta = dict(leaf.get_metadata())
+        if meta.get("logical_axes") is not None:
+            meta["logical_axes"] = tuple(meta["logical_axes"][1:])
+        return type(leaf)(leaf.get_value()[j], **meta)
+
+    return [
+        jax.tree.map(functools.partial(slice_leaf, j), tree, is_leaf=_is_variable)
+        for j in range(n)
+    ]
+
+
+def _stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
+    """Modules of one structure -> one module whose parameters are stacked [len(modules), ...]."""
+    graphdef, _ = nnx.split(modules[0])
+    return nnx.merge(graphdef, _stack_trees([nnx.state(m) for m in modules]))
+
+
+def num_scan_periods(cfg: ModelConfig) -> int:
+    return (cfg.num_layers - cfg.first_dense_layers) // cfg.layer_period
+
+
+def cache_layout_size(cfg: ModelConfig) -> int:
+    """Entries of the model's cache tuple: one per layer, or unrolled + one per period position."""
+    return cfg.first_dense_layers + cfg.layer_period if cfg.scan_layers else cfg.num_layers
+
+
+def stack_layers(state: nnx.State, cfg: ModelConfig) -> nnx.State:
+    """The state of an unrolled model (`blocks/0..L-1`) in the scanned layout of `cfg`.
+
+    blocks/0..first_dense_layers-1 stay; block p0 + r + j·period becomes slice j of
+    scan_blocks/r (logical axes gain a leading "layers"). Works on concrete and abstract states.
+    """
+    blocks = [state["blocks"][i] for i in range(cfg.num_layers)]
+    unrolled, periodic = _scan_groups(blocks, cfg)
+    out = {key: value for key, value in state.items() if key != "blocks"}
+    if unrolled:
+        out["blocks"] = dict(enumerate(unrolled))
+    out["scan_blocks"] = {r: _stack_trees(group) for r, group in enumerate(periodic)}
+    return _as_state(out)
+
+
+def unstack_layers(state: nnx.State, cfg: ModelConfig) -> nnx.State:
+    """Inverse of `stack_layers`: a scanned model's state as `blocks/0..L-1`."""
+    n = num_scan_periods(cfg)
+    blocks = [state["blocks"][i] for i in range(cfg.first_dense_layers)]
+    periodic = [_unstack_tree(state["scan_blocks"][r], n) for r in range(cfg.layer_period)]
+    blocks += [periodic[r][j] for j in range(n) for r in range(cfg.layer_period)]
+    out = {key: value for key, value in state.items() if key not in ("blocks", "scan_blocks")}
+    out["blocks"] = dict(enumerate(blocks))
+    return _as_state(out)
+
+
+def _as_state(nested: dict) -> nnx.State:
+    """A nested mapping of Variables as the plain `nnx.State` that `nnx.state` would return."""
+    return nnx.from_flat_state(nnx.to_flat_state(nnx.State(nested)))
+
+
+def stack_cache(cache: Sequence, cfg: ModelConfig) -> tuple:
+    """A per-layer cache tuple (scan_layers=False) in the scanned layout of `cfg`."""
+    unrolled, periodic = _scan_groups(cache, cfg)
+    return tuple(unrolled) + tuple(_stack_trees(group) for group in periodic)
+
+
+def unstack_cache(cache: Sequence, cfg: ModelConfig) -> tuple:
+    """Inverse of `stack_cache`: one cache layer per model layer."""
+    p0, n = cfg.first_dense_layers, num_scan_periods(cfg)
+    periodic = [_unstack_tree(c, n) for c in cache[p0:]]
+    return tuple(cache[:p0]) + tuple(periodic[r][j] for j in range(n) for r in range(len(periodic)))
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple:
     """Empty KV cache: ring buffers of `window` slots for local layers, `max_len` for global ones.
 
     GQA layers hold K and V per KV head; MLA layers hold the compressed latent and the RoPE key.
+    One dict per layer; with `scan_layers`, the scanned layers' dicts are stacked per period
+    position ([n, B, S, ...], see `stack_cache`), so a decode step does not restack the cache.
     """
     if max_len <= 0 or batch_size <= 0:
         raise ValueError(f"init_cache: batch_size={batch_size} and max_len={max_len} must be > 0")
     dtype = dtype or cfg.compute_dtype
     entries = attention_cache_entries(cfg)
-    layers = []
-    for i in range(cfg.num_layers):
+
+    def layer(i):
         slots = min(cfg.window, max_len) if cfg.attention_kind(i) == "local" else max_len
-        layers.append(init_layer_cache(batch_size, slots, entries, dtype))
-    return tuple(layers)
+        return init_layer_cache(batch_size, slots, entries, dtype)
+
+    if not cfg.scan_layers:
+        return tuple(layer(i) for i in range(cfg.num_layers))
+    unrolled, periodic = _scan_groups(list(range(cfg.num_layers)), cfg)
+    n = num_scan_periods(cfg)
+    stacked = [
+        jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), layer(ids[0])) for ids in periodic
+    ]
+    return tuple(layer(i) for i in unrolled) + tuple(stacked)
 
 
 def cache_bytes(cache) -> int:

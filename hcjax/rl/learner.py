@@ -34,6 +34,7 @@ __all__ = [
     "LearnerState",
     "make_loss_and_grad",
     "make_optimizer",
+    "make_train_step",
     "token_logprobs",
 ]
 
@@ -229,6 +230,35 @@ def make_loss_and_grad(
     return loss_and_grad
 
 
+def make_train_step(graphdef: nnx.GraphDef, cfg: LearnerConfig, model_config) -> Callable:
+    """The pure step fn(state, batch) -> (state, metrics) that `Learner` jits on its mesh.
+
+    A module-level function (not a method) so `hcjax.plan` can lower it on abstract inputs
+    without building a Learner, whose constructor allocates the parameters.
+    """
+    optimizer = make_optimizer(cfg)
+    loss_and_grad = make_loss_and_grad(
+        graphdef, cfg, num_experts=model_config.num_experts,
+        experts_per_token=model_config.experts_per_token,
+    )
+
+    def train_step(state: LearnerState, batch: LearnerBatch):
+        k = state.entropy["k"]
+        loss, grads, metrics = loss_and_grad(state.params, batch, k)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ent = cfg.entropy
+        k_next = update_k(k, metrics["entropy"], target=ent.target, delta=ent.delta,
+                          k_max=ent.k_max)
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, k=k, k_next=k_next)
+        new_state = LearnerState(params=params, opt_state=opt_state, entropy={"k": k_next},
+                                 step=state.step + 1)
+        return new_state, metrics
+
+    return train_step
+
+
 class Learner:
     """Holds the learner state on its mesh and runs jitted train steps on packed rollouts."""
 
@@ -258,6 +288,7 @@ class Learner:
             self.graphdef, cfg, num_experts=mc.num_experts, experts_per_token=mc.experts_per_token
         )
         self.loss_and_grad = jax.jit(self._loss_and_grad)
+        self._train_step = make_train_step(self.graphdef, cfg, mc)
         self._step = jax.jit(self._train_step, donate_argnums=0,
                              out_shardings=(self._state_sharding, None))
 
@@ -265,20 +296,6 @@ class Learner:
     def data_parallel_size(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in batch_lib.BATCH_AXES
                             if a in self.mesh.axis_names]))
-
-    def _train_step(self, state: LearnerState, batch: LearnerBatch):
-        k = state.entropy["k"]
-        loss, grads, metrics = self._loss_and_grad(state.params, batch, k)
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ent = self.cfg.entropy
-        k_next = update_k(k, metrics["entropy"], target=ent.target, delta=ent.delta,
-                          k_max=ent.k_max)
-        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, k=k, k_next=k_next)
-        new_state = LearnerState(params=params, opt_state=opt_state, entropy={"k": k_next},
-                                 step=state.step + 1)
-        return new_state, metrics
 
     def make_batch(self, rollouts: Sequence[Rollout], num_rows: int | None = None) -> LearnerBatch:
         """Pack rollouts into a device batch laid out for this learner's mesh and config."""

@@ -1,0 +1,644 @@
+"""`python -m hcjax.plan`: compile the learner train step and the rollout decode step for a real TPU
+topology on this CPU host (libtpu's compile-only devices) and report per-chip memory, FLOPs,
+collectives and roofline estimates. It must not allocate anything: every input is a
+`jax.ShapeDtypeStruct` carrying its sharding, so the ~1T-parameter flagship plans on a laptop.
+
+What is measured is XLA's own: `compiled.memory_analysis()` (argument / output / temp bytes per
+device), `compiled.cost_analysis()` (FLOPs and HBM bytes per device) and the collectives in
+`compiled.as_text()`. What is estimated is a roofline over those numbers (see `roofline`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import gin
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hcjax import config as hcfg
+from hcjax.model import ModelConfig, Transformer, param_shardings
+from hcjax.sharding import MeshConfig, make_mesh
+
+__all__ = ["CHIP_SPECS", "ChipSpec", "PlanConfig", "collectives", "plan", "tpu_devices"]
+
+
+# Chip specs --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """Per-chip peak numbers used by the roofline (bytes and bytes/s, not bits)."""
+
+    peak_bf16_flops: float
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    ici_bytes_per_s: float  # all ICI links of one chip together
+
+
+# Sources: Google Cloud TPU system-architecture pages (cloud.google.com/tpu/docs/v5p, /v5e, /v6e,
+# /v4), "chip specifications" tables: peak bf16 compute, HBM capacity, HBM bandwidth and
+# "Interchip Interconnect BW" per chip (given in Gbps; divided by 8 here).
+#   v5p: 459 TFLOP/s, 95 GB, 2765 GB/s, 4800 Gbps ICI.
+#   v5e: 197 TFLOP/s, 16 GB, 819 GB/s, 1600 Gbps ICI.
+#   v6e: 918 TFLOP/s, 32 GB, 1640 GB/s, 3584 Gbps ICI.
+#   v4: 275 TFLOP/s, 32 GiB, 1200 GB/s; the v4 page gives no per-chip ICI figure: 6 links x
+#       50 GB/s = 300 GB/s from the TPU v4 paper (Jouppi et al., ISCA 2023) -- the least sure entry.
+# HBM capacity is what XLA lets a program use (its out-of-memory messages print it: 95.74 GiB of
+# v5p's 96 GiB, 15.75 GiB of v5e's 16 GiB, 31.25 GiB of v6e's 32 GiB; v4 taken as 32 GiB less the
+# same 0.25 GiB reserve), so "fits" agrees with the compiler.
+CHIP_SPECS: dict[str, ChipSpec] = {
+    "v4": ChipSpec(275e12, 31.75 * 2**30, 1200e9, 300e9),
+    "v5e": ChipSpec(197e12, 15.75 * 2**30, 819e9, 1600e9 / 8),
+    "v5p": ChipSpec(459e12, 95.74 * 2**30, 2765e9, 4800e9 / 8),
+    "v6e": ChipSpec(918e12, 31.25 * 2**30, 1640e9, 3584e9 / 8),
+}
+_TOPOLOGY_RE = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+)*)$")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What to plan. Defaults are the acceptance figures of issue S1 (1M-token batches of 8K rows;
+    256 concurrent decodes at 32K of KV); the CLI flags override them.
+
+    inference_mesh None = the gin `MeshConfig` (its -1 axis filled from the inference chips).
+    serve_dtype: the dtype the inference side holds its weights in (None = the learner's fp32
+    masters, as the in-process engine does today).
+    """
+
+    topology: str = "v5p:2x2x1"
+    inference_topology: str | None = None  # None = same as `topology`
+    global_batch_tokens: int = 1 << 20
+    seq_len: int = 8192
+    decode_batch: int = 256
+    kv_len: int = 32768
+    inference_mesh: MeshConfig | None = None
+    serve_dtype: str | None = "bfloat16"
+    train: bool = True
+    decode: bool = True
+    top_buffers: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PlanConfig.{name}={value!r} must be a positive integer")
+        if self.global_batch_tokens % self.seq_len:
+            raise ValueError(
+                f"PlanConfig.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
+                f"seq_len={self.seq_len}"
+            )
+
+
+def tpu_devices(topology: str) -> tuple[list, ChipSpec, int]:
+    """(compile-only devices, per-device spec, chips) for a name like "v5p:8x8x16"."""
+    m = _TOPOLOGY_RE.match(topology)
+    if not m:
+        raise ValueError(
+            f"topology={topology!r} is not '<chip>:<AxBxC>' with chip one of {sorted(CHIP_SPECS)}"
+        )
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # pragma: no cover - jax always ships it
+        raise RuntimeError(f"jax.experimental.topologies is unavailable: {e}") from e
+    # Compile-only devices touch no chip, so several processes (a plan beside the test suite) may
+    # load libtpu at once; without this the second one fails on libtpu's lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        devices = list(topologies.get_topology_desc(topology, platform="tpu").devices)
+    except Exception as e:  # libtpu missing, or a shape it rejects
+        raise ValueError(f"topology={topology!r}: libtpu could not build it ({e})") from e
+    chips = math.prod(int(d) for d in m.group(2).split("x"))
+    spec = CHIP_SPECS[m.group(1)]
+    per_chip = max(1, len(devices) // chips)  # v4 exposes each TensorCore as a device
+    if per_chip > 1:
+        spec = ChipSpec(*(v / per_chip for v in dataclasses.astuple(spec)))
+    return devices, spec, chips
+
+
+def _mesh(cfg: MeshConfig, devices: list, what: str) -> Mesh:
+    mesh = make_mesh(cfg, devices)
+    if mesh.size != len(devices):
+        raise ValueError(
+            f"{what} mesh axes {dict(mesh.shape)} multiply to {mesh.size}, not the {len(devices)} "
+            "devices of the topology"
+        )
+    return mesh
+
+
+# HLO parsing: buffers and collectives ------------------------------------------------------------
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                "s4": 0.5, "u4": 0.5}
+_SHAPE_RE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$")
+_COMP_RE = re.compile(r"^(ENTRY )?%(\S+) .*\{\s*$")
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                "collective-permute")
+
+
+def _type_bytes(text: str) -> list[float]:
+    """Bytes of each array shape in an HLO type string (a tuple gives several)."""
+    out = []
+    for dtype, dims in _SHAPE_RE.findall(text):
+        size = _DTYPE_BYTES.get(dtype) or (1 if dtype.startswith("f8") else None)
+        if size is None:
+            continue
+        out.append(size * math.prod(int(d) for d in dims.split(",") if d))
+    return out
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """(result type, remainder starting at the opcode) of an instruction's right-hand side."""
+    if rest.startswith("("):
+        depth = 0
+        for i, c in enumerate(rest):
+            depth += c == "("
+            depth -= c == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    head, _, tail = rest.partition(" ")
+    return head, tail
+
+
+def _parse_hlo(text: str):
+    """Instructions per computation: {comp: [(name, type, opcode, args, attrs)]}, entry name."""
+    comps: dict[str, list] = defaultdict(list)
+    entry, current = None, None
+    for line in text.splitlines():
+        cm = _COMP_RE.match(line)
+        if cm and "=" not in line.split("(")[0]:
+            current = cm.group(2)
+            entry = current if cm.group(1) else entry
+            continue
+        im = _INSTR_RE.match(line)
+        if not im or current is None:
+            continue
+        typ, rest = _split_type(im.group(2))
+        opcode, _, rest = rest.partition("(")
+        args, _, attrs = rest.partition(")")
+        comps[current].append((im.group(1), typ, opcode.strip(), args, attrs))
+    return comps, entry
+
+
+def _multipliers(comps, entry) -> dict[str, int]:
+    """How often each computation runs per step: while bodies times their known trip count."""
+    mult = {entry: 1}
+    stack = [entry]
+    while stack:
+        comp = stack.pop()
+        for _, _, opcode, _, attrs in comps.get(comp, ()):
+            trip = 1
+            if opcode == "while":
+                t = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+                trip = int(t.group(1)) if t else 1
+            for key, callee in re.findall(r"\b(body|calls|to_apply|branch_computations)=\{?%([\w.\-]+)",
+                                          attrs):
+                n = mult[comp] * (trip if key == "body" else 1)
+                if mult.get(callee, 0) < n:
+                    mult[callee] = n
+                    stack.append(callee)
+    return mult
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
+    """{kind: {"count", "bytes"}} per device per step from compiled HLO text.
+
+    Bytes of one collective = the larger of its operands and its result (an all-gather's output,
+    a reduce-scatter's input), i.e. the data one device holds before or after; a ring algorithm
+    moves about that much (all-reduce about twice). Ops inside while loops count trip-count times.
+    """
+    comps, entry = _parse_hlo(hlo_text)
+    mult = _multipliers(comps, entry)
+    sizes = {name: max(_type_bytes(typ), default=0)
+             for instrs in comps.values() for name, typ, *_ in instrs}
+    out: dict[str, dict[str, float]] = {}
+    for comp, instrs in comps.items():
+        n = mult.get(comp, 1)
+        for _, typ, opcode, args, _ in instrs:
+            kind = opcode.removesuffix("-start")
+            if kind not in _COLLECTIVES:
+                continue
+            operands = sum(sizes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
+            nbytes = max(max(_type_bytes(typ), default=0), operands)
+            entry_ = out.setdefault(kind, {"count": 0, "bytes": 0.0})
+            entry_["count"] += n
+            entry_["bytes"] += n * nbytes
+    return out
+
+
+def largest_buffers(hlo_text: str, top: int) -> list[dict]:
+    """The largest arrays the program materialises (results of non-fused instructions), a proxy
+    for the buffers behind the temp size: XLA's buffer assignment is not exposed as text."""
+    comps, _ = _parse_hlo(hlo_text)
+    fused = {callee for instrs in comps.values() for _, _, op, _, attrs in instrs if op == "fusion"
+             for callee in re.findall(r"calls=%([\w.\-]+)", attrs)}
+    found = []
+    for comp, instrs in comps.items():
+        if comp in fused:
+            continue
+        for name, typ, opcode, _, attrs in instrs:
+            if opcode in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
+                continue
+            nbytes = sum(_type_bytes(typ))
+            op = re.search(r'op_name="([^"]+)"', attrs)
+            found.append({"bytes": int(nbytes), "shape": typ[:120], "instruction": name,
+                          "op_name": op.group(1)[-120:] if op else opcode})
+    found.sort(key=lambda b: -b["bytes"])
+    return found[:top]
+
+
+# Abstract inputs ---------------------------------------------------------------------------------
+
+
+def _abstract(tree, shardings):
+    """`tree` with every leaf a ShapeDtypeStruct carrying its sharding (`shardings` may hold one
+    sharding where `tree` holds an nnx.Variable, as `param_shardings` returns)."""
+
+    def one(x, s):
+        if isinstance(s, nnx.Variable):
+            s = s.get_value()
+        if isinstance(x, nnx.Variable):
+            v = x.get_value()
+            return x.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _abstract_params(model_cfg: ModelConfig, mesh: Mesh, dtype=None):
+    """(graphdef, abstract nnx.Param state with shardings): nothing allocated."""
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, _ = nnx.split(model, nnx.Param, ...)
+    shardings = param_shardings(params, mesh)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+    return graphdef, _abstract(params, shardings), model
+
+
+def active_params(model_cfg: ModelConfig, params) -> float:
+    """Parameters in matmuls per token: expert weights count k/E of their size; the embedding
+    counts once when tied (it is the output head), not at all when untied (a lookup)."""
+    frac = model_cfg.experts_per_token / model_cfg.num_experts
+    total = 0.0
+    for path, var in nnx.to_flat_state(params):
+        if path[0] == "embed" and not model_cfg.tie_embeddings:
+            continue
+        axes = var.get_metadata().get("logical_axes") or ()
+        n = math.prod(var.shape)
+        total += n * frac if "experts" in axes else n
+    return total
+
+
+def attention_flops_per_token(model_cfg: ModelConfig, ctx_global: float, ctx_local: float) -> float:
+    """Forward QKᵀ and AV FLOPs of one token summed over layers: 2·H·ctx·(d_qk + d_v) each."""
+    if model_cfg.attention_type == "mla":
+        d_qk, d_v = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim, model_cfg.v_head_dim
+    else:
+        d_qk = d_v = model_cfg.head_dim
+    total = 0.0
+    for layer in range(model_cfg.num_layers):
+        ctx = ctx_local if model_cfg.attention_kind(layer) == "local" else ctx_global
+        total += 2 * model_cfg.num_heads * ctx * (d_qk + d_v)
+    return total
+
+
+def _causal_mean_ctx(seq: int, window: int) -> tuple[float, float]:
+    """Mean keys attended per query in a full causal row: global, and local (sliding window)."""
+    glob = (seq + 1) / 2
+    loc = glob if seq <= window else window - window * (window - 1) / (2 * seq)
+    return glob, loc
+
+
+def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
+    from hcjax.rl.batch import BATCH_AXES, LearnerBatch
+    from hcjax.rl.learner import LearnerState, make_optimizer, make_train_step
+
+    graphdef, params, _ = _abstract_params(model_cfg, mesh)
+    tx = make_optimizer(learner_cfg)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
+        transform_non_params=lambda _: replicated)
+    opt_state = _abstract(jax.eval_shape(tx.init, params), opt_shardings)
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)  # noqa: E731
+    state = LearnerState(params=params, opt_state=opt_state, entropy={"k": scalar(jnp.float32)},
+                         step=scalar(jnp.int32))
+
+    m = learner_cfg.micro_batches
+    rows = pc.global_batch_tokens // pc.seq_len
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if rows % (m * shards):
+        raise ValueError(
+            f"{rows} rows (global_batch_tokens={pc.global_batch_tokens} / seq_len={pc.seq_len}) "
+            f"do not divide into micro_batches={m} x batch mesh axes {axes} of size {shards}"
+        )
+    shape = (m, rows // m, pc.seq_len)
+    per_token = NamedSharding(mesh, PartitionSpec(None, axes, None))
+
+    def tok(dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=per_token)
+
+    routing = None
+    if learner_cfg.replay_routing and model_cfg.num_moe_layers:
+        routing = jax.ShapeDtypeStruct(
+            (m, model_cfg.num_moe_layers, rows // m, pc.seq_len, model_cfg.experts_per_token),
+            jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(None, None, axes)))
+    batch = LearnerBatch(
+        tokens=tok(jnp.int32), positions=tok(jnp.int32), segment_ids=tok(jnp.int32),
+        targets=tok(jnp.int32), loss_mask=tok(jnp.bool_), old_logp=tok(jnp.float32),
+        advantages=tok(jnp.float32), n_kept=tok(jnp.int32), temperature=tok(jnp.float32),
+        routing=routing, num_tokens=scalar(jnp.float32), num_sequences=scalar(jnp.float32),
+    )
+    step = make_train_step(graphdef, learner_cfg, model_cfg)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    fn = jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, replicated))
+    return fn, (state, batch), params
+
+
+def _decode_batch_spec(mesh: Mesh, batch: int) -> tuple:
+    """Mesh axes for the decode batch: data, fsdp, expert (tensor splits heads), as many as divide."""
+    axes, size = [], 1
+    for a in ("data", "fsdp", "expert"):
+        if a in mesh.axis_names and mesh.shape[a] > 1 and batch % (size * mesh.shape[a]) == 0:
+            axes.append(a)
+            size *= mesh.shape[a]
+    return tuple(axes)
+
+
+def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
+    from hcjax.rollout.engine import Engine
+
+    dtype = None if pc.serve_dtype is None else jnp.dtype(pc.serve_dtype)
+    _, params, model = _abstract_params(model_cfg, mesh, dtype)
+    engine = Engine(model, mesh=mesh, max_concurrent_decodes=pc.decode_batch,
+                    max_target_length=pc.kv_len, max_prefill_length=max(1, pc.kv_len // 2))
+    state = jax.eval_shape(lambda: engine._init_decode_impl(model_cfg.vocab_size))
+    axes = _decode_batch_spec(mesh, pc.decode_batch)
+    tensor = mesh.shape.get("tensor", 1)
+
+    def sharding(x):
+        spec = [None] * x.ndim
+        if x.ndim and x.shape[0] == pc.decode_batch and axes:
+            spec[0] = axes
+        # KV caches are [B, slots, kv_heads, head_dim]: heads over tensor, as the projections are.
+        if x.ndim == 4 and tensor > 1 and x.shape[2] % tensor == 0:
+            spec[2] = "tensor"
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    shardings = jax.tree.map(sharding, state)
+    state = _abstract(state, shardings)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    # The engine's own step body, jitted with explicit shardings (Engine.generate's jit infers
+    # them from concrete arrays, which we do not have).
+    fn = jax.jit(engine._generate_impl, donate_argnums=(1,), out_shardings=(shardings, None))
+    return fn, (params, state, version), params
+
+
+# Compile and measure -----------------------------------------------------------------------------
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def _compile(fn, args, mesh: Mesh, spec: ChipSpec, top: int) -> dict:
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = fn.lower(*args)
+        try:
+            # Without this libtpu refuses a program over HBM with only its temp total; with it
+            # the compile finishes and the memory analysis shows by how much and where.
+            compiled = lowered.compile(compiler_options={"xla_tpu_no_crash_on_oom": True})
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" in str(e):
+                return _oom_record(str(e), args, spec, time.perf_counter() - t0)
+            # Seen with the option on programs far over HBM ("Invalid TPU program"): compile
+            # again without it, which fails with the out-of-memory message we can parse.
+            try:
+                compiled = lowered.compile()
+            except jax.errors.JaxRuntimeError as e2:
+                if "RESOURCE_EXHAUSTED" not in str(e2):
+                    raise
+                return _oom_record(str(e2), args, spec, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    text = compiled.as_text()
+    arguments = int(mem.argument_size_in_bytes)
+    outputs = int(mem.output_size_in_bytes)
+    temp = int(mem.temp_size_in_bytes)
+    alias = int(mem.alias_size_in_bytes)
+    # Donated inputs alias their outputs: count those bytes once.
+    total = arguments + outputs - alias + temp
+    colls = collectives(text)
+    out = {
+        "compiled": True,
+        "fits": total <= spec.hbm_bytes,
+        "bytes_per_chip": {"arguments": arguments, "outputs": outputs, "temp": temp,
+                           "total": total, "aliased": alias},
+        "flops_per_chip": float(cost.get("flops", 0.0)),
+        "hbm_bytes_accessed_per_chip": float(cost.get("bytes accessed", 0.0)),
+        "collective_bytes_per_chip": float(sum(c["bytes"] for c in colls.values())),
+        "collectives": colls,
+        "compile_s": round(seconds, 2),
+    }
+    if not out["fits"]:
+        out["bytes_over"] = total - int(spec.hbm_bytes)
+        out["largest_buffers"] = largest_buffers(text, top)
+    return out
+
+
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _xla_size(text: str) -> int:
+    """XLA's "5.84T" / "95.74G" (binary units) in bytes."""
+    m = re.fullmatch(r"([\d.]+)([KMGT]?)B?", text.strip())
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)]) if m else 0
+
+
+def _oom_record(message: str, args, spec: ChipSpec, seconds: float) -> dict:
+    """What can be said when even `xla_tpu_no_crash_on_oom` cannot finish the compile: a single
+    buffer larger than all of HBM, or the temp total only. Arguments are exact (the shards of
+    the abstract inputs); outputs are not known; temp is XLA's figure when it gives one."""
+    arguments = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+                    for x in jax.tree.leaves(args))
+    temp, buffers = 0, []
+    if m := re.search(r"HLO temporaries \(([^)]+)\)", message):
+        temp = _xla_size(m.group(1))
+    if m := re.search(r"Allocation \(size=(\d+)\).*?\[shape: ([a-z0-9]+\[[^\]]*\]).*::\s*(\S+)",
+                      message):
+        buffers.append({"bytes": int(m.group(1)), "shape": m.group(2), "instruction": m.group(3),
+                        "op_name": m.group(3)})
+        temp = max(temp, int(m.group(1)))
+    total = int(arguments) + temp
+    return {
+        "compiled": False, "fits": False,
+        "bytes_per_chip": {"arguments": int(arguments), "outputs": 0, "temp": temp,
+                           "total": total, "aliased": 0},
+        "flops_per_chip": 0.0, "hbm_bytes_accessed_per_chip": 0.0,
+        "collective_bytes_per_chip": 0.0, "collectives": {},
+        "compile_s": round(seconds, 2), "bytes_over": total - int(spec.hbm_bytes),
+        "largest_buffers": buffers, "error": message.splitlines()[0][:500],
+    }
+
+
+def roofline(step: dict, spec: ChipSpec, devices: int, model_flops: float) -> None:
+    """Step time = max(compute, HBM, collectives): each at its peak, perfectly overlapped (a lower
+    bound). compute = XLA FLOPs / peak bf16; HBM = XLA bytes accessed / HBM bandwidth;
+    collectives = collective bytes / ICI bandwidth of one chip. MFU = model FLOPs / (devices ·
+    peak · step time)."""
+    parts = {
+        "compute_s": step["flops_per_chip"] / spec.peak_bf16_flops,
+        "hbm_s": step["hbm_bytes_accessed_per_chip"] / spec.hbm_bytes_per_s,
+        "collective_s": step["collective_bytes_per_chip"] / spec.ici_bytes_per_s,
+    }
+    step_s = max(parts.values())
+    step.update(parts)
+    step["bound_by"] = max(parts, key=parts.get).removesuffix("_s")
+    step["model_flops"] = model_flops
+    step["estimated_step_s"] = step_s
+    step["estimated_mfu"] = model_flops / (devices * spec.peak_bf16_flops * step_s) if step_s else 0.0
+
+
+def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
+         mesh_cfg: MeshConfig | None = None) -> dict:
+    """Compile the configured steps for `pc.topology` / `pc.inference_topology`; the JSON record."""
+    from hcjax.rl.learner import LearnerConfig
+
+    model_cfg = model_cfg or ModelConfig()
+    learner_cfg = learner_cfg or LearnerConfig()
+    mesh_cfg = mesh_cfg or MeshConfig()
+    devices, spec, chips = tpu_devices(pc.topology)
+    result: dict = {"topology": pc.topology, "chips": chips, "devices": len(devices),
+                    "hbm_bytes_per_chip": spec.hbm_bytes}
+    t0 = time.perf_counter()
+    if pc.train:
+        mesh = _mesh(mesh_cfg, devices, "learner")
+        fn, args, params = _train_inputs(model_cfg, learner_cfg, pc, mesh)
+        n_active = active_params(model_cfg, params)
+        step = {"mesh": dict(mesh.shape)}
+        step.update(_compile(fn, args, mesh, spec, pc.top_buffers))
+        # Training model FLOPs (forward + backward = 3x forward): 6·N_active·tokens plus causal
+        # attention 3·2·H·ctx·(d_qk + d_v) per token per layer, ctx the mean keys per query.
+        ctx_g, ctx_l = _causal_mean_ctx(pc.seq_len, model_cfg.window)
+        model_flops = pc.global_batch_tokens * (
+            6 * n_active + 3 * attention_flops_per_token(model_cfg, ctx_g, ctx_l))
+        roofline(step, spec, len(devices), model_flops)
+        step["active_params"] = n_active
+        step["tokens"] = pc.global_batch_tokens
+        result["train_step"] = step
+    if pc.decode:
+        inf_topology = pc.inference_topology or pc.topology
+        inf_devices, inf_spec, inf_chips = tpu_devices(inf_topology)
+        mesh = _mesh(pc.inference_mesh or mesh_cfg, inf_devices, "inference")
+        fn, args, params = _decode_inputs(model_cfg, pc, mesh)
+        n_active = active_params(model_cfg, params)
+        step = {"topology": inf_topology, "chips": inf_chips, "mesh": dict(mesh.shape)}
+        step.update(_compile(fn, args, mesh, inf_spec, pc.top_buffers))
+        # Decode model FLOPs per step: 2·N_active per token plus attention over a full KV of
+        # kv_len keys (global layers) or `window` keys (local), for every concurrent sequence.
+        model_flops = pc.decode_batch * (2 * n_active + attention_flops_per_token(
+            model_cfg, pc.kv_len, min(model_cfg.window, pc.kv_len)))
+        roofline(step, inf_spec, len(inf_devices), model_flops)
+        step["tokens_per_s_estimate"] = (
+            pc.decode_batch / step["estimated_step_s"] if step["estimated_step_s"] else 0.0)
+        result["decode_step"] = step
+        # Weight transfer learner -> inference: every parameter once, in the serving dtype; each
+        # inference device receives its shard at its full ICI bandwidth (a lower bound; across
+        # slices over DCN it is slower).
+        nbytes = _tree_bytes(params)
+        result["transfer"] = {"bytes": nbytes, "estimated_s":
+                              nbytes / len(inf_devices) / inf_spec.ici_bytes_per_s}
+    result["compile_seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+# Report ------------------------------------------------------------------------------------------
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB"
+
+
+def summary_table(result: dict) -> str:
+    lines = [f"topology {result['topology']}: {result['chips']} chips, "
+             f"{_gb(result['hbm_bytes_per_chip'])} HBM per chip"]
+    for name in ("train_step", "decode_step"):
+        step = result.get(name)
+        if step is None:
+            continue
+        b = step["bytes_per_chip"]
+        lines += [
+            f"\n{name} (mesh {step['mesh']}, compiled in {step['compile_s']} s)",
+            f"  per chip: arguments {_gb(b['arguments'])}, outputs {_gb(b['outputs'])}, "
+            f"temp {_gb(b['temp'])}, total {_gb(b['total'])} -> "
+            + ("fits" if step["fits"] else f"DOES NOT FIT, {_gb(step['bytes_over'])} over"),
+            f"  FLOPs per chip {step['flops_per_chip']:.3e} (model FLOPs {step['model_flops']:.3e} "
+            f"over all chips), HBM bytes accessed {_gb(step['hbm_bytes_accessed_per_chip'])}",
+            f"  collectives per chip {_gb(step['collective_bytes_per_chip'])}: "
+            + ", ".join(f"{k} x{v['count']} {_gb(v['bytes'])}" for k, v in step["collectives"].items()),
+            f"  roofline: compute {step['compute_s']:.4f} s, HBM {step['hbm_s']:.4f} s, "
+            f"collectives {step['collective_s']:.4f} s -> step {step['estimated_step_s']:.4f} s "
+            f"({step['bound_by']}-bound), MFU {step['estimated_mfu']:.1%}",
+        ]
+        if "tokens_per_s_estimate" in step:
+            lines.append(f"  decode: {step['tokens_per_s_estimate']:,.0f} tokens/s")
+        for buf in step.get("largest_buffers", []):
+            lines.append(f"    {_gb(buf['bytes'])}  {buf['shape']}  {buf['op_name']}")
+    if "transfer" in result:
+        t = result["transfer"]
+        lines.append(f"\ntransfer: {_gb(t['bytes'])} of weights, ~{t['estimated_s']:.3f} s")
+    lines.append(f"compile seconds: {result['compile_seconds']}")
+    return "\n".join(lines)
+
+
+def _extra_flags(parser) -> None:
+    parser.add_argument("--topology", default=None, help="learner TPU topology, e.g. v5p:8x8x16")
+    parser.add_argument("--inference_topology", default=None, help="e.g. v5p:4x4x8")
+    for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len"):
+        parser.add_argument(f"--{name}", type=int, default=None)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    flags = hcfg.parse_flags(argv, description=__doc__.split("\n")[0],
+                             default_gin_files=["tiny_cpu.gin"], extra_args=_extra_flags)
+    hcfg.bind(flags.gin_files, flags.gin_params)
+    overrides = {k: getattr(flags.extra, k) for k in
+                 ("topology", "inference_topology", "global_batch_tokens", "seq_len",
+                  "decode_batch", "kv_len") if getattr(flags.extra, k) is not None}
+    pc = dataclasses.replace(PlanConfig(), **overrides)
+    if flags.output_dir:
+        hcfg.write_config(flags.output_dir, flags)
+    result = plan(pc)
+    table = summary_table(result)
+    print(table)
+    if flags.output_dir:
+        out = Path(flags.output_dir)
+        hcfg.write_operative_config(out)
+        (out / "summary.txt").write_text(table + "\n")
+        (out / "plan.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""`hcjax.plan` compiles the learner and decode steps for a small TPU topology (libtpu's
+compile-only devices) from this CPU host, and reports fit, bytes over and clear errors."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from hcjax import config as hcfg
+from hcjax import plan as plan_lib
+from hcjax.model import ModelConfig
+from hcjax.sharding import MeshConfig
+
+
+def _libtpu_reason() -> str | None:
+    try:
+        plan_lib.tpu_devices("v5p:2x2x1")
+    except Exception as e:  # no libtpu on this platform
+        return f"libtpu cannot build a TPU topology here: {e}"
+    return None
+
+
+_REASON = _libtpu_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+SMALL = plan_lib.PlanConfig(topology="v5p:2x2x1", global_batch_tokens=2048, seq_len=256,
+                            decode_batch=8, kv_len=256)
+
+
+def _tiny() -> ModelConfig:
+    hcfg.bind(["tiny_cpu.gin"], [])
+    return ModelConfig()
+
+
+def test_libtpu_leaves_the_test_backend_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert all(d.platform == "cpu" for d in jax.devices())
+
+
+def test_tiny_plan_compiles_both_steps_and_fits(tmp_path):
+    result = plan_lib.main([
+        "--gin_file", "tiny_cpu.gin", "--gin_param", "MeshConfig.fsdp = 2",
+        "--gin_param", "MeshConfig.tensor = 2", "--topology", "v5p:2x2x1",
+        "--global_batch_tokens", "2048", "--seq_len", "256", "--decode_batch", "8",
+        "--kv_len", "256", "--output_dir", str(tmp_path),
+    ])
+    assert result["chips"] == 4 and result["hbm_bytes_per_chip"] > 0
+    for name in ("train_step", "decode_step"):
+        step = result[name]
+        assert step["compiled"] and step["fits"], name
+        assert step["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+        for key in ("arguments", "outputs", "temp", "total"):
+            assert step["bytes_per_chip"][key] > 0, (name, key)
+        for key in ("flops_per_chip", "model_flops", "collective_bytes_per_chip",
+                    "estimated_step_s", "estimated_mfu"):
+            assert step[key] > 0, (name, key)
+    assert result["decode_step"]["tokens_per_s_estimate"] > 0
+    assert result["transfer"]["bytes"] > 0 and result["transfer"]["estimated_s"] > 0
+    assert result["compile_seconds"] > 0
+    for f in ("config.gin", "operative_config.gin", "summary.txt", "plan.json"):
+        assert (tmp_path / f).is_file(), f
+
+
+def test_oversized_batch_does_not_fit_and_says_by_how_much():
+    model = dataclasses.replace(_tiny(), num_layers=2)  # two layers compile faster than six
+    # A v5e chip holds 15.75 GiB; 16M tokens of tiny-model logits and activations do not fit.
+    pc = dataclasses.replace(SMALL, topology="v5e:2x2", global_batch_tokens=1 << 24,
+                             seq_len=256, decode=False)
+    step = plan_lib.plan(pc, model)["train_step"]
+    # Far over HBM libtpu may not finish the compile at all; the record then carries XLA's
+    # out-of-memory figure instead of a full memory analysis.
+    assert not step["fits"]
+    hbm = int(plan_lib.CHIP_SPECS["v5e"].hbm_bytes)
+    assert step["bytes_over"] == step["bytes_per_chip"]["total"] - hbm > 0
+    if step["compiled"]:
+        assert step["largest_buffers"] and step["largest_buffers"][0]["bytes"] > 0
+    else:
+        assert "RESOURCE_EXHAUSTED" in step["error"]
+
+
+def test_unknown_topology_is_named():
+    with pytest.raises(ValueError, match="v9z:2x2"):
+        plan_lib.tpu_devices("v9z:2x2")
+    with pytest.raises(ValueError, match="v5p:3x3x3x3"):
+        plan_lib.tpu_devices("v5p:3x3x3x3")
+
+
+def test_mesh_that_does_not_cover_the_chips_is_named():
+    model = _tiny()
+    pc = dataclasses.replace(SMALL, decode=False)
+    with pytest.raises(ValueError, match=r"multiply to 2, not the 4 devices"):
+        plan_lib.plan(pc, model, mesh_cfg=MeshConfig(fsdp=2))
+    with pytest.raises(ValueError, match="do not divide"):
+        plan_lib.plan(pc, model, mesh_cfg=MeshConfig(fsdp=-1, tensor=3))
+
+
+def test_batch_that_does_not_divide_the_mesh_is_named():
+    model = _tiny()
+    pc = dataclasses.replace(SMALL, global_batch_tokens=256 * 2, decode=False)
+    with pytest.raises(ValueError, match="2 rows"):
+        plan_lib.plan(pc, model, mesh_cfg=MeshConfig(fsdp=4))
+
+
+def test_collectives_parser_counts_loop_trips():
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %g = f32[32]{0} all-gather(%x), dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%x, %x)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %r = f32[8]{0} all-reduce(%a), to_apply=%add
+  %w = (s32[], f32[8]) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %s = f32[4]{0} reduce-scatter(%a), dimensions={0}
+}
+"""
+    out = plan_lib.collectives(hlo)
+    assert out["all-gather"] == {"count": 3, "bytes": 3 * 32 * 4}
+    assert out["all-reduce"] == {"count": 1, "bytes": 32}
+    assert out["reduce-scatter"] == {"count": 1, "bytes": 32}  # the operand, the larger side
