@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +25,8 @@ from hcjax.rl.store import rollout_from_json, rollout_to_json
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, generate, wire
 from hcjax.sharding import MeshConfig, make_mesh
 from hcjax.transfer import make_plan
+from tests.hf_fixtures import FAMILIES, fixture, golden
 
-FIXTURES = os.environ.get(
-    "HCJAX_HF_FIXTURES",
-    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "hf"),
-)
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
 MAX_LEN = 48  # engine cache length; 12 + 24 tokens leave GPT-OSS's window of 8 far behind
 PROMPT_LEN, LONG = 12, 24
@@ -39,23 +34,12 @@ TEMPERATURE, TOP_P = 0.9, 0.9
 SEQ_LEN = 24  # learner rows
 
 
-def fixture_path(family: str) -> str:
-    path = os.path.join(FIXTURES, family)
-    if not os.path.isdir(path):
-        pytest.fail(f"reference fixture {path} is missing (../shared/fixtures/hf must exist)")
-    return path
-
-
-def golden(family: str, what: str) -> np.ndarray:
-    return np.load(os.path.join(fixture_path(family), "golden", f"{what}.npy"))
-
-
 # One model, engine and set of records per family, shared by the tests below (compiles once).
 
 
 @functools.cache
 def loaded(family: str):
-    return hf.load(fixture_path(family))
+    return hf.load(fixture(family))
 
 
 @functools.cache

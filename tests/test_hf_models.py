@@ -15,21 +15,9 @@ import pytest
 
 from hcjax.model import hf, init_cache, quant
 from hcjax.model.safetensors_io import SafetensorsCheckpoint, write_safetensors
+from tests.hf_fixtures import FAMILIES, fixture, golden
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "hf")
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def fixture(name: str) -> str:
-    path = os.path.join(FIXTURES, name)
-    if not os.path.isdir(path):
-        pytest.fail(f"reference fixture {path} is missing (../shared/fixtures/hf must exist)")
-    return path
-
-
-def golden(name: str, what: str) -> np.ndarray:
-    return np.load(os.path.join(fixture(name), "golden", f"{what}.npy"))
 
 
 def logits_of(model, ids) -> np.ndarray:

@@ -451,11 +451,7 @@ def load(
     info = check_coverage(table, reader, cfg, hf_config)
 
     graphdef, abstract = abstract_model(cfg)
-    if mesh is not None:
-        shardings = param_shardings(abstract, mesh, rules)
-    else:
-        device = SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, abstract)
+    shardings = _target_shardings(abstract, mesh, rules)
     by_param: dict[str, tuple[Rule, int]] = {}
     for rule in table:
         if isinstance(rule, Interleaved):
@@ -502,6 +498,14 @@ def load(
     return nnx.merge(graphdef, state), cfg
 
 
+def _target_shardings(abstract, mesh: Mesh | None, rules):
+    """Each parameter's sharding on `mesh` by the logical rules, or the first device."""
+    if mesh is not None:
+        return param_shardings(abstract, mesh, rules)
+    device = SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda _: device, abstract)
+
+
 def _load_scanned(path, cfg, dtype, mesh, *, rules, **kwargs):
     """Load in the unrolled layout, then stack the layers into the scanned one on the target
     shardings (one transient extra copy of the layer parameters, on the devices)."""
@@ -511,11 +515,7 @@ def _load_scanned(path, cfg, dtype, mesh, *, rules, **kwargs):
     flat, _ = load(path, dtype, mesh, rules=rules, param_dtype=kwargs["param_dtype"],
                    progress=kwargs["progress"], report=kwargs["report"], **overrides)
     graphdef, abstract = abstract_model(cfg)
-    if mesh is not None:
-        out_shardings = param_shardings(abstract, mesh, rules)
-    else:
-        device = SingleDeviceSharding(jax.devices()[0])
-        out_shardings = jax.tree.map(lambda _: device, abstract)
+    out_shardings = _target_shardings(abstract, mesh, rules)
     stacked = jax.jit(lambda st: stack_layers(st, cfg), out_shardings=out_shardings)(
         nnx.state(flat))
     return nnx.merge(graphdef, stacked), cfg
