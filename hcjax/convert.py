@@ -55,6 +55,7 @@ def _bar(total: int, unit: str, quiet: bool):
 
 def from_hf(src: str, output_dir: str, *, dtype: str = "float32", quiet: bool = False) -> dict:
     """Import an HF folder into OUT/checkpoints; returns the summary items."""
+    import jax
     from flax import nnx
 
     from hcjax.checkpoint import CheckpointConfig, Checkpointer
@@ -83,7 +84,7 @@ def from_hf(src: str, output_dir: str, *, dtype: str = "float32", quiet: bool = 
         ckpt.close()
     write_model_gin(cfg, os.path.join(output_dir, "model.gin"), source=src)
     copy_side_files(src, os.path.join(output_dir, "hf"))
-    n = sum(int(x.size) for x in __import__("jax").tree.leaves(params))
+    n = sum(int(x.size) for x in jax.tree.leaves(params))
     return {
         "direction": "from_hf",
         "source": os.path.abspath(src),

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
@@ -306,13 +307,14 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def check_coverage(rules: list[Rule], reader: HFReader, cfg: ModelConfig, hf_config: dict) -> dict:
+def check_coverage(
+    rules: list[Rule], reader: HFReader, cfg: ModelConfig, hf_config: dict, abstract
+) -> dict:
     """Every rule's tensors exist with the expected shapes, and every stored tensor maps somewhere.
 
     Returns what was deliberately left out (DeepSeek's multi-token-prediction layers, which
     transformers does not load either, and rotary caches).
     """
-    _, abstract = abstract_model(cfg)
     shapes = {"/".join(str(p) for p in path): v.shape for path, v in _flat(abstract)}
     used: set[str] = set()
     for rule in rules:
@@ -448,9 +450,8 @@ def load(
     block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
     reader = HFReader(ckpt, block)
     table = mapping(cfg)
-    info = check_coverage(table, reader, cfg, hf_config)
-
     graphdef, abstract = abstract_model(cfg)
+    info = check_coverage(table, reader, cfg, hf_config, abstract)
     shardings = _target_shardings(abstract, mesh, rules)
     by_param: dict[str, tuple[Rule, int]] = {}
     for rule in table:
@@ -534,9 +535,6 @@ def _flat_shardings(shardings) -> Iterator[tuple[str, Any]]:
 
 # Save ---------------------------------------------------------------------------------------------
 
-_NP_DTYPES = {"float32": np.float32, "bfloat16": None}
-
-
 def save(
     model: Transformer,
     path: str,
@@ -559,7 +557,7 @@ def save(
         cfg = flat_cfg
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"save: dtype={dtype!r} must be 'float32' or 'bfloat16'")
-    out_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(_bf16())
+    out_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16)
     config = to_hf_config(cfg, base=hf_config)
     config["dtype"] = dtype
     config.pop("torch_dtype", None)
@@ -593,9 +591,3 @@ def save(
     write_safetensors(path, tensors, max_shard_bytes=max_shard_bytes, progress=progress)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-
-
-def _bf16():
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
