@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv run test lint
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-jetstream.txt
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -r requirements.txt
+	$(VENV)/bin/pip install -q --no-deps -r requirements-jetstream.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -184,7 +184,7 @@ def test_chunked_prefill_matches_full_forward(family):
     chunks, the second one partly padding)."""
     eng = engine(family)
     tokens = golden(family, "input_ids")[0]
-    prefix, _ = eng.prefill(params=eng.load_params(), padded_tokens=tokens, true_length=24)
+    prefix = eng.prefill(params=eng.load_params(), padded_tokens=tokens, true_length=24)
     logits, routing = full_forward(family)(tokens)
     np.testing.assert_allclose(np.asarray(prefix.logits), logits[23], atol=1e-4)
     np.testing.assert_array_equal(np.asarray(prefix.routing), routing)

@@ -1,6 +1,8 @@
 """`python -m hcjax.bench.rollout`: generation throughput of continuous batching vs static batching
-vs no KV cache on the tiny config, with a mixed response-length workload, plus KV-cache bytes of
-ring-buffer local layers vs full-length caches. Prints one JSON object last; asserts no timing.
+vs no KV cache on the tiny config, with a mixed response-length workload; KV-cache bytes of
+ring-buffer local layers vs full-length caches; and prefix reuse on 8-turn ReAct-style episodes
+(prefill tokens computed and rollout time with vs without reuse, outputs compared). Prints one
+JSON object last; asserts no timing.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import threading
 import time
 
 import jax
@@ -53,13 +56,88 @@ def run_static(engine: Engine, jobs, seed: int = 0) -> tuple[int, float]:
         state = engine.init_decode_state()
         for slot, (i, (p, m)) in enumerate(zip(range(lo, lo + b), batch)):
             sp = SamplingParams(top_p=0.97, seed=seed + i, max_tokens=m)
-            prefix, _ = engine.prefill(params=params, padded_tokens=p, true_length=len(p),
-                                       sampling=sp)
+            prefix = engine.prefill(params=params, padded_tokens=p, true_length=len(p),
+                                    sampling=sp)
             state = engine.insert(prefix, state, slot)
         for _ in range(max(m for _, m in batch)):
             state, result = engine.generate(params, state)
             tokens += int(np.asarray(result.valid).sum())
     return tokens, time.perf_counter() - start
+
+
+def run_react(engine: Engine, episodes: int, turns: int, system_len: int, obs_len: int,
+              response_len: int, seed: int = 0) -> dict:
+    """`episodes` ReAct-style episodes at once, `turns` turns each: turn t's prompt is turn t-1's
+    prompt + its response + a new observation; every episode starts with the same system prompt.
+    Greedy, so runs with and without prefix reuse must give the same tokens."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(16, 256, system_len).tolist()
+    firsts = [system + rng.integers(16, 256, obs_len).tolist() for _ in range(episodes)]
+    observations = [[rng.integers(16, 256, obs_len).tolist() for _ in range(turns)]
+                    for _ in range(episodes)]
+    responses: list[list] = [[] for _ in range(episodes)]
+    before = engine.prefill_stats()
+
+    with RolloutServer(engine, max_queue=episodes + 1) as srv:
+        def episode(e):
+            prompt = firsts[e]
+            for t in range(turns):
+                req = GenerateRequest(prompt=prompt, max_tokens=response_len, temperature=0.0)
+                rec = srv.generate(req, timeout=600)[0]
+                responses[e].append((rec.response_ids.tolist(), rec.raw_logprobs))
+                prompt = prompt + rec.response_ids.tolist() + observations[e][t]
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=episode, args=(e,)) for e in range(episodes)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        seconds = time.perf_counter() - start
+    after = engine.prefill_stats()
+    return {"seconds": seconds, "responses": responses,
+            **{k: after[k] - before[k] for k in ("prompt_tokens", "computed_tokens",
+                                                 "reused_tokens", "prefills")}}
+
+
+def react_comparison(model, args, max_len: int) -> dict:
+    """Prefix reuse on vs off, same workload, one timed run each after a warm-up run."""
+    longest = (args.react_system + args.react_turns * (args.react_obs + args.react_response))
+    if longest >= max_len:
+        raise ValueError(f"ReAct episodes reach {longest} tokens >= max_seq_len={max_len}")
+    engines = {
+        name: Engine(model, max_concurrent_decodes=args.slots, max_prefill_length=longest,
+                     max_target_length=max_len, prefix_cache_blocks=blocks,
+                     prefix_block_size=args.prefix_block_size)
+        for name, blocks in [("without_reuse", 0), ("with_reuse", args.prefix_cache_blocks)]
+    }
+    shape = (args.react_episodes, args.react_turns, args.react_system, args.react_obs,
+             args.react_response)
+    runs = {}
+    for name, eng in engines.items():
+        run_react(eng, *shape, seed=1)  # compiles every shape; other tokens, so nothing reused
+        runs[name] = run_react(eng, *shape, seed=0)
+    off, on = runs["without_reuse"], runs["with_reuse"]
+    same = all(a[0] == b[0] for ea, eb in zip(off["responses"], on["responses"])
+               for a, b in zip(ea, eb))
+    diff = max(float(np.max(np.abs(a[1] - b[1]))) for ea, eb in zip(off["responses"],
+                                                                    on["responses"])
+               for a, b in zip(ea, eb))
+    return {
+        "episodes": args.react_episodes, "turns": args.react_turns,
+        "system_tokens": args.react_system, "observation_tokens": args.react_obs,
+        "response_tokens": args.react_response, "prefix_block_size": args.prefix_block_size,
+        "prompt_tokens": off["prompt_tokens"],
+        "prefill_tokens_computed_without_reuse": off["computed_tokens"],
+        "prefill_tokens_computed_with_reuse": on["computed_tokens"],
+        "prefill_tokens_reused": on["reused_tokens"],
+        "prefill_tokens_ratio": round(off["computed_tokens"] / max(1, on["computed_tokens"]), 2),
+        "seconds_without_reuse": round(off["seconds"], 3),
+        "seconds_with_reuse": round(on["seconds"], 3),
+        "time_ratio": round(off["seconds"] / on["seconds"], 2),
+        "outputs_equal": same,
+        "max_abs_raw_logprob_diff": diff,
+    }
 
 
 def make_recompute_step(model: Transformer):
@@ -121,6 +199,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--max_response", type=int, default=128)
     parser.add_argument("--recompute_batches", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--react_episodes", type=int, default=8)
+    parser.add_argument("--react_turns", type=int, default=8)
+    parser.add_argument("--react_system", type=int, default=64)
+    parser.add_argument("--react_obs", type=int, default=16)
+    parser.add_argument("--react_response", type=int, default=6)
+    parser.add_argument("--prefix_block_size", type=int, default=16)
+    parser.add_argument("--prefix_cache_blocks", type=int, default=1024)
     parser.add_argument("--gin_file", action="append", default=None)
     args = parser.parse_args(argv)
     hcfg.bind(args.gin_file or ["tiny_cpu.gin"], [])
@@ -154,6 +239,7 @@ def main(argv=None) -> dict:
         tokens, seconds = min(runs, key=lambda r: r[1])  # best of repeats: the machine is shared
         results[name] = {"tokens": tokens, "seconds": round(seconds, 3),
                          "tokens_per_s": round(tokens / seconds, 1)}
+    react = react_comparison(model, args, cfg.max_seq_len)
     lengths = [m for _, m in jobs]
     kv_tiny = kv_bytes(cfg, args.slots, cfg.max_seq_len)
     flagship_like = dataclasses.replace(cfg, window=512, num_heads=64, num_kv_heads=8, head_dim=128,
@@ -180,6 +266,7 @@ def main(argv=None) -> dict:
         "kv_cache_bytes_128k_context_window512_per_row": kv_128k,
         "kv_cache_ring_over_full_128k": round(kv_128k["ring"] / kv_128k["full_length"], 4),
         "support_record_bytes_per_token": 8,  # n_kept int32 + threshold_logit float32
+        "react_prefix_reuse": react,
     }
     print(json.dumps(out))
     return out

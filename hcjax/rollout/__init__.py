@@ -1,7 +1,16 @@
-"""hcjax.rollout: the JetStream-API engine, sampling, continuous-batching server, gRPC, router."""
+"""hcjax.rollout: the JetStream-API engine, prefix reuse, sampling, continuous-batching server,
+gRPC, router."""
 
-from hcjax.rollout.engine import DecodeState, Engine, Prefix, ResultTokens, SamplingParams
+from hcjax.rollout.engine import (
+    DecodeState,
+    Engine,
+    Prefix,
+    ResultTokens,
+    SamplingParams,
+    VersionedParams,
+)
 from hcjax.rollout.offline import generate
+from hcjax.rollout.prefix_cache import PrefixCache
 from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
 from hcjax.rollout.server import QueueFull, RequestHandle, RolloutServer, ServerStopped
 
@@ -10,6 +19,7 @@ __all__ = [
     "Engine",
     "GenerateRequest",
     "Prefix",
+    "PrefixCache",
     "QueueFull",
     "RequestHandle",
     "ResultTokens",
@@ -18,5 +28,6 @@ __all__ = [
     "SamplingParams",
     "ServerStopped",
     "TokenEvent",
+    "VersionedParams",
     "generate",
 ]

@@ -1,14 +1,19 @@
-"""The generation engine, written to JetStream's Engine API (prefill / insert / generate) with the
-RL extras (sampling and raw log-probs, top-p kept-set record, expert ids, weight version) computed
-inside the jitted step, so one host copy per step carries everything.
+"""The generation engine: JetStream's `Engine` interface (jetstream/engine/engine_api.py of
+google-jetstream 0.2.2: prefill / insert / generate, `ResultTokens`, tokenizer metadata) with the RL
+extras (sampling and raw log-probs, top-p kept-set record, expert ids, weight version) computed
+inside the jitted step, so one host copy per step carries everything, and prefix reuse across
+requests (prefix_cache.py).
 
 It runs on the model's KV-cache path: one cache row per decode slot, rows independent, local layers
 in ring buffers. It knows nothing of requests, threads or losses; the server (server.py) does.
+JetStream is optional: when it imports, `Engine` and `ResultTokens` are registered as virtual
+subclasses of its abstract classes (`register_with_jetstream`); hcjax never needs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,9 +25,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hcjax.rollout import prefix_cache as pc
 from hcjax.rollout.sampling import sample, sampling_keys
 
-__all__ = ["DecodeState", "Engine", "Prefix", "ResultTokens", "SamplingParams"]
+__all__ = [
+    "DecodeState",
+    "Engine",
+    "Prefix",
+    "ResultTokens",
+    "SamplingParams",
+    "SlotData",
+    "TokenizerParameters",
+    "VersionedParams",
+    "register_with_jetstream",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +65,25 @@ class SamplingParams:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class VersionedParams:
+    """The `params` argument of prefill / generate tagged with its weight version.
+
+    Bare parameters (what `load_params` returns, what JetStream passes back) are version 0. The
+    version is static metadata, so `jax.tree.map` over a VersionedParams maps the parameters only.
+    """
+
+    params: Any
+    version: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+
+def _split_params(params: Any) -> tuple[Any, int]:
+    if isinstance(params, VersionedParams):
+        return params.params, int(params.version)
+    return params, 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
     """Everything the generate step needs, one row per slot ([B, ...] leaves)."""
 
@@ -61,37 +96,145 @@ class DecodeState:
     temperature: jax.Array  # [B] f32
     top_p: jax.Array  # [B] f32
     remaining: jax.Array  # [B] int32: tokens this slot may still generate
+    generated: jax.Array  # [B] int32: tokens this slot generated since its insert
     stop_tokens: jax.Array  # [B, S] int32, -1 = unused
     active: jax.Array  # [B] bool
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SlotData:
+    """One slot's share of a ResultTokens (JetStream's SlotData): [samples, 1] tokens and
+    validity, [samples] lengths."""
+
+    tokens: Any
+    valid: Any
+    lengths: Any
+
+
+_INDEX = dict(static=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class ResultTokens:
-    """One generate step's output for every slot; rows with valid=False carry no token."""
+    """One generate step's output for every slot, in JetStream's layout plus the RL extras.
 
-    tokens: jax.Array  # [B] int32
-    logprobs: jax.Array  # [B] f32, sampling distribution (temperature, top-p, renormalised)
-    raw_logprobs: jax.Array  # [B] f32, model distribution at temperature 1
-    n_kept: jax.Array  # [B] int32, top-p support record
-    threshold_logit: jax.Array  # [B] f32
-    routing: jax.Array  # [B, num_moe_layers, k] int32: experts chosen when the token was fed
-    positions: jax.Array  # [B] int32, position of the token
-    versions: jax.Array  # [B] int32, weight version whose logits the token was drawn from
-    valid: jax.Array  # [B] bool: the slot was active and produced this token
-    done: jax.Array  # [B] bool: this token ended the slot (stop token or token limit)
+    `data` [B, 3] int32 holds (token, valid, length) per slot so JetStream copies one array to the
+    host; `length` counts the tokens the slot has generated since its insert, this one included.
+    The extras are fields JetStream never reads. Rows with valid=0 carry no token.
+    """
+
+    data: Any  # [B, 3] int32
+    tokens_idx: tuple[int, int] = dataclasses.field(metadata=_INDEX)
+    valid_idx: tuple[int, int] = dataclasses.field(metadata=_INDEX)
+    length_idx: tuple[int, int] = dataclasses.field(metadata=_INDEX)
+    samples_per_slot: int = dataclasses.field(metadata=_INDEX)
+    logprobs: Any  # [B] f32, sampling distribution (temperature, top-p, renormalised)
+    raw_logprobs: Any  # [B] f32, model distribution at temperature 1
+    n_kept: Any  # [B] int32, top-p support record
+    threshold_logit: Any  # [B] f32
+    routing: Any  # [B, num_moe_layers, k] int32: experts chosen when the token was fed
+    positions: Any  # [B] int32, position of the token
+    versions: Any  # [B] int32, weight version whose logits the token was drawn from
+    done: Any  # [B] bool: this token ended the slot (stop token or token limit)
+
+    @property
+    def tokens(self) -> Any:
+        return self.data[:, self.tokens_idx[0]]
+
+    @property
+    def valid(self) -> Any:
+        return self.data[:, self.valid_idx[0]] != 0
+
+    @property
+    def lengths(self) -> Any:
+        return self.data[:, self.length_idx[0]]
+
+    def get_result_at_slot(self, slot: int) -> SlotData:
+        """The `samples_per_slot` rows of `slot`."""
+        lo, hi = slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot
+        rows = self.data[lo:hi]
+        return SlotData(
+            tokens=rows[:, self.tokens_idx[0] : self.tokens_idx[1]],
+            valid=rows[:, self.valid_idx[0] : self.valid_idx[1]],
+            lengths=rows[:, self.length_idx[0] : self.length_idx[1]][:, 0],
+        )
+
+    def copy_to_host_async(self) -> None:
+        """Start every device-to-host copy (a no-op for numpy leaves)."""
+        for leaf in jax.tree.leaves(self):
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
+
+    def convert_to_numpy(self) -> ResultTokens:
+        """The same result with numpy leaves (extras included)."""
+        return jax.tree.map(np.asarray, self)
 
 
-@dataclasses.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Prefix:
-    """A prefilled prompt ready to be inserted into one or more slots."""
+    """A prefilled prompt ready to be inserted into one or more slots (what `prefill` returns)."""
 
-    cache: Any  # batch-1 cache holding the prompt
-    logits: jax.Array  # [V] f32 logits after the last prompt token
-    length: int  # tokens in the cache = position of the first generated token
-    routing: jax.Array  # [num_moe_layers, length, k] int32 experts of the prompt tokens
-    version: int
-    sampling: SamplingParams
+    cache: Any  # batch-1 cache in the decode layout, holding the prompt
+    logits: Any  # [V] f32 logits after the last prompt token
+    routing: Any  # [num_moe_layers, length, k] int32 experts of the prompt tokens
+    length: int = dataclasses.field(metadata=dict(static=True))  # = position of the first token
+    version: int = dataclasses.field(metadata=dict(static=True))
+    sampling: SamplingParams = dataclasses.field(metadata=dict(static=True))
+    tokens: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerParameters:
+    """What `get_tokenizer` returns: the fields of JetStream's TokenizerParameters proto. `path` is
+    "byte" (hcjax's ByteTokenizer) or a Hugging Face model folder."""
+
+    path: str = "byte"
+    extra_ids: int = 0
+
+
+class JetStreamTokenizer:
+    """JetStream's tokenizer interface (tokenizer_api.Tokenizer) over an hcjax tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, s: str, **kwargs) -> tuple[np.ndarray, int]:
+        """(padded ids, true length): BOS first unless is_bos=False, padded with pad_id to a power
+        of two no longer than max_prefill_length (a longer prompt is an error, not truncated)."""
+        ids = list(self.tokenizer.encode(s))
+        if kwargs.get("is_bos", True):
+            ids = [self.bos_id] + ids
+        limit = kwargs.get("max_prefill_length")
+        if limit is not None and len(ids) > limit:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prefill_length={limit}")
+        width = _next_pow2(max(len(ids), 1))
+        if limit is not None:
+            width = min(width, limit)
+        padded = np.full((width,), self.pad_id, np.int32)
+        padded[: len(ids)] = ids
+        return (jnp.asarray(padded) if kwargs.get("jax_padding") else padded), len(ids)
+
+    def decode(self, token_ids: Sequence[int], **kwargs) -> str:
+        return self.tokenizer.decode([int(t) for t in token_ids])
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_id)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.eos_id)
+
+    @property
+    def bos_id(self) -> int:
+        return int(self.tokenizer.bos_id)  # HFTokenizer raises a clear error when it has none
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        return {*getattr(self.tokenizer, "eos_ids", (self.eos_id,)), self.pad_id}
 
 
 def _next_pow2(n: int) -> int:
@@ -114,11 +257,17 @@ def _batch_axes(init_cache_fn: Callable[[int, int], Any], max_len: int) -> Any:
 
 @gin.configurable
 class Engine:
-    """JetStream-style engine over an NNX model with the hcjax forward contract.
+    """JetStream engine over an NNX model with the hcjax forward contract.
 
     `model(tokens, positions=..., cache=...)` must return an object with `.logits` [B, T, V],
     `.routing` (tuple of [B, T, k], one per MoE layer) and `.cache`. Prompts are padded to a
     power-of-two bucket with position -1 on the padding, which the model's cache never stores.
+
+    default_sampling: what a prefill without `sampling` uses (JetStream passes none); its token
+      limit is clipped to the room left in max_target_length.
+    tokenizer: "byte" or a Hugging Face model folder, for get_tokenizer / build_tokenizer.
+    prefix_cache_blocks: blocks of prompt KV kept for reuse across requests (0 = no reuse);
+      prefix_block_size tokens each (prefix_cache.py).
     """
 
     def __init__(
@@ -131,6 +280,10 @@ class Engine:
         max_target_length: int | None = None,
         max_stop_tokens: int = 8,
         init_cache_fn: Callable[[int, int], Any] | None = None,
+        default_sampling: SamplingParams | None = None,
+        tokenizer: str = "byte",
+        prefix_cache_blocks: int = 0,
+        prefix_block_size: int = 16,
     ) -> None:
         cfg = getattr(model, "config", None)
         if init_cache_fn is None:
@@ -146,9 +299,12 @@ class Engine:
             ("max_prefill_length", max_prefill_length),
             ("max_target_length", max_target_length),
             ("max_stop_tokens", max_stop_tokens),
+            ("prefix_block_size", prefix_block_size),
         ]:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(prefix_cache_blocks, int) or prefix_cache_blocks < 0:
+            raise ValueError(f"prefix_cache_blocks={prefix_cache_blocks!r} must be an integer >= 0")
         if max_prefill_length >= max_target_length:
             raise ValueError(
                 f"max_prefill_length={max_prefill_length} must be < "
@@ -161,19 +317,43 @@ class Engine:
         self._max_prefill = max_prefill_length
         self._max_len = max_target_length
         self._max_stop = max_stop_tokens
+        self._default_sampling = default_sampling or SamplingParams()
+        self._tokenizer_path = tokenizer
         self._init_cache_fn = init_cache_fn
         self._batch_axes = _batch_axes(init_cache_fn, max_target_length)
+        self._row_shapes = jax.eval_shape(lambda: init_cache_fn(1, max_target_length))
+        self._wide_shapes = pc.wide_shapes(self._row_shapes, self._batch_axes, max_target_length)
+        self.prefix_cache = (
+            pc.PrefixCache(prefix_block_size, prefix_cache_blocks) if prefix_cache_blocks else None
+        )
+        self._routing_shape: tuple[int, int] | None = None
+        self._stats = {"prompt_tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "prefills": 0}
         self._free = list(range(max_concurrent_decodes))
         self._free_lock = threading.Lock()
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._prefill_jit = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._init_prefill_jit = jax.jit(self._new_prefill_cache, out_shardings=replicated)
+        self._init_prefill_jit = jax.jit(
+            lambda: pc.empty_wide_cache(self._wide_shapes), out_shardings=replicated
+        )
+        self._assemble_jit = jax.jit(
+            lambda blocks: pc.assemble_blocks(blocks, self._wide_shapes, self._batch_axes),
+            out_shardings=replicated,
+        )
+        self._block_at_jit = jax.jit(
+            lambda wide, start: pc.block_at(wide, start, self._batch_axes, prefix_block_size)
+        )
+        self._empty_block_jit = jax.jit(
+            lambda: pc.empty_block(self._row_shapes, self._batch_axes, prefix_block_size),
+            out_shardings=replicated,
+        )
+        self._empty_block = None
+        self._fold_jit = jax.jit(
+            lambda wide, n: pc.to_decode_layout(wide, n, self._row_shapes, self._batch_axes)
+        )
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
-        self._init_decode_jit = jax.jit(
-            self._init_decode_impl, static_argnums=0, out_shardings=replicated
-        )
+        self._init_decode_jit = {}  # by vocab size: jit with the state's shardings
 
     # JetStream Engine API: properties ---------------------------------------------------------
     @property
@@ -208,19 +388,42 @@ class Engine:
     def vocab_size(self) -> int | None:
         return self._vocab
 
-    def load_params(self) -> Any:
-        """The model's parameters (an nnx.State), the `params` every call takes."""
+    def load_params(self, *args, **kwargs) -> Any:
+        """The model's parameters (an nnx.State), version 0; wrap them as
+        `VersionedParams(params, version)` to tag another version."""
         return self._params
 
     def get_prefix_destination_sharding(self) -> Any:
         return None if self._mesh is None else NamedSharding(self._mesh, PartitionSpec())
 
-    def get_tokenizer(self) -> None:
-        # Rollouts travel as token ids (RECIPE §6); tokenisation belongs to hcjax.data.
-        return None
+    def get_tokenizer(self) -> TokenizerParameters:
+        return TokenizerParameters(path=self._tokenizer_path)
 
-    def build_tokenizer(self, metadata: Any = None) -> None:
-        return None
+    def build_tokenizer(self, metadata: Any) -> JetStreamTokenizer:
+        """A JetStream tokenizer over hcjax.data's tokenizer at `metadata.path`."""
+        from hcjax.data.tokenizer import load_tokenizer
+
+        path = getattr(metadata, "path", None)
+        if not path:
+            raise ValueError(f"tokenizer metadata {metadata!r} has no path")
+        return JetStreamTokenizer(load_tokenizer(path))
+
+    @property
+    def routing_shape(self) -> tuple[int, int]:
+        """(MoE layers, experts per token) of the routing records, from the prefill's shapes."""
+        if self._routing_shape is None:
+            chunk = jax.ShapeDtypeStruct((8,), jnp.int32)
+            scalar = jax.ShapeDtypeStruct((), jnp.int32)
+            _, _, routing = jax.eval_shape(
+                self._prefill_impl, self._params, self._wide_shapes, chunk, scalar, scalar
+            )
+            self._routing_shape = (int(routing.shape[0]), int(routing.shape[2]))
+        return self._routing_shape
+
+    def prefill_stats(self) -> dict:
+        """Prompt tokens prefilled so far: total, computed by the model, reused from the cache."""
+        with self._free_lock:
+            return dict(self._stats)
 
     # Slot bookkeeping ------------------------------------------------------------------------
     def allocate_slots(self, n: int) -> list[int]:
@@ -256,6 +459,7 @@ class Engine:
             temperature=jnp.ones((b,), jnp.float32),
             top_p=jnp.ones((b,), jnp.float32),
             remaining=jnp.zeros((b,), jnp.int32),
+            generated=jnp.zeros((b,), jnp.int32),
             stop_tokens=jnp.full((b, self._max_stop), -1, jnp.int32),
             active=jnp.zeros((b,), bool),
         )
@@ -265,12 +469,46 @@ class Engine:
         vocab = vocab_size or self._vocab
         if vocab is None:
             raise ValueError("init_decode_state needs vocab_size for a model without .config")
-        return self._init_decode_jit(int(vocab))
+        vocab = int(vocab)
+        if vocab not in self._init_decode_jit:
+            self._init_decode_jit[vocab] = jax.jit(
+                functools.partial(self._init_decode_impl, vocab),
+                out_shardings=self.decode_state_shardings(vocab))
+        return self._init_decode_jit[vocab]()
+
+    def decode_state_shardings(self, vocab_size: int | None = None):
+        """Shardings of the decode state on the engine's mesh (None without one): every
+        slot-indexed leaf split over the decode batch axes (data, fsdp, expert, as many as divide
+        the slots) on its batch dimension (a stacked scanned cache has its layers first), and a
+        KV cache's heads ([.., B, S, heads, head_dim]) over the tensor axis when they divide, as
+        the projections that write them are. Nothing that grows with the number of sequences or
+        the KV length is replicated."""
+        mesh = self._mesh
+        if mesh is None:
+            return None
+        state = jax.eval_shape(lambda: self._init_decode_impl(int(vocab_size or self._vocab)))
+        axes, size = [], 1
+        for a in ("data", "fsdp", "expert"):
+            n = mesh.shape.get(a, 1)
+            if n > 1 and self._num_slots % (size * n) == 0:
+                axes.append(a)
+                size *= n
+        tensor = mesh.shape.get("tensor", 1)
+
+        def one(x, b):
+            spec = [None] * x.ndim
+            if axes:
+                spec[b] = tuple(axes)
+            if x.ndim == b + 4 and tensor > 1 and x.shape[b + 2] % tensor == 0:
+                spec[b + 2] = "tensor"
+            return NamedSharding(mesh, PartitionSpec(*spec))
+
+        cache = jax.tree.map(one, state.cache, self._batch_axes)
+        rest = {f.name: jax.tree.map(lambda x: one(x, 0), getattr(state, f.name))
+                for f in dataclasses.fields(state) if f.name != "cache"}
+        return dataclasses.replace(state, cache=cache, **rest)
 
     # Prefill ---------------------------------------------------------------------------------
-    def _new_prefill_cache(self):
-        return self._init_cache_fn(1, self._max_len)
-
     def _prefill_impl(self, params, cache, tokens_t, start, length):
         """One prompt chunk: `length` real tokens at positions start.., then padding."""
         model = nnx.merge(self._graphdef, params)
@@ -285,54 +523,96 @@ class Engine:
         self,
         *,
         params: Any,
-        padded_tokens: Sequence[int] | np.ndarray,
+        existing_prefix: Prefix | None = None,
+        padded_tokens: Sequence[int] | np.ndarray | jax.Array,
         true_length: int,
         sampling: SamplingParams | None = None,
-        version: int = 0,
-        existing_prefix: Prefix | None = None,
-    ) -> tuple[Prefix, None]:
-        """Run the prompt through the model into a fresh batch-1 cache.
+    ) -> Prefix:
+        """Run the prompt through the model into a fresh batch-1 cache (JetStream's prefill).
 
-        Chunks of at most max_prefill_length tokens, each padded to a power-of-two bucket so few
-        shapes compile; a resumed partial rollout (prompt + earlier response) may span several
-        chunks. Returns (prefix, None): the first token is drawn at generate time from
+        `params` is what load_params returns or a `VersionedParams`. `existing_prefix`: the
+        tokens are appended to that prefix's prompt (its blocks are reused when prefix reuse is
+        on, else recomputed). With prefix reuse, the longest stored block prefix is copied in and
+        only the rest is computed. Chunks of at most max_prefill_length tokens, each padded to a
+        power-of-two bucket so few shapes compile. The first token is drawn at generate time from
         `prefix.logits` with each sample's own key, so the n samples of a `bulk_insert` differ.
+        `sampling` (an hcjax extra JetStream never passes) defaults to `default_sampling`.
         """
-        if existing_prefix is not None:
-            raise NotImplementedError("prefix caching (existing_prefix) is not supported")
+        weights, version = _split_params(params)
         tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
-        if not 0 < true_length <= tokens.shape[0]:
+        if not isinstance(true_length, int | np.integer) or not 0 < true_length <= tokens.shape[0]:
             raise ValueError(
-                f"true_length={true_length} must be in [1, len(padded_tokens)={tokens.shape[0]}]"
+                f"true_length={true_length!r} must be in [1, len(padded_tokens)={tokens.shape[0]}]"
             )
-        if true_length >= self._max_len:
+        tokens = tokens[:true_length]
+        if existing_prefix is not None:
+            if not isinstance(existing_prefix, Prefix):
+                raise TypeError(f"existing_prefix must be a Prefix, got {type(existing_prefix)}")
+            tokens = np.concatenate([np.asarray(existing_prefix.tokens, np.int32), tokens])
+            sampling = sampling or existing_prefix.sampling
+        total = int(tokens.shape[0])
+        if total >= self._max_len:
             raise ValueError(
-                f"prompt length {true_length} leaves no room in max_target_length={self._max_len}"
+                f"prompt length {total} leaves no room in max_target_length={self._max_len}"
             )
-        if self._vocab is not None and int(tokens[:true_length].max()) >= self._vocab:
-            raise ValueError(
-                f"token id {int(tokens[:true_length].max())} is >= vocab_size={self._vocab}"
+        if self._vocab is not None and (int(tokens.max()) >= self._vocab or int(tokens.min()) < 0):
+            bad = int(tokens.max()) if int(tokens.max()) >= self._vocab else int(tokens.min())
+            raise ValueError(f"token id {bad} is not in [0, vocab_size={self._vocab})")
+        if sampling is None:
+            room = self._max_len - total
+            sampling = dataclasses.replace(
+                self._default_sampling, max_tokens=min(self._default_sampling.max_tokens, room)
             )
-        cache = self._init_prefill_jit()
-        routings = []
-        for start in range(0, true_length, self._max_prefill):
-            n = min(self._max_prefill, true_length - start)
+        chain = [] if self.prefix_cache is None else self.prefix_cache.lookup(
+            tokens, version, limit=total - 1  # the last token is always computed: its logits
+        )
+        done = len(chain) * (self.prefix_cache.block_size if chain else 0)
+        cache = self._restore(chain) if chain else self._init_prefill_jit()
+        routings = [block.routing for block in chain]
+        for start in range(done, total, self._max_prefill):
+            n = min(self._max_prefill, total - start)
             bucket = min(_next_pow2(max(n, 8)), self._max_prefill)
             chunk = np.zeros((bucket,), np.int32)
             chunk[:n] = tokens[start : start + n]
             cache, logits, routing = self._prefill_jit(
-                params, cache, chunk, np.int32(start), np.int32(n)
+                weights, cache, chunk, np.int32(start), np.int32(n)
             )
-            routings.append(routing[:, :n])
-        prefix = Prefix(
-            cache=cache,
+            routings.append(np.asarray(routing)[:, :n])
+        if self.prefix_cache is not None:
+            self._store_blocks(cache, tokens, version, chain, np.concatenate(routings, axis=1))
+        with self._free_lock:
+            self._stats["prompt_tokens"] += total
+            self._stats["computed_tokens"] += total - done
+            self._stats["reused_tokens"] += done
+            self._stats["prefills"] += 1
+        return Prefix(
+            cache=self._fold_jit(cache, np.int32(total)),
             logits=logits,
-            length=true_length,
-            routing=routings[0] if len(routings) == 1 else jnp.concatenate(routings, axis=1),
-            version=int(version),
-            sampling=sampling or SamplingParams(),
+            routing=np.concatenate(routings, axis=1),
+            length=total,
+            version=version,
+            sampling=sampling,
+            tokens=tuple(int(t) for t in tokens),
         )
-        return prefix, None
+
+    def _restore(self, chain: list) -> Any:
+        """A wide cache holding the chain's blocks; the list is padded with empty blocks to a
+        power of two so that only a few lengths compile."""
+        if self._empty_block is None:
+            self._empty_block = self._empty_block_jit()
+        cap = self._max_len // self.prefix_cache.block_size
+        width = min(_next_pow2(len(chain)), cap)
+        blocks = [b.kv for b in chain] + [self._empty_block] * (width - len(chain))
+        return self._assemble_jit(blocks)
+
+    def _store_blocks(self, wide, tokens, version, chain, routing) -> None:
+        bs = self.prefix_cache.block_size
+        new = [
+            (self._block_at_jit(wide, np.int32(i * bs)), routing[:, i * bs : (i + 1) * bs])
+            for i in range(len(chain), tokens.shape[0] // bs)
+        ]
+        if new:
+            self.prefix_cache.extend(tokens, version, chain, new)
 
     # Insert ----------------------------------------------------------------------------------
     def _insert_impl(self, state, cache, logits, version, length, slot, sample_index, seed,
@@ -355,6 +635,7 @@ class Engine:
             temperature=row(state.temperature, temperature),
             top_p=row(state.top_p, top_p),
             remaining=row(state.remaining, remaining),
+            generated=row(state.generated, 0),
             stop_tokens=row(state.stop_tokens, stop_tokens),
             active=row(state.active, True),
         )
@@ -370,8 +651,11 @@ class Engine:
     ) -> DecodeState:
         """Put a prefilled prompt into `slot` as sample `sample_index` (its key depends on it).
 
-        `max_tokens` overrides the sampling params' limit (used for partial-rollout budgets).
+        `max_tokens` (an hcjax extra) overrides the sampling params' limit (partial-rollout
+        budgets).
         """
+        if not isinstance(prefix, Prefix):
+            raise TypeError(f"insert expects the Prefix that prefill returned, got {type(prefix)}")
         if not 0 <= slot < self._num_slots:
             raise ValueError(f"slot={slot} is not in [0, {self._num_slots})")
         sp = prefix.sampling
@@ -437,10 +721,17 @@ class Engine:
         b = drawn.tokens.shape[0]
         routing = _stack_routing(out.routing, b, 1)[:, 0]  # [B, L, k]
         hit_stop = jnp.any(drawn.tokens[:, None] == state.stop_tokens, axis=-1)
-        remaining = state.remaining - valid.astype(jnp.int32)
+        step = valid.astype(jnp.int32)
+        remaining = state.remaining - step
+        generated = state.generated + step
         done = valid & (hit_stop | (remaining <= 0))
+        data = jnp.stack([drawn.tokens.astype(jnp.int32), step, generated], axis=1)
         result = ResultTokens(
-            tokens=drawn.tokens,
+            data=data,
+            tokens_idx=(0, 1),
+            valid_idx=(1, 2),
+            length_idx=(2, 3),
+            samples_per_slot=1,
             logprobs=drawn.logprobs,
             raw_logprobs=drawn.raw_logprobs,
             n_kept=drawn.n_kept,
@@ -448,7 +739,6 @@ class Engine:
             routing=routing,
             positions=state.positions,
             versions=state.logits_version,
-            valid=valid,
             done=done,
         )
         new_state = dataclasses.replace(
@@ -456,17 +746,18 @@ class Engine:
             cache=out.cache,
             logits=jnp.where(valid[:, None], out.logits[:, 0].astype(jnp.float32), state.logits),
             logits_version=jnp.where(valid, version, state.logits_version),
-            positions=state.positions + valid.astype(jnp.int32),
+            positions=state.positions + step,
             remaining=remaining,
+            generated=generated,
             active=valid & ~done,
         )
         return new_state, result
 
-    def generate(
-        self, params: Any, decode_state: DecodeState, *, version: int = 0
-    ) -> tuple[DecodeState, ResultTokens]:
-        """One decode step for every slot: sample from each row's logits, feed the token."""
-        return self._generate_jit(params, decode_state, np.int32(version))
+    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot: sample from each row's logits, feed the token. Tokens
+        are tagged with the version of `params` (a VersionedParams; bare params are version 0)."""
+        weights, version = _split_params(params)
+        return self._generate_jit(weights, decode_state, np.int32(version))
 
 
 def _stack_routing(routing: tuple, b: int, t: int) -> jax.Array:
@@ -474,3 +765,19 @@ def _stack_routing(routing: tuple, b: int, t: int) -> jax.Array:
     if not routing:
         return jnp.zeros((b, t, 0, 0), jnp.int32)
     return jnp.stack([r.astype(jnp.int32) for r in routing], axis=2)
+
+
+def register_with_jetstream() -> bool:
+    """Register Engine and ResultTokens as virtual subclasses of JetStream's abstract Engine and
+    ResultTokens (its orchestrator tells results from requests with isinstance). Returns False
+    when jetstream (or an import of it, e.g. seqio) is missing; hcjax works without it."""
+    try:
+        from jetstream.engine import engine_api
+    except ImportError:
+        return False
+    engine_api.Engine.register(Engine)
+    engine_api.ResultTokens.register(ResultTokens)
+    return True
+
+
+register_with_jetstream()

@@ -19,7 +19,7 @@ import gin
 import jax
 import numpy as np
 
-from hcjax.rollout.engine import Engine, SamplingParams
+from hcjax.rollout.engine import Engine, SamplingParams, VersionedParams
 from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
 
 __all__ = ["QueueFull", "RequestHandle", "RolloutServer", "ServerStopped"]
@@ -347,9 +347,9 @@ class RolloutServer:
             self._cancel(handle)
             return
         params, version = self._current_weights()
-        prefix, _ = self.engine.prefill(
-            params=params, padded_tokens=tokens, true_length=len(tokens), sampling=sampling,
-            version=version,
+        prefix = self.engine.prefill(
+            params=VersionedParams(params, version), padded_tokens=tokens,
+            true_length=len(tokens), sampling=sampling,
         )
         routing = np.asarray(prefix.routing)
         already = 0 if prior is None else prior.response_len
@@ -420,7 +420,7 @@ class RolloutServer:
                     self._params, self._version = self._pending_weights
                     self._pending_weights = None
                 params, version = self._params, self._version
-            state, result = eng.generate(params, state, version=version)
+            state, result = eng.generate(VersionedParams(params, version), state)
             self._steps += 1
             self._put_result((result, dict(owners)))
             if self._min_step:

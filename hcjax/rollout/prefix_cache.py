@@ -1,0 +1,211 @@
+"""Prefix reuse for prefill: a bounded, block-hashed store of prompt KV entries, and the cache-layout
+functions that move blocks in and out of the model's KV cache.
+
+A prompt is cut into blocks of `block_size` tokens. A block is keyed by (its parent block, its
+tokens), so a block stands for the whole prefix that ends with it, and every prompt that starts
+with the same tokens (system prompt, few-shot examples, the history of a multi-turn episode) finds
+the same chain of blocks: their KV entries are stored once and shared. Blocks are keyed by weight
+version too; entries computed with other weights are never reused.
+
+Layout (hcjax.model.attention): every cache leaf is [..., B, S, ...] with the slot axis right after
+the batch axis, and each layer's `pos` leaf says which position a slot holds (-1 = empty). Global
+layers hold position p in slot p; local (sliding-window) layers keep a ring of `window` slots, so a
+finished prefill has lost the local entries of all but its last `window` positions. The engine
+therefore prefills into a *wide* cache, where every layer has `max_len` slots (attention is masked
+by position, so the window still applies and the result is the same), stores blocks from it, and
+folds it into the ring layout of the decode state with `to_decode_layout`.
+
+This module holds no model code and does not run the model; the engine jits these functions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Block",
+    "PrefixCache",
+    "assemble_blocks",
+    "block_at",
+    "empty_block",
+    "empty_wide_cache",
+    "to_decode_layout",
+    "wide_shapes",
+]
+
+
+@dataclasses.dataclass(eq=False)
+class Block:
+    """`block_size` prompt tokens' KV entries (a cache-shaped tree with S = block_size, B = 1) and
+    the experts chosen for them ([num_moe_layers, block_size, k], host memory)."""
+
+    uid: int
+    key: tuple  # (parent uid or version root, tokens)
+    version: int
+    kv: Any
+    routing: np.ndarray
+
+
+class PrefixCache:
+    """Thread-safe LRU store of `Block`s, at most `max_blocks` of them.
+
+    `lookup` returns the longest chain of stored blocks that starts the prompt; `extend` adds the
+    blocks that follow it. A lookup refreshes its chain from the last block to the first, so the
+    least recently used block is always a chain's tail before its head: eviction drops the ends
+    of old prompts first and keeps shared heads (a system prompt) for as long as they are used.
+    """
+
+    def __init__(self, block_size: int = 16, max_blocks: int = 1024) -> None:
+        for name, value in [("block_size", block_size), ("max_blocks", max_blocks)]:
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self._blocks: collections.OrderedDict[tuple, Block] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._next_uid = 0
+        self._newest_version: int | None = None
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._blocks)
+
+    def _chunks(self, tokens: np.ndarray, limit: int):
+        bs = self.block_size
+        for i in range(min(limit, tokens.shape[0]) // bs):
+            yield tuple(int(t) for t in tokens[i * bs : (i + 1) * bs])
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, version: int, limit: int) -> list[Block]:
+        """The stored blocks covering the longest prefix of `tokens` of at most `limit` tokens."""
+        tokens = np.asarray(tokens).reshape(-1)
+        with self._lock:
+            if self._newest_version is None or version > self._newest_version:
+                # Weights only move forward: entries of older versions can never be hit again.
+                self._newest_version = version
+                for key in [k for k, b in self._blocks.items() if b.version != version]:
+                    self._drop(key)
+            chain: list[Block] = []
+            parent: Any = ("version", version)
+            for chunk in self._chunks(tokens, limit):
+                block = self._blocks.get((parent, chunk))
+                if block is None:
+                    break
+                chain.append(block)
+                parent = block.uid
+            for block in reversed(chain):
+                self._blocks.move_to_end(block.key)
+            return chain
+
+    def extend(
+        self, tokens: Sequence[int] | np.ndarray, version: int, chain: Sequence[Block],
+        new: Sequence[tuple[Any, np.ndarray]],
+    ) -> list[Block]:
+        """Store `new` = [(kv, routing), ...], the blocks that follow `chain` in `tokens`."""
+        tokens = np.asarray(tokens).reshape(-1)
+        first = len(chain)
+        chunks = list(self._chunks(tokens, (first + len(new)) * self.block_size))[first:]
+        if len(chunks) != len(new):
+            raise ValueError(f"{len(new)} blocks given but tokens hold {len(chunks)} after the chain")
+        stored = []
+        with self._lock:
+            parent: Any = chain[-1].uid if chain else ("version", version)
+            for chunk, (kv, routing) in zip(chunks, new):
+                key = (parent, chunk)
+                block = self._blocks.get(key)
+                if block is None:  # another prefill may have stored it meanwhile
+                    block = Block(self._next_uid, key, version, kv, routing)
+                    self._next_uid += 1
+                    self._blocks[key] = block
+                stored.append(block)
+                parent = block.uid
+            for block in reversed(stored):
+                self._blocks.move_to_end(block.key)
+            while len(self._blocks) > self.max_blocks:
+                self._drop(next(iter(self._blocks)))
+        return stored
+
+    def _drop(self, key: tuple) -> None:
+        del self._blocks[key]
+        self.evicted += 1
+
+
+# Cache layout ---------------------------------------------------------------------------------
+def _is_pos(path) -> bool:
+    last = path[-1]
+    return getattr(last, "key", None) == "pos"
+
+
+def wide_shapes(decode_shapes: Any, batch_axes: Any, max_len: int) -> Any:
+    """ShapeDtypeStructs of the wide prefill cache: every slot axis `max_len` long."""
+
+    def widen(shape, axis):
+        dims = list(shape.shape)
+        dims[axis + 1] = max_len
+        return jax.ShapeDtypeStruct(tuple(dims), shape.dtype)
+
+    return jax.tree.map(widen, decode_shapes, batch_axes)
+
+
+def empty_wide_cache(shapes: Any) -> Any:
+    """An empty cache of `shapes` (from `wide_shapes`): zero entries, every `pos` -1."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: jnp.full(s.shape, -1 if _is_pos(path) else 0, s.dtype), shapes
+    )
+
+
+def empty_block(shapes: Any, batch_axes: Any, block_size: int) -> Any:
+    """A block that holds nothing (pads a list of blocks to a compiled length)."""
+    return empty_wide_cache(wide_shapes(shapes, batch_axes, block_size))
+
+
+def block_at(wide: Any, start: jax.Array, batch_axes: Any, block_size: int) -> Any:
+    """Slots [start, start + block_size) of every leaf of a wide cache."""
+    return jax.tree.map(
+        lambda x, a: jax.lax.dynamic_slice_in_dim(x, start, block_size, axis=a + 1),
+        wide, batch_axes,
+    )
+
+
+def assemble_blocks(blocks: Sequence[Any], shapes: Any, batch_axes: Any) -> Any:
+    """A wide cache (of `shapes`) holding `blocks` in order from slot 0, empty after them."""
+
+    def put(path, s, axis, *parts):
+        joined = jnp.concatenate(parts, axis=axis + 1)
+        fresh = jnp.full(s.shape, -1 if _is_pos(path) else 0, s.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(fresh, joined.astype(s.dtype), 0, axis=axis + 1)
+
+    return jax.tree_util.tree_map_with_path(put, shapes, batch_axes, *blocks)
+
+
+def to_decode_layout(wide: Any, length: jax.Array, decode_shapes: Any, batch_axes: Any) -> Any:
+    """Fold a wide cache holding positions [0, length) into the decode layout.
+
+    A leaf whose decode slot axis is shorter than the wide one is a ring of S slots: slot j holds
+    the newest position p < length with p % S == j (empty when there is none), exactly what
+    writing positions 0..length-1 into the ring one after another would leave there.
+    """
+
+    def fold(path, x, shape, axis):
+        s = shape.shape[axis + 1]
+        if s == x.shape[axis + 1]:
+            return x
+        j = jnp.arange(s, dtype=jnp.int32)
+        last = length - 1
+        p = last - jnp.mod(last - j, s)  # [S], newest position of slot j; < 0 if none
+        taken = jnp.take(x, jnp.maximum(p, 0), axis=axis + 1)
+        bshape = [1] * x.ndim
+        bshape[axis + 1] = s
+        held = (p >= 0).reshape(bshape)
+        empty = -1 if _is_pos(path) else 0
+        return jnp.where(held, taken, jnp.asarray(empty, x.dtype))
+
+    return jax.tree_util.tree_map_with_path(fold, wide, decode_shapes, batch_axes)
