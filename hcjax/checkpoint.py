@@ -3,7 +3,9 @@ JSON description of the model config: async save every N steps and at the end, k
 from the latest, and a clear error when a directory belongs to an incompatible model config.
 
 Orbax writes each step into a temporary folder and renames it when complete, so a run that dies
-mid-save leaves the previous checkpoint intact.
+mid-save leaves the previous checkpoint intact. A latest step that is corrupt or partial anyway
+(truncated, deleted or overwritten files) is set aside as `corrupt-STEP-...` with a
+`CheckpointFallback` warning naming it, and the previous kept step is restored instead.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
+import warnings
 from typing import Any
 
 import gin
@@ -33,6 +37,18 @@ class CheckpointConfig:
             raise ValueError(f"save_every={self.save_every} must be >= 1")
         if self.keep < 1:
             raise ValueError(f"keep={self.keep} must be >= 1")
+
+
+class IncompatibleCheckpoint(ValueError):
+    """The checkpoint was written by another configuration (not a damaged one: no fallback)."""
+
+
+class CorruptCheckpoint(RuntimeError):
+    """No readable step: every candidate step failed to restore (each one's reason named)."""
+
+
+class CheckpointFallback(RuntimeWarning):
+    """The latest step could not be read and an older kept step was restored instead."""
 
 
 def _diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -100,6 +116,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.cfg = cfg
         self.meta = jsonable(meta)
+        self.restored_step: int | None = None  # the step the last `restore` returned
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             save_interval_steps=1,  # the interval is applied in `save` (no implicit first save)
@@ -140,28 +157,70 @@ class Checkpointer:
     def check_compatible(self, step: int, keys: tuple[str, ...] | None = None) -> None:
         """Raise if the checkpoint's meta differs from this run's (only `keys` if given)."""
         saved = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        saved, current = dict(saved["meta"] or {}), self.meta
+        if not isinstance(saved["meta"], dict):  # a missing or damaged meta item
+            raise CorruptCheckpoint(f"checkpoint {self.directory!r} step {step} has no readable "
+                                    f"meta (got {type(saved['meta']).__name__})")
+        saved, current = dict(saved["meta"]), self.meta
         if keys is not None:
             saved = {k: saved.get(k) for k in keys}
             current = {k: current.get(k) for k in keys}
         diff = _diff(saved, current)
         if diff:
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"checkpoint directory {self.directory!r} step {step} was written by an "
                 "incompatible configuration: " + "; ".join(diff)
             )
 
-    def restore(self, step: int | None, target: Any) -> tuple[Any, dict[str, Any]]:
+    def restore(
+        self, step: int | None, target: Any, *, fallback: bool | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         """Restore `step` (None = latest) into arrays shaped and sharded like `target` (a pytree
-        of arrays or `jax.ShapeDtypeStruct`s). Returns (state, data_state)."""
+        of arrays or `jax.ShapeDtypeStruct`s). Returns (state, data_state).
+
+        fallback (default: when restoring the latest step): if the step is corrupt or partial,
+        warn (CheckpointFallback, naming it), set it aside and restore the newest older kept
+        step that reads; `restored_step` says which step came back. A configuration mismatch
+        never falls back: it raises IncompatibleCheckpoint.
+        """
+        steps = self.all_steps()
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            if not steps:
                 raise FileNotFoundError(f"no checkpoint in {self.directory!r}")
-        if step not in self.all_steps():
+            step = max(steps)
+        if step not in steps:
             raise FileNotFoundError(
-                f"step={step} is not in {self.directory!r} (has {self.all_steps()})"
+                f"step={step} is not in {self.directory!r} (has {steps})"
             )
+        if fallback is None:
+            fallback = step == max(steps)
+        candidates = [step] + (sorted((s for s in steps if s < step), reverse=True)
+                               if fallback else [])
+        failures: dict[int, str] = {}
+        for candidate in candidates:
+            try:
+                state, data = self._restore_step(candidate, target)
+            except IncompatibleCheckpoint:
+                raise
+            except Exception as err:  # noqa: BLE001 - any read failure means a damaged step
+                why = f"{type(err).__name__}: {err}"
+                if not fallback:
+                    raise CorruptCheckpoint(f"checkpoint {self.directory!r} step {candidate} "
+                                            f"cannot be read: {why[:500]}") from err
+                failures[candidate] = why[:300]
+                warnings.warn(
+                    f"checkpoint {self.directory!r} step {candidate} is corrupt or partial "
+                    f"({why[:300]}); falling back to the previous kept step",
+                    CheckpointFallback, stacklevel=2)
+                continue
+            for bad in failures:
+                self._set_aside(bad)
+            self.restored_step = candidate
+            return state, data
+        raise CorruptCheckpoint(
+            f"no readable checkpoint in {self.directory!r}: "
+            + "; ".join(f"step {s}: {why}" for s, why in failures.items()))
+
+    def _restore_step(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
         self.check_compatible(step)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -174,6 +233,19 @@ class Checkpointer:
             ),
         )
         return out["state"], dict(out["data"] or {})
+
+    def _set_aside(self, step: int) -> None:
+        """Rename a damaged step out of Orbax's sight (kept for inspection), so later saves of
+        that step number do not collide with it. One process renames; every one reloads."""
+        src = os.path.join(self.directory, str(step))
+        if jax.process_index() == 0 and os.path.isdir(src):
+            dst = os.path.join(self.directory, f"corrupt-{step}-{int(time.time())}")
+            try:
+                os.rename(src, dst)
+            except OSError as err:
+                warnings.warn(f"could not set aside corrupt step {src!r}: {err}",
+                              CheckpointFallback, stacklevel=3)
+        self._mngr.reload()
 
     def restore_subtree(self, step: int, key: str, target: Any) -> Any:
         """Only `state[key]` of a checkpoint (e.g. the params of another run, whose optimiser

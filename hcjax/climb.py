@@ -502,7 +502,7 @@ def run_climb(
         controller.load_state_dict(data["controller"], pending)
         _restore_partials(partials, data.get("partials", {}))
         history = data["history"]
-        resumed_from = latest
+        resumed_from = latest if dist is not None else ckpt.restored_step  # after any fallback
         if temperature is not None and "temperature" in data:
             temperature.load_state_dict(data["temperature"])
             sample_at(temperature.temperature)
@@ -860,14 +860,13 @@ def serve_inference(host: str, port: int, ready: Callable[[int], None] | None = 
     Serves until `stop` (a threading.Event) is set or SIGTERM/SIGINT."""
     import signal
     import threading
-    from concurrent import futures
-
-    import grpc
 
     from hcjax.model import ModelConfig, create_sharded
     from hcjax.rl.weight_sync import weights_service
     from hcjax.rollout import Engine, GenerateRequest, RolloutServer
+    from hcjax.rollout.auth import Security, add_port
     from hcjax.rollout.service import RolloutServicer
+    from hcjax.rollout.service import grpc_server as service_grpc_server
     from hcjax.sharding import MeshConfig, make_mesh
 
     cfg = ClimbConfig()
@@ -881,13 +880,11 @@ def serve_inference(host: str, port: int, ready: Callable[[int], None] | None = 
                                           longest_prompt + cfg.max_tokens + 8))
     server = RolloutServer(engine, version=-1, max_queue=4096).start()
     server.generate(GenerateRequest(prompt=[0], max_tokens=2, temperature=0.0, seed=0))
-    grpc_server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=64),
-        options=[("grpc.max_send_message_length", 1 << 30),
-                 ("grpc.max_receive_message_length", 1 << 30)])
+    security = Security.from_env()  # token / TLS from the environment, as the clients read them
+    grpc_server = service_grpc_server(security, max_receive_mb=1024, max_send_mb=1024)
     grpc_server.add_generic_rpc_handlers(
         (RolloutServicer(server).handler(), weights_service(server, engine.load_params(), host)))
-    bound = grpc_server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(grpc_server, f"{host}:{port}", security)
     grpc_server.start()
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

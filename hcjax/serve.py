@@ -5,7 +5,10 @@ one JSON line {"event": "serving", "port": ...} once it is compiled and accepts 
 it). Weights are the seeded initialisation, optionally with noise (`--init_noise`, for tests and
 benchmarks of an untrained model), or a Hugging Face folder's (`--hf_checkpoint DIR`, whose
 tokenizer's stop ids the serving line reports as `eos_ids`); new weights arrive through
-`RolloutServer.update_weights`.
+`RolloutServer.update_weights`. Security (hcjax.rollout.auth): loopback unless --host says
+otherwise, a shared token (--token_file or $HCJAX_TOKEN / $HCJAX_TOKEN_FILE) on every RPC, TLS
+with --tls_dir; per-request limits (`RequestLimits`) with --max_n, --queue_share,
+--max_request_mb.
 """
 
 from __future__ import annotations
@@ -19,7 +22,22 @@ from hcjax import config as hcfg
 
 
 def _extra_args(parser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default loopback only; anything else needs a "
+                             "token or --allow_unauthenticated)")
+    parser.add_argument("--token_file", default=None,
+                        help="file holding the shared token every RPC must carry (default: "
+                             "$HCJAX_TOKEN or $HCJAX_TOKEN_FILE; none: no authentication)")
+    parser.add_argument("--tls_dir", default=None,
+                        help="serve TLS with DIR/cert.pem and DIR/key.pem (default: "
+                             "$HCJAX_TLS_DIR; none: plaintext)")
+    parser.add_argument("--allow_unauthenticated", action="store_true",
+                        help="serve a non-loopback --host without a token")
+    parser.add_argument("--max_n", type=int, default=256, help="most samples per request")
+    parser.add_argument("--queue_share", type=float, default=0.5,
+                        help="fraction of the request queue one client host may hold")
+    parser.add_argument("--max_request_mb", type=int, default=64,
+                        help="largest request message accepted")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
     parser.add_argument("--init_noise", type=float, default=0.0,
@@ -50,11 +68,16 @@ def main(argv=None) -> None:
 
     from hcjax.model import ModelConfig, create_sharded
     from hcjax.rollout import Engine, GenerateRequest, RolloutServer
-    from hcjax.rollout.service import serve_grpc
+    from hcjax.rollout.auth import Security, check_exposure
+    from hcjax.rollout.service import RequestLimits, serve_grpc
     from hcjax.rollout.testing import perturbed
     from hcjax.sharding import MeshConfig, make_mesh
 
     args = flags.extra
+    security = Security.from_env(token_file=args.token_file, tls_dir=args.tls_dir)
+    check_exposure(args.host, security, allow_unauthenticated=args.allow_unauthenticated)
+    limits = RequestLimits(max_n=args.max_n, queue_share=args.queue_share,
+                           max_message_mb=args.max_request_mb)
     mesh = make_mesh(MeshConfig())
     serving: dict = {}
     if args.hf_checkpoint:
@@ -76,7 +99,9 @@ def main(argv=None) -> None:
     server = RolloutServer(engine, version=args.version).start()
     if args.warmup:  # compile prefill, insert and generate before announcing readiness
         server.generate(GenerateRequest(prompt=[0], max_tokens=2, temperature=0.0, seed=0))
-    grpc_server, port = serve_grpc(server, f"{args.host}:{args.port}")
+    grpc_server, port = serve_grpc(server, f"{args.host}:{args.port}", security=security,
+                                   limits=limits)
+    serving.update(security.describe())
     if flags.output_dir:
         hcfg.write_operative_config(flags.output_dir)
     stop = threading.Event()

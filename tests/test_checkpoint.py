@@ -1,5 +1,6 @@
-"""Orbax checkpoints: round trip with data state, keep-N, interval, config mismatch errors, and an
-unfinished save never replacing the last good checkpoint."""
+"""Orbax checkpoints: round trip with data state, keep-N, interval, config mismatch errors, an
+unfinished save never replacing the last good checkpoint, and a damaged latest step (truncated,
+deleted or garbage files) falling back to the previous kept step with a warning naming it."""
 
 import os
 
@@ -108,3 +109,87 @@ def test_restore_subtree_reads_straight_into_another_sharding(tmp_path):
     with pytest.raises(ValueError, match=r"params'/w has shape \(16, 4\)"):
         ck.restore_subtree(1, "params", bad)
     ck.close()
+
+
+def _corrupt(step_dir, how):
+    """Damage a saved step the ways a full disk, a killed copy or bit rot would."""
+    data_files = [p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data_files
+    if how == "truncated":
+        for p in data_files:
+            with open(p, "r+b") as f:
+                f.truncate(p.stat().st_size // 2)
+    elif how == "garbage":
+        for p in data_files:
+            p.write_bytes(os.urandom(p.stat().st_size))
+    elif how == "data_deleted":
+        for p in data_files:
+            p.unlink()
+    elif how == "metadata_deleted":
+        (step_dir / "state" / "_METADATA").unlink()
+        (step_dir / "state" / "manifest.ocdbt").unlink()
+    elif how == "state_folder_deleted":
+        import shutil
+
+        shutil.rmtree(step_dir / "state")
+    elif how == "meta_garbage":
+        for p in (step_dir / "meta").iterdir():
+            if p.name != "commit_success.txt":
+                p.write_bytes(b"\x00not json{")
+    elif how == "emptied":
+        for p in sorted(step_dir.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+    else:
+        raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "data_deleted", "metadata_deleted",
+                                 "state_folder_deleted", "meta_garbage", "emptied"])
+def test_corrupt_latest_step_falls_back_to_the_previous_kept_step(tmp_path, how):
+    from hcjax.checkpoint import CheckpointFallback
+
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(keep=3, async_save=False), {"m": 1})
+    for step in (1, 2, 3):
+        ck.save(step, _state(step), {"cursor": step}, force=True)
+    ck.close()
+    _corrupt(tmp_path / "3", how)
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(keep=3, async_save=False), {"m": 1})
+    latest = ck.latest_step()
+    assert latest == 3
+    with pytest.warns(CheckpointFallback, match=r"step 3 is corrupt or partial"):
+        state, data = ck.restore(latest, _state(0))  # as the climb resumes: its latest step
+    assert ck.restored_step == 2 and int(state["step"]) == 2 and data == {"cursor": 2}
+    np.testing.assert_array_equal(state["params"]["w"], np.full((4, 3), 2.0))
+    # The bad step is set aside (kept for inspection), so the run can save step 3 again.
+    assert ck.all_steps() == [1, 2]
+    assert [p.name.split("-")[:2] for p in tmp_path.glob("corrupt-*")] == [["corrupt", "3"]]
+    ck.save(3, _state(33), {"cursor": 33}, force=True)
+    state, data = ck.restore(None, _state(0))
+    assert ck.restored_step == 3 and data == {"cursor": 33}
+    ck.close()
+
+
+def test_no_fallback_for_an_older_step_or_a_config_mismatch(tmp_path):
+    from hcjax.checkpoint import CheckpointFallback, CorruptCheckpoint
+
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(keep=3, async_save=False), {"m": 1})
+    for step in (1, 2):
+        ck.save(step, _state(step), force=True)
+    ck.close()
+    _corrupt(tmp_path / "1", "truncated")
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(keep=3, async_save=False), {"m": 1})
+    with pytest.raises(CorruptCheckpoint, match="step 1 cannot be read"):
+        ck.restore(1, _state(0))  # an explicitly chosen older step: no silent substitute
+    _corrupt(tmp_path / "2", "garbage")
+    with pytest.warns(CheckpointFallback, match="step 2 is corrupt"):
+        with pytest.raises(CorruptCheckpoint, match="no readable checkpoint.*step 2.*step 1"):
+            ck.restore(None, _state(0))
+    ck.close()
+    other = Checkpointer(str(tmp_path / "x"), CheckpointConfig(async_save=False), {"m": 1})
+    other.save(1, _state(1), force=True)
+    other.save(2, _state(2), force=True)
+    other.close()
+    other = Checkpointer(str(tmp_path / "x"), CheckpointConfig(async_save=False), {"m": 2})
+    with pytest.raises(ValueError, match="incompatible"):  # never "falls back" past a mismatch
+        other.restore(None, _state(0))
+    other.close()

@@ -89,9 +89,32 @@ def test_fork_bomb_is_contained(bomb):
 
 def test_memory_bomb_is_memory():
     out = sandbox.run("python3 -c 'x = bytearray(1 << 30)'", timeout_s=20, memory_mb=256)
-    assert out.status == sandbox.MEMORY and "MemoryError" in out.stderr
+    assert out.status == sandbox.MEMORY
+    if out.containment == "namespaces+cgroup":  # the group's OOM killer, reported as such
+        assert out.returncode == -9 and out.detail == "OOM kill (sandbox memory limit)"
+    else:  # per-process RLIMIT_AS: the allocation fails
+        assert "MemoryError" in out.stderr
     growing = "python3 -c '\nx = []\nwhile True:\n    x.append(bytearray(1 << 20))\n'"
-    assert sandbox.run(growing, timeout_s=20, memory_mb=128).status == sandbox.MEMORY
+    grown = sandbox.run(growing, timeout_s=20, memory_mb=128)
+    assert grown.status == sandbox.MEMORY and grown.detail != "CPU time limit"
+
+
+def test_memory_limit_is_per_sandbox_where_cgroups_allow():
+    # Three processes of 100 MB each: within a per-process limit of 256 MB, over a per-sandbox
+    # one.
+    hold = "python3 -c 'import time; x = bytearray(100 << 20); x[::4096] = b\"1\" * len(x[::4096]); time.sleep(3)'"
+    out = sandbox.run(f"{hold} & {hold} & {hold} & wait", timeout_s=30, memory_mb=256)
+    assert out.containment in ("namespaces+cgroup", "namespaces+rlimits")
+    if out.containment == "namespaces+cgroup":
+        assert out.status == sandbox.MEMORY and "OOM kill" in out.detail
+    else:
+        assert out.status == sandbox.OK
+
+
+def test_sigkill_is_a_crash_not_a_cpu_limit():
+    out = sandbox.run("python3 -c 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'",
+                      timeout_s=20, memory_mb=256)
+    assert (out.status, out.returncode, out.detail) == (sandbox.CRASH, -9, "killed by signal 9")
 
 
 def test_network_is_unreachable():

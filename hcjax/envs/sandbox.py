@@ -10,6 +10,13 @@ kills the whole process group at the wall-clock deadline or when output exceeds 
 namespaces cannot be made (not root, no `unshare`, kernel refusal) the run is classified as an
 infrastructure error (`aborted`), never run unsandboxed.  Disk usage inside the work directory is
 bounded per file (RLIMIT_FSIZE), not in total.  Must not import JAX.
+
+Memory and processes: where this process may create cgroups (v2, or v1's memory and pids
+controllers), each sandbox gets its own group: one memory limit for all its processes, a pids
+limit, and an OOM kill reported as MEMORY from the group's own OOM record.  Elsewhere it falls
+back to per-process RLIMIT_AS and RLIMIT_NPROC; every Outcome says which (`containment`).
+A SIGKILL is classified by the run's rusage: CPU time at the limit is TIMEOUT, resident memory
+at the limit is MEMORY, anything else a CRASH.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ def mount(src, target, flags, fstype=None, data=None):
 def unescape(path):
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
 try:
+    for procs in cfg["cgroup_procs"]:  # join the sandbox's cgroups ("0": this process)
+        with open(procs, "w") as f:
+            f.write("0")
     work_fd = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
     mount(None, "/", MS_REC | MS_PRIVATE)
     # Private, size-capped scratch dirs: writes there vanish with the sandbox, and host
@@ -105,8 +115,8 @@ if pid == 0:
     except BaseException as e:
         os.write(2, ("sandbox: cannot execute %r: %s\n" % (cfg["argv"][0], e)).encode())
         os._exit(127)
-_, wait_status = os.waitpid(pid, 0)
-report("exit %d" % wait_status)
+_, wait_status, usage = os.wait4(pid, 0)
+report("exit %d %.3f %d" % (wait_status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss))
 """
 
 
@@ -120,6 +130,7 @@ class Outcome:
     returncode: int | None
     wall_s: float
     detail: str = ""
+    containment: str = ""  # what held the run (see `containment_level`), e.g. "namespaces+cgroup"
 
     @property
     def ok(self) -> bool:
@@ -197,19 +208,104 @@ def _infra(detail: str, start: float, stderr: str = "") -> Outcome:
     return Outcome(INFRA_ERROR, "", stderr, None, time.monotonic() - start, detail)
 
 
-def _rlimits(timeout_s: float, memory_mb: int, limits: Limits) -> list[tuple[str, int, int]]:
-    cpu = math.ceil(limits.cpu_s if limits.cpu_s is not None else timeout_s)
-    mem = memory_mb << 20
+def _cpu_limit(timeout_s: float, limits: Limits) -> int:
+    return math.ceil(limits.cpu_s if limits.cpu_s is not None else timeout_s)
+
+
+def _rlimits(timeout_s: float, memory_mb: int, limits: Limits,
+             cgroup: bool = False) -> list[tuple[str, int, int]]:
+    cpu = _cpu_limit(timeout_s, limits)
     fsize = limits.max_file_mb << 20
-    return [
+    out = [
         # Soft CPU limit sends SIGXCPU (classified as timeout); the hard one a second later kills.
         ("RLIMIT_CPU", cpu, cpu + 1),
-        ("RLIMIT_AS", mem, mem),
         ("RLIMIT_NPROC", limits.max_procs, limits.max_procs),
         ("RLIMIT_FSIZE", fsize, fsize),
         ("RLIMIT_NOFILE", limits.max_open_files, limits.max_open_files),
         ("RLIMIT_CORE", 0, 0),
     ]
+    if not cgroup:  # per process only: the fallback when no cgroup bounds the whole sandbox
+        mem = memory_mb << 20
+        out.append(("RLIMIT_AS", mem, mem))
+    return out
+
+
+class _Cgroup:
+    """Per-sandbox memory and process-count limits in cgroup v2, or v1's memory and pids
+    controllers, where this process may create groups; None from `create` otherwise."""
+
+    def __init__(self, dirs: dict[str, str], version: int) -> None:
+        self.dirs, self.version = dirs, version
+
+    @classmethod
+    def create(cls, memory_mb: int, max_procs: int) -> _Cgroup | None:
+        name = f"hcjax-sbx-{os.getpid()}-{secrets.token_hex(4)}"
+        root = "/sys/fs/cgroup"
+        if os.path.exists(os.path.join(root, "cgroup.controllers")):
+            layout, version = {"memory": root, "pids": root}, 2
+        else:
+            layout, version = {c: os.path.join(root, c) for c in ("memory", "pids")}, 1
+        made: dict[str, str] = {}
+        try:
+            for controller, parent in layout.items():
+                path = os.path.join(parent, name)
+                if path not in made.values():
+                    os.mkdir(path)
+                made[controller] = path
+            limit = str(memory_mb << 20)
+            if version == 2:
+                _write(os.path.join(made["memory"], "memory.max"), limit)
+                _write(os.path.join(made["memory"], "memory.swap.max"), "0", missing_ok=True)
+            else:
+                _write(os.path.join(made["memory"], "memory.limit_in_bytes"), limit)
+                _write(os.path.join(made["memory"], "memory.memsw.limit_in_bytes"), limit,
+                       missing_ok=True)
+            _write(os.path.join(made["pids"], "pids.max"), str(max_procs))
+        except OSError:
+            cls(made, version).remove()
+            return None
+        return cls(made, version)
+
+    @property
+    def procs_files(self) -> list[str]:
+        """Where the sandbox's init writes itself, before it makes the mounts read-only."""
+        return [os.path.join(path, "cgroup.procs") for path in sorted(set(self.dirs.values()))]
+
+    def oom_killed(self) -> bool:
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(os.path.join(self.dirs["memory"], name)) as f:
+                fields = dict(line.split() for line in f if len(line.split()) == 2)
+        except OSError:
+            return False
+        return int(fields.get("oom_kill", 0)) > 0
+
+    def remove(self) -> None:
+        for path in set(self.dirs.values()):
+            for _ in range(50):  # the last processes may still be exiting
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+def _write(path: str, value: str, missing_ok: bool = False) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+
+
+def containment_level(cgroup: bool) -> str:
+    """What contains a run: namespaces (net, pid, mount, ipc, uts) always; then either a
+    cgroup (memory for the whole sandbox, OOM kills reported as such, a pids limit) or, where
+    no cgroup can be made, per-process rlimits only (RLIMIT_AS memory, RLIMIT_NPROC)."""
+    return "namespaces+cgroup" if cgroup else "namespaces+rlimits"
 
 
 def run(
@@ -271,13 +367,25 @@ def run(
 
 
 def _run_in(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env, unshare_path, start):
+    cgroup = _Cgroup.create(memory_mb, limits.max_procs)
+    try:
+        return _run_contained(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env,
+                              unshare_path, start, cgroup)
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+
+
+def _run_contained(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env, unshare_path,
+                   start, cgroup):
     status_r, status_w = os.pipe()
     run_env = {"PATH": SANDBOX_PATH, "HOME": INSIDE_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
     run_env.update(env or {})
     cfg = {"status_fd": status_w, "workdir": workdir, "inside": INSIDE_DIR, "uid": uid,
            "argv": argv, "env": run_env, "tmp_mb": limits.tmp_mb,
-           "rlimits": _rlimits(timeout_s, memory_mb, limits)}
+           "rlimits": _rlimits(timeout_s, memory_mb, limits, cgroup is not None),
+           "cgroup_procs": [] if cgroup is None else cgroup.procs_files}
     unshare = [unshare_path, "--net", "--pid", "--fork", "--mount-proc", "--mount", "--ipc",
                "--uts", "--kill-child"]
     stdin_file = tempfile.TemporaryFile()
@@ -305,7 +413,10 @@ def _run_in(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env, unshar
     wall = time.monotonic() - start
     stdout = out.decode("utf-8", "replace")
     stderr = err.decode("utf-8", "replace")
-    return _classify(status_text, killed_for, stdout, stderr, wall, shell=argv[:2] == _SHELL)
+    outcome = _classify(status_text, killed_for, stdout, stderr, wall, shell=argv[:2] == _SHELL,
+                        cpu_limit=_cpu_limit(timeout_s, limits), memory_kb=memory_mb << 10,
+                        oom_killed=cgroup is not None and cgroup.oom_killed())
+    return dataclasses.replace(outcome, containment=containment_level(cgroup is not None))
 
 
 def _collect(proc, status_r, deadline, max_output):
@@ -380,7 +491,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _classify(status_text: str, killed_for, stdout: str, stderr: str, wall: float,
-              shell: bool) -> Outcome:
+              shell: bool, cpu_limit: float = math.inf, memory_kb: float = math.inf,
+              oom_killed: bool = False) -> Outcome:
     lines = status_text.splitlines()
     if "ready" not in lines:
         detail = next((ln for ln in lines if ln.startswith("error")), "namespace set-up failed")
@@ -392,16 +504,26 @@ def _classify(status_text: str, killed_for, stdout: str, stderr: str, wall: floa
     exits = [ln for ln in lines if ln.startswith("exit ")]
     if not exits:
         return Outcome(INFRA_ERROR, stdout, stderr, None, wall, "sandbox init died unexpectedly")
-    wait_status = int(exits[-1].split()[1])
+    fields = exits[-1].split()
+    wait_status = int(fields[1])
+    cpu_s = float(fields[2]) if len(fields) > 2 else 0.0
+    maxrss_kb = int(fields[3]) if len(fields) > 3 else 0
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
     if shell and os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) > 128:
         # /bin/sh reports a child killed by signal n as exit status 128 + n.
         sig = os.WEXITSTATUS(wait_status) - 128
+    if oom_killed:  # the cgroup's OOM killer ended a process of this sandbox
+        rc = -sig if sig else os.WEXITSTATUS(wait_status) if os.WIFEXITED(wait_status) else None
+        return Outcome(MEMORY, stdout, stderr, rc, wall, "OOM kill (sandbox memory limit)")
     if sig:
         rc = -sig
-        if sig in (signal.SIGXCPU, signal.SIGKILL) and "MemoryError" not in stderr:
-            # SIGKILL only comes from the hard CPU limit here (the OOM killer is not in play:
-            # RLIMIT_AS makes allocations fail first).
+        # SIGXCPU is the soft CPU limit; a SIGKILL is the hard one only if the CPU time says
+        # so, and an OOM kill (e.g. the host's OOM killer, without a cgroup of our own) if the
+        # resident memory reached the limit.
+        if sig == signal.SIGKILL and maxrss_kb >= 0.9 * memory_kb:
+            return Outcome(MEMORY, stdout, stderr, rc, wall, "OOM kill (memory limit)")
+        cpu_kill = sig == signal.SIGKILL and cpu_s >= cpu_limit - 0.05
+        if (sig == signal.SIGXCPU or cpu_kill) and "MemoryError" not in stderr:
             return Outcome(TIMEOUT, stdout, stderr, rc, wall, "CPU time limit")
         if sig == signal.SIGXFSZ:
             return Outcome(OUTPUT_LIMIT, stdout, stderr, rc, wall, "file size limit")

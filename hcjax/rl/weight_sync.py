@@ -38,6 +38,7 @@ from hcjax.transfer import (
     PlanReceiver,
     PlanSender,
     TransferPlan,
+    UntrustedPeer,
     VersionedWeights,
     assign_processes,
     make_plan,
@@ -253,6 +254,8 @@ class WeightPublisher:
     ) -> None:
         import grpc
 
+        from hcjax.rollout.auth import open_channel
+
         if not addresses:
             raise ValueError("addresses=[]: weight sync needs at least one inference process")
         if timeout <= 0:
@@ -269,7 +272,7 @@ class WeightPublisher:
         self.dead: dict[str, str] = {}  # address -> why
         self.history: list[dict] = []
         for k, address in enumerate(addresses):
-            channel = grpc.insecure_channel(address)
+            channel = open_channel(address)
             try:
                 self.replicas.append(self._handshake(address, k + 1, channel))
             except grpc.RpcError as err:
@@ -389,9 +392,12 @@ class WeightsServicer:
             if self.backend is None:
                 self.backend = JaxTransferBackend(f"{self.host}:0")
             learner = _reachable(request["transfer_address"], _peer_host(context.peer()))
-            self.receiver = PlanReceiver(plan, process, self.backend, {LEARNER_PROCESS: learner},
-                                         entries=entries,
-                                         max_bytes_per_pull=int(request["max_bytes_per_pull"]))
+            try:
+                self.receiver = PlanReceiver(
+                    plan, process, self.backend, {LEARNER_PROCESS: learner}, entries=entries,
+                    max_bytes_per_pull=int(request["max_bytes_per_pull"]))
+            except UntrustedPeer as err:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
             self.expected_bytes = sum(e.nbytes for e in entries)
             self.weights = VersionedWeights()  # a new learner session
         return json.dumps({"layout": self.layout, "transfer_address": self.backend.address,
@@ -448,7 +454,7 @@ def weights_service(server: Any, params_template: Any, host: str = "127.0.0.1"):
 
 def weights_status(address: str, digests: bool = False, timeout: float = 60.0) -> dict:
     """Call a replica's debug `Status` RPC (served versions, bytes, optional per-leaf digests)."""
-    import grpc
+    from hcjax.rollout.auth import open_channel
 
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) as channel:
         return _rpc(channel, "Status", timeout)({"digests": digests})

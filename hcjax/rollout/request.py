@@ -7,6 +7,8 @@ Plain dataclasses of Python scalars and numpy arrays; validation errors name the
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,9 +37,24 @@ class SampledRollout(Rollout):
     partial: bool = False
 
     def __post_init__(self) -> None:
+        # Scalars first: a record may come off the wire, and a wrong type must be a ValueError
+        # naming the field, not a TypeError from a comparison further down.
+        _sampling_options(self.temperature, self.top_p)
+        _integer("seed", self.seed, 0, _UINT32)
+        _integer("sample_index", self.sample_index, 0, _INT32)
+        _integer("max_tokens", self.max_tokens, 0, _INT32)  # 0: not recorded (the default)
+        _group_id(self.group_id)
+        self.stop_tokens = _token_ids("stop_tokens", self.stop_tokens)
+        if not isinstance(self.partial, bool | np.bool_):
+            raise ValueError(f"partial={self.partial!r:.80} must be a boolean")
+        if not isinstance(self.finish_reason, str):
+            raise ValueError(f"finish_reason={self.finish_reason!r:.80} must be a string")
         super().__post_init__()
         if self.raw_logprobs is not None:
             self.raw_logprobs = np.asarray(self.raw_logprobs, np.float32)
+            if self.raw_logprobs.shape != (self.response_len,):
+                raise ValueError(f"raw_logprobs shape {self.raw_logprobs.shape} must be "
+                                 f"[R]=({self.response_len},) like response_ids")
 
     @property
     def tokens(self) -> np.ndarray:
@@ -87,41 +104,63 @@ class GenerateRequest:
     continue_from: tuple[SampledRollout, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
-        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        object.__setattr__(self, "prompt", _token_ids("prompt", self.prompt))
+        object.__setattr__(self, "stop_tokens", _token_ids("stop_tokens", self.stop_tokens))
+        if not isinstance(self.continue_from, Sequence | np.ndarray):
+            raise ValueError(f"continue_from={self.continue_from!r:.80} must be a sequence of "
+                             "records")
         object.__setattr__(self, "continue_from", tuple(self.continue_from))
         if not self.prompt:
             raise ValueError("prompt is empty; it must hold at least one token id")
-        if any(t < 0 for t in self.prompt):
-            raise ValueError(f"prompt has negative token ids {[t for t in self.prompt if t < 0]}")
         _positive_int("n", self.n)
         _positive_int("max_tokens", self.max_tokens)
         if self.token_budget is not None:
             _positive_int("token_budget", self.token_budget)
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
-            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+        _sampling_options(self.temperature, self.top_p)
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, _UINT32)
+        if not isinstance(self.request_id, str) or len(self.request_id) > _MAX_ID_CHARS:
+            raise ValueError(f"request_id={self.request_id!r:.80} must be a string of at most "
+                             f"{_MAX_ID_CHARS} characters")
+        _group_id(self.group_id)
         if self.continue_from:
-            if self.n != len(self.continue_from):
+            self._check_continuation()
+
+    def _check_continuation(self) -> None:
+        if self.n != len(self.continue_from):
+            raise ValueError(
+                f"n={self.n} must equal the {len(self.continue_from)} records to continue"
+            )
+        seen = set()
+        for rec in self.continue_from:
+            if not isinstance(rec, SampledRollout):
+                raise ValueError(f"continue_from holds a {type(rec).__name__}, not a "
+                                 "SampledRollout")
+            if rec.sample_index in seen:
+                raise ValueError(f"continue_from holds sample {rec.sample_index} twice")
+            seen.add(rec.sample_index)
+            if not rec.partial:
                 raise ValueError(
-                    f"n={self.n} must equal the {len(self.continue_from)} records to continue"
+                    f"sample {rec.sample_index} finished ({rec.finish_reason}); only partial "
+                    "records can be continued"
                 )
-            for rec in self.continue_from:
-                if not rec.partial:
-                    raise ValueError(
-                        f"sample {rec.sample_index} finished ({rec.finish_reason}); only partial "
-                        "records can be continued"
-                    )
-                if tuple(rec.prompt_ids.tolist()) != self.prompt:
-                    raise ValueError(f"sample {rec.sample_index} was generated for another prompt")
-                if rec.response_len >= self.max_tokens:
-                    raise ValueError(
-                        f"sample {rec.sample_index} already has {rec.response_len} tokens, "
-                        f"max_tokens={self.max_tokens}"
-                    )
+            if tuple(rec.prompt_ids.tolist()) != self.prompt:
+                raise ValueError(f"sample {rec.sample_index} was generated for another prompt")
+            if rec.response_len >= self.max_tokens:
+                raise ValueError(
+                    f"sample {rec.sample_index} already has {rec.response_len} tokens, "
+                    f"max_tokens={self.max_tokens}"
+                )
+            bad = rec.response_ids[(rec.response_ids < 0)]
+            if bad.size:
+                raise ValueError(f"sample {rec.sample_index} has negative response token ids "
+                                 f"{bad[:4].tolist()}")
+            for name in ("logprobs", "raw_logprobs", "threshold_logit"):
+                values = getattr(rec, name)
+                if values is not None and not np.all(np.isfinite(values)):
+                    raise ValueError(f"sample {rec.sample_index} has non-finite {name}")
+            if rec.routing is not None and np.any(rec.routing < 0):
+                raise ValueError(f"sample {rec.sample_index} has negative expert ids in routing")
 
     @classmethod
     def continuation(
@@ -153,18 +192,88 @@ def request_from_dict(
     options: Mapping[str, Any], continue_from: Sequence[SampledRollout] = ()
 ) -> GenerateRequest:
     """Build a request from wire options; unknown option names are an error, not ignored."""
-    unknown = sorted(set(options) - set(_FIELDS))
+    if not isinstance(options, Mapping):
+        raise ValueError(f"request options are a {type(options).__name__}, not an object")
+    unknown = sorted(map(str, set(options) - set(_FIELDS)))
     if unknown:
         raise ValueError(f"unknown request options {unknown}; known: {sorted(_FIELDS)}")
     if "prompt" not in options:
         raise ValueError("request has no prompt")
     opts = dict(options)
     for name in ("prompt", "stop_tokens"):
-        if name in opts:
-            opts[name] = tuple(opts[name])
+        if name in opts and not isinstance(opts[name], list | tuple):
+            raise ValueError(f"{name}={opts[name]!r:.80} must be a list of token ids")
     return GenerateRequest(**opts, continue_from=tuple(continue_from))
 
 
+_INT32 = 2**31
+_UINT32 = 2**32
+_MAX_ID_CHARS = 256
+
+
+def _integer(name: str, value: Any, low: int, high: int) -> None:
+    """value must be an integer (Python or numpy, not bool) in [low, high)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name}={value!r:.80} must be an integer")
+    if not low <= value < high:
+        raise ValueError(f"{name}={value!r} must be in [{low}, {high})")
+
+
 def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool | np.bool_) or value <= 0:
+        raise ValueError(f"{name}={value!r:.80} must be a positive integer")
+    if value >= _INT32:
+        raise ValueError(f"{name}={value!r} must be < 2**31")
+
+
+def _real(name: str, value: Any, *, low: float, high: float = math.inf) -> None:
+    """value must be a finite real number in [low, high]."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name}={value!r:.80} must be a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be finite")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r} must be in [{low:g}, {high:g}]")
+
+
+# Sampling runs in float32 and the learner divides logits by the temperature: values outside
+# these ranges would round to 0 or infinity there, and the record would misstate its sampling.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+MIN_TOP_P = 1e-6
+
+
+def _sampling_options(temperature: Any, top_p: Any) -> None:
+    _real("temperature", temperature, low=0.0, high=MAX_TEMPERATURE)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature={temperature!r} must be 0 (greedy) or in "
+                         f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
+    _real("top_p", top_p, low=MIN_TOP_P, high=1.0)
+
+
+def _token_ids(name: str, ids: Any) -> tuple[int, ...]:
+    """ids as a tuple of ints in [0, 2**31); floats, bools and strings are refused, not cast."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D integer array, got {ids.dtype}{list(ids.shape)}")
+        ids = ids.tolist()
+    elif not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+        raise ValueError(f"{name}={ids!r:.80} must be a sequence of token ids")
+    out = []
+    for i, t in enumerate(ids):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool | np.bool_):
+            raise ValueError(f"{name}[{i}]={t!r:.40} is not an integer token id")
+        if not 0 <= t < _INT32:
+            raise ValueError(f"{name}[{i}]={t} is not a token id in [0, 2**31)")
+        out.append(int(t))
+    return tuple(out)
+
+
+def _group_id(value: Any) -> None:
+    if isinstance(value, str):
+        if len(value) > _MAX_ID_CHARS:
+            raise ValueError(f"group_id of {len(value)} characters exceeds {_MAX_ID_CHARS}")
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool | np.bool_):
+        raise ValueError(f"group_id={value!r:.80} must be a string or an integer")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"group_id={value} must fit in 64 bits")

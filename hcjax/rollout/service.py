@@ -1,18 +1,26 @@
 """gRPC transport for a `RolloutServer`: a streaming Generate call plus Health and Metrics, and the
 matching client. Generic method handlers with our own byte format (wire.py), so no protoc step.
 
-Status codes: INVALID_ARGUMENT for bad requests, RESOURCE_EXHAUSTED when the queue is full,
-UNAVAILABLE when the server is stopping or failed. The service keeps serving after any of them.
+Every request is parsed and checked in full (wire format, option types and ranges, continuation
+records, the engine's limits, `RequestLimits`) before it is queued, so no message can fail the
+server. Status codes: INVALID_ARGUMENT (with the reason) for any malformed or out-of-limit
+request, RESOURCE_EXHAUSTED when the queue or the client's share of it is full, UNAVAILABLE when
+the server is stopping or failed, UNAUTHENTICATED without the shared token (auth.py). The service
+keeps serving after any of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
 
+from hcjax.rollout.auth import Security, add_port, open_channel
 from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent, request_from_dict
 from hcjax.rollout.server import QueueFull, RolloutServer, ServerStopped
 from hcjax.rollout.wire import (
@@ -24,9 +32,47 @@ from hcjax.rollout.wire import (
     record_to_wire,
 )
 
-__all__ = ["RolloutClient", "RolloutServicer", "serve_grpc"]
+__all__ = ["RequestLimits", "RolloutClient", "RolloutServicer", "serve_grpc"]
 
 SERVICE = "hcjax.Rollout"
+_MB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request, and one client, may ask of a rollout service (beyond the engine's own
+    limits on prompt length, prompt + max_tokens and stop tokens, which always apply).
+
+    max_n: samples per request. max_tokens / max_prompt_len: caps below the engine's (None: the
+    engine's). queue_share: the fraction of the server's request queue one client (one peer host)
+    may hold; its requests being generated count too, so a client gets at most
+    queue_share * max_queue + max_concurrent_decodes requests in flight.
+    max_message_mb: the largest request message the server accepts.
+    """
+
+    max_n: int = 256
+    max_tokens: int | None = None
+    max_prompt_len: int | None = None
+    queue_share: float = 0.5
+    max_message_mb: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_tokens", "max_prompt_len", "max_message_mb"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"RequestLimits.{name}={value!r} must be a positive integer")
+        if not 0.0 < self.queue_share <= 1.0:
+            raise ValueError(f"RequestLimits.queue_share={self.queue_share!r} must be in (0, 1]")
+
+    def check(self, request: GenerateRequest) -> None:
+        if request.n > self.max_n:
+            raise ValueError(f"n={request.n} exceeds the service's max_n={self.max_n}")
+        if self.max_tokens is not None and request.max_tokens > self.max_tokens:
+            raise ValueError(f"max_tokens={request.max_tokens} exceeds the service's "
+                             f"max_tokens={self.max_tokens}")
+        if self.max_prompt_len is not None and len(request.prompt) > self.max_prompt_len:
+            raise ValueError(f"prompt length {len(request.prompt)} exceeds the service's "
+                             f"max_prompt_len={self.max_prompt_len}")
 
 
 def _request_to_bytes(request: GenerateRequest) -> bytes:
@@ -40,29 +86,128 @@ def _request_to_bytes(request: GenerateRequest) -> bytes:
 
 
 def _request_from_bytes(data: bytes) -> GenerateRequest:
+    """Parse a Generate message; ValueError naming what is wrong, whatever the bytes are."""
     meta, arrays = decode(data)
+    unknown = sorted(set(meta) - {"options", "continue_from"})
+    if unknown:
+        raise ValueError(f"unknown request message fields {unknown}")
     if not isinstance(meta.get("options"), dict):
         raise ValueError("request message has no 'options' object")
-    prior = [record_from_wire(m, arrays, f"c{i}") for i, m in enumerate(meta.get("continue_from", []))]
+    prior_meta = meta.get("continue_from", [])
+    if not isinstance(prior_meta, list):
+        raise ValueError(f"continue_from is a {type(prior_meta).__name__}, not a list")
+    names = {f"c{i}" for i in range(len(prior_meta))}
+    stray = sorted(a for a in arrays if a.split(".", 1)[0] not in names)
+    if stray:
+        raise ValueError(f"arrays {stray[:4]} belong to no record of continue_from")
+    prior = [record_from_wire(m, arrays, f"c{i}") for i, m in enumerate(prior_meta)]
     return request_from_dict(meta["options"], prior)
+
+
+def _client_of(context: grpc.ServicerContext) -> str:
+    """The peer's host ('ipv4:10.0.0.5:41234' -> 'ipv4:10.0.0.5'): the unit of queue share."""
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
+def _queue_capacity(server: RolloutServer) -> int:
+    capacity = getattr(server, "max_queue", None)
+    if capacity is None:  # RolloutServer keeps it as its queue's bound
+        capacity = getattr(getattr(server, "_requests", None), "maxsize", 64)
+    return int(capacity)
 
 
 class RolloutServicer:
     """Adapts a RolloutServer to gRPC; one instance may be registered on any number of servers."""
 
-    def __init__(self, server: RolloutServer) -> None:
+    def __init__(self, server: RolloutServer, limits: RequestLimits | None = None) -> None:
         self.server = server
+        self.limits = limits or RequestLimits()
+        engine = server.engine
+        self.max_per_client = max(
+            1, int(self.limits.queue_share * _queue_capacity(server))
+            + engine.max_concurrent_decodes)
+        self._inflight: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._routing_dims: tuple[int, int] | None = None
+        self.rejected = Counter()  # status code name -> requests refused, for metrics
 
+    # Validation ------------------------------------------------------------------------------
+    def _engine_routing_dims(self) -> tuple[int, int]:
+        """(MoE layers, experts per token) of the engine's routing record, from one prefill."""
+        if self._routing_dims is None:
+            engine = self.server.engine
+            shape = getattr(engine, "routing_shape", None)
+            if shape is None:
+                prefix, _ = engine.prefill(params=engine.load_params(), padded_tokens=[0],
+                                           true_length=1)
+                shape = (prefix.routing.shape[0], prefix.routing.shape[2])
+            self._routing_dims = (int(shape[0]), int(shape[1]))
+        return self._routing_dims
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Everything about `request` that the server's threads would otherwise trip over."""
+        self.limits.check(request)
+        vocab = self.server.engine.vocab_size
+        for rec in request.continue_from:
+            if vocab is not None and rec.response_len and int(rec.response_ids.max()) >= vocab:
+                raise ValueError(f"sample {rec.sample_index} has response token id "
+                                 f"{int(rec.response_ids.max())} >= vocab_size={vocab}")
+            if rec.routing is None:  # the server records routing afresh from the prefill
+                continue
+            layers, k = self._engine_routing_dims()
+            if rec.routing.shape[0] != layers or rec.routing.shape[2] != k:
+                raise ValueError(f"sample {rec.sample_index} has routing shape "
+                                 f"{list(rec.routing.shape)}; this engine records "
+                                 f"[{layers}, P + R - 1, {k}]")
+
+    def _admit(self, client: str) -> bool:
+        with self._lock:
+            if self._inflight[client] >= self.max_per_client:
+                return False
+            self._inflight[client] += 1
+            return True
+
+    def _leave(self, client: str) -> None:
+        with self._lock:
+            self._inflight[client] -= 1
+            if self._inflight[client] <= 0:
+                del self._inflight[client]
+
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
+        with self._lock:
+            self.rejected[code.name] += 1
+        context.abort(code, message)
+
+    # RPCs ------------------------------------------------------------------------------------
     def generate(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
             request = _request_from_bytes(data)
+            self.validate(request)
+        except ValueError as e:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - any parse failure is the message's fault
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"malformed request message ({type(e).__name__}: {e})")
+        client = _client_of(context)
+        if not self._admit(client):
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"client {client} already has {self.max_per_client} requests in flight "
+                        f"(its queue share); retry later")
+        try:
+            yield from self._serve(request, context)
+        finally:
+            self._leave(client)
+
+    def _serve(self, request: GenerateRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
             handle = self.server.submit(request, block=False)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ServerStopped as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         context.add_callback(handle.cancel)  # client went away: free the slots
         finished = False
         while not finished:
@@ -72,6 +217,7 @@ class RolloutServicer:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             if not batch and not finished:
                 if not context.is_active():
+                    handle.cancel()
                     return
                 continue
             tokens = [e for e in batch if isinstance(e, TokenEvent)]
@@ -88,7 +234,9 @@ class RolloutServicer:
         return json.dumps(self.server.health()).encode()
 
     def metrics(self, data: bytes, context: grpc.ServicerContext) -> bytes:
-        return json.dumps(self.server.metrics()).encode()
+        with self._lock:
+            rejected = dict(self.rejected)
+        return json.dumps({**self.server.metrics(), "rejected": rejected}).encode()
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -101,31 +249,49 @@ class RolloutServicer:
         )
 
 
-def serve_grpc(
-    server: RolloutServer, address: str = "127.0.0.1:0", *, max_workers: int = 64
-) -> tuple[grpc.Server, int]:
-    """Start a gRPC server for `server` on `address`; returns (grpc server, bound port)."""
-    grpc_server = grpc.server(
+def grpc_server(
+    security: Security, *, max_workers: int = 64, max_receive_mb: int = 64,
+    max_send_mb: int = 256,
+) -> grpc.Server:
+    """A gRPC server with our message limits and, when a token is configured, its check."""
+    return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=[("grpc.max_send_message_length", 256 << 20),
-                 ("grpc.max_receive_message_length", 256 << 20)],
+        interceptors=security.server_interceptors(),
+        options=[("grpc.max_send_message_length", max_send_mb * _MB),
+                 ("grpc.max_receive_message_length", max_receive_mb * _MB)],
     )
-    grpc_server.add_generic_rpc_handlers((RolloutServicer(server).handler(),))
-    port = grpc_server.add_insecure_port(address)
-    if port == 0:
-        raise RuntimeError(f"could not bind {address}")
-    grpc_server.start()
-    return grpc_server, port
+
+
+def serve_grpc(
+    server: RolloutServer,
+    address: str = "127.0.0.1:0",
+    *,
+    max_workers: int = 64,
+    security: Security | None = None,
+    limits: RequestLimits | None = None,
+) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for `server` on `address`; returns (grpc server, bound port).
+
+    security None: from the environment (HCJAX_TOKEN / HCJAX_TOKEN_FILE / HCJAX_TLS_DIR)."""
+    security = Security.from_env() if security is None else security
+    limits = limits or RequestLimits()
+    grpc_srv = grpc_server(security, max_workers=max_workers,
+                           max_receive_mb=limits.max_message_mb)
+    grpc_srv.add_generic_rpc_handlers((RolloutServicer(server, limits).handler(),))
+    port = add_port(grpc_srv, address, security)
+    grpc_srv.start()
+    return grpc_srv, port
 
 
 class RolloutClient:
     """Client of one rollout service. grpc.RpcError carries the server's status and message."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: Security | None = None) -> None:
+        """security None: from the environment, like the servers (auth.py)."""
         self.address = address
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 256 << 20),
-                              ("grpc.max_send_message_length", 256 << 20)],
+        self._channel = open_channel(
+            address, security, options=[("grpc.max_receive_message_length", 256 * _MB),
+                                        ("grpc.max_send_message_length", 256 * _MB)],
         )
         self._generate = self._channel.unary_stream(f"/{SERVICE}/Generate")
         self._health = self._channel.unary_unary(f"/{SERVICE}/Health")

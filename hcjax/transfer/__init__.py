@@ -10,7 +10,13 @@ from hcjax.transfer.plan import (
     assign_processes,
     make_plan,
 )
-from hcjax.transfer.remote import JaxTransferBackend, PlanReceiver, PlanSender, TransferBackend
+from hcjax.transfer.remote import (
+    JaxTransferBackend,
+    PlanReceiver,
+    PlanSender,
+    TransferBackend,
+    UntrustedPeer,
+)
 from hcjax.transfer.transforms import Cast, Reshape, Split, Stack, Transpose, Unstack
 from hcjax.transfer.versioned import TransferFailed, VersionedWeights
 
@@ -32,6 +38,7 @@ __all__ = [
     "TransferPlan",
     "Transpose",
     "Unstack",
+    "UntrustedPeer",
     "VersionedWeights",
     "assign_processes",
     "assign_replicas",

@@ -7,6 +7,9 @@ acknowledgement, and the sender keeps at most `window` unacknowledged chunks ali
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 import threading
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
@@ -27,6 +30,68 @@ from hcjax.transfer.local import (
 from hcjax.transfer.plan import TransferEntry, TransferPlan, _to_box
 
 _PROCESS_BITS, _CHUNK_BITS = 10, 16
+
+# Where an inference process may pull weights from: comma-separated hosts, host:port pairs,
+# CIDR networks, or "*" for anywhere. Loopback is always trusted; nothing else by default.
+TRUSTED_PEERS_ENV = "HCJAX_TRUSTED_PEERS"
+
+
+class UntrustedPeer(PermissionError):
+    """A weights pull was asked to go to an address the receiving side does not trust."""
+
+
+def trusted_peers_from_env(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    env = os.environ if env is None else env
+    return tuple(e.strip() for e in env.get(TRUSTED_PEERS_ENV, "").split(",") if e.strip())
+
+
+def _split(address: str) -> tuple[str, str]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise UntrustedPeer(f"transfer address {address!r} is not host:port")
+    return host.strip("[]"), port
+
+
+def _ips(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return set()
+    return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+
+
+def check_trusted(address: str, trusted: Sequence[str]) -> None:
+    """Raise UntrustedPeer unless `address` (host:port) is loopback or matches `trusted`."""
+    host, port = _split(address)
+    ips = _ips(host)
+    if ips and all(ip.is_loopback for ip in ips):
+        return
+    for entry in trusted:
+        if entry == "*":
+            return
+        if "/" in entry:
+            try:
+                net = ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                continue
+            if ips and all(ip in net for ip in ips):
+                return
+            continue
+        e_host, e_port = entry, None
+        if entry.count(":") == 1 or entry.startswith("["):
+            e_host, e_port = _split(entry)
+        if e_port is not None and e_port != port:
+            continue
+        if e_host == host or (ips and ips <= _ips(e_host)):
+            return
+    raise UntrustedPeer(
+        f"refusing to pull weights from {address}: it is not loopback and not in the trusted "
+        f"peers {list(trusted)}; set {TRUSTED_PEERS_ENV} on the inference process to the "
+        "learner's host(s) (hosts, host:port, CIDR networks)")
 
 
 class TransferBackend(Protocol):
@@ -201,9 +266,15 @@ class PlanReceiver:
         entries: Sequence[TransferEntry] | None = None,
         dst_shardings: Mapping[str, jax.sharding.Sharding] | None = None,
         max_bytes_per_pull: int = 16 << 20,
+        trusted_peers: Sequence[str] | None = None,
     ):
+        """trusted_peers: where pulls may go besides loopback (check_trusted); None: from
+        $HCJAX_TRUSTED_PEERS. A peer outside them raises UntrustedPeer before anything moves."""
         self.plan, self.process_index, self.backend = plan, process_index, backend
         self.peers = dict(peers)
+        trusted = trusted_peers_from_env() if trusted_peers is None else tuple(trusted_peers)
+        for address in self.peers.values():
+            check_trusted(address, trusted)
         pairs = _pair_entries(plan.entries if entries is None else entries, plan)
         self.chunks = {
             src: chunk_entries(es, max_bytes_per_pull)
