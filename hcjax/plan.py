@@ -10,6 +10,16 @@ device), `compiled.cost_analysis()` (FLOPs and HBM bytes per device) and the col
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Run the importable module, so gin registers PlanConfig once, under hcjax.plan (not also
+    # under __main__, which would make `--gin_param PlanConfig...` ambiguous).
+    import sys
+
+    from hcjax.plan import main as _main
+
+    _main(sys.argv[1:])
+    raise SystemExit(0)
+
 import dataclasses
 import json
 import math
@@ -24,6 +34,7 @@ from pathlib import Path
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -74,7 +85,8 @@ class PlanConfig:
     """What to plan. Defaults are the acceptance figures of issue S1 (1M-token batches of 8K rows;
     256 concurrent decodes at 32K of KV); the CLI flags override them.
 
-    inference_mesh None = the gin `MeshConfig` (its -1 axis filled from the inference chips).
+    inference_mesh None = `inference_mesh_config` of the gin `MeshConfig` (its tensor and expert
+    axes, no FSDP, data filling the inference chips).
     serve_dtype: the dtype the inference side holds its weights in (None = the learner's fp32
     masters, as the in-process engine does today).
     """
@@ -195,17 +207,32 @@ def _parse_hlo(text: str):
     return comps, entry
 
 
+def _trip_count(comps, attrs: str) -> int:
+    """A while loop's trip count: XLA's `known_trip_count` when the backend records it (CPU
+    does), else read from its condition `i < N` with N a constant (TPU's loops from scan and
+    fori_loop, which count from 0 by 1)."""
+    t = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+    if t:
+        return int(t.group(1))
+    cond = re.search(r"condition=%([\w.\-]+)", attrs)
+    instrs = comps.get(cond.group(1), []) if cond else []
+    constants = {name: args.strip() for name, _, op, args, _ in instrs if op == "constant"}
+    for _, _, op, args, cattrs in instrs:
+        if op == "compare" and "direction=LT" in cattrs:
+            operands = re.findall(r"%([\w.\-]+)", args)
+            if len(operands) == 2 and constants.get(operands[1], "").isdigit():
+                return int(constants[operands[1]])
+    return 1
+
+
 def _multipliers(comps, entry) -> dict[str, int]:
-    """How often each computation runs per step: while bodies times their known trip count."""
+    """How often each computation runs per step: while bodies times their trip count."""
     mult = {entry: 1}
     stack = [entry]
     while stack:
         comp = stack.pop()
         for _, _, opcode, _, attrs in comps.get(comp, ()):
-            trip = 1
-            if opcode == "while":
-                t = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
-                trip = int(t.group(1)) if t else 1
+            trip = _trip_count(comps, attrs) if opcode == "while" else 1
             for key, callee in re.findall(r"\b(body|calls|to_apply|branch_computations)=\{?%([\w.\-]+)",
                                           attrs):
                 n = mult[comp] * (trip if key == "body" else 1)
@@ -220,7 +247,9 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
 
     Bytes of one collective = the larger of its operands and its result (an all-gather's output,
     a reduce-scatter's input), i.e. the data one device holds before or after; a ring algorithm
-    moves about that much (all-reduce about twice). Ops inside while loops count trip-count times.
+    moves about that much (all-reduce about twice). A ragged all-to-all counts the smaller of its
+    input and its result (an upper bound on the rows it sends). Ops inside while loops count
+    trip-count times.
     """
     comps, entry = _parse_hlo(hlo_text)
     mult = _multipliers(comps, entry)
@@ -233,12 +262,154 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
             kind = opcode.removesuffix("-start")
             if kind not in _COLLECTIVES:
                 continue
-            operands = sum(sizes.get(a, 0) for a in re.findall(r"%([\w.\-]+)", args))
-            nbytes = max(max(_type_bytes(typ), default=0), operands)
+            names = re.findall(r"%([\w.\-]+)", args)
+            result = max(_type_bytes(typ), default=0)
+            if kind == "ragged-all-to-all":
+                # Sends only the rows its sizes say, at most its input and what the result can
+                # take; both buffers are sized for the dropless worst case on one side only.
+                nbytes = min(sizes.get(names[0], 0), result) if names else result
+            else:
+                nbytes = max(result, sum(sizes.get(a, 0) for a in names))
             entry_ = out.setdefault(kind, {"count": 0, "bytes": 0.0})
             entry_["count"] += n
             entry_["bytes"] += n * nbytes
     return out
+
+
+_NO_TRAFFIC = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call",
+               "conditional", "after-all", "opt-barrier", "partition-id", "replica-id")
+
+
+def _dims(typ: str) -> list[int]:
+    m = _SHAPE_RE.search(typ)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _window_attrs(attrs: str) -> dict:
+    """A convolution's window padding [(lo, hi)] and strides per spatial dim."""
+    m = re.search(r"window=\{([^}]*)\}", attrs)
+    text = m.group(1) if m else ""
+    pad = re.search(r"pad=([\d_x\-]+)", text)
+    stride = re.search(r"stride=([\dx]+)", text)
+    return {"pad": [tuple(int(v) for v in p.split("_")) for p in pad.group(1).split("x")]
+            if pad else [],
+            "stride": [int(v) for v in stride.group(1).split("x")] if stride else []}
+
+
+def _dot_flops(typ, opcode, args, attrs, shapes) -> float:
+    """2 · output elements · contraction size of a dot or of a convolution (TPU's form of dots)."""
+    names = re.findall(r"%([\w.\-]+)", args)
+    if len(names) < 2:
+        return 0.0
+    lhs, rhs, out = shapes.get(names[0], []), shapes.get(names[1], []), _dims(typ)
+    if opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
+        dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+        contraction = math.prod(lhs[d] for d in dims if d < len(lhs))
+    else:
+        m = re.search(r"dim_labels=([^_]+)_([^-]+)->(\S+?)[,\s]", attrs + " ")
+        if not m or len(m.group(2)) != len(rhs) or len(m.group(1)) != len(lhs):
+            return 0.0
+        lhs_l, rhs_l, out_l = m.group(1), m.group(2), m.group(3)
+        contraction = math.prod(n for n, c in zip(rhs, rhs_l) if c == "i")
+        groups = re.search(r"feature_group_count=(\d+)", attrs)
+        contraction //= int(groups.group(1)) if groups else 1
+        # Spatial (window) dims: the TPU compiler writes batched dots as convolutions whose
+        # window runs over a batch dim with padding (one real tap per output), and weight
+        # gradients as windows spanning the contracted length: count the taps that land inside
+        # the input, summed over output positions.
+        window = _window_attrs(attrs)
+        spatial = 1.0
+        for k, c in enumerate(sorted(ch for ch in rhs_l if ch.isdigit())):
+            w = rhs[rhs_l.index(c)]
+            s_in, s_out = lhs[lhs_l.index(c)], out[out_l.index(c)]
+            lo = window["pad"][k][0] if k < len(window["pad"]) else 0
+            stride = window["stride"][k] if k < len(window["stride"]) else 1
+            start = np.arange(s_out) * stride - lo  # input position of tap 0 per output
+            taps = np.minimum(w, s_in - start) - np.maximum(0, -start)
+            spatial *= float(np.clip(taps, 0, None).sum()) / s_out
+        return 2.0 * math.prod(out) * contraction * spatial
+    return 2.0 * math.prod(out) * contraction
+
+
+def _fusion_access(instrs, sizes) -> tuple[dict[int, float], float | None]:
+    """What a fusion really moves: ({operand index: bytes read} for operands only sliced inside
+    (a layer's slice of stacked weights), bytes written if it updates a buffer in place)."""
+    params = {}
+    for name, _, opcode, args, _ in instrs:
+        if opcode == "parameter":
+            params[name] = int(args.strip() or 0)
+    users: dict[str, list] = defaultdict(list)
+    for _, typ, opcode, args, _ in instrs:
+        for i, a in enumerate(re.findall(r"%([\w.\-]+)", args)):
+            users[a].append((opcode, i, sum(_type_bytes(typ)), args))
+    reads = {}
+    for name, index in params.items():
+        uses = users.get(name, [])
+        if uses and all(op in ("dynamic-slice", "gather") and i == 0 for op, i, _, _ in uses):
+            reads[index] = float(sum(b for _, _, b, _ in uses))
+        elif uses and all(op == "dynamic-update-slice" and i == 0 for op, i, _, _ in uses):
+            reads[index] = 0.0  # the buffer updated in place is not read
+    root = instrs[-1] if instrs else None
+    written = None
+    if root is not None and root[2] == "dynamic-update-slice":
+        update = re.findall(r"%([\w.\-]+)", root[3])
+        written = float(sizes.get(update[1], 0)) if len(update) > 1 else None
+    return reads, written
+
+
+def hlo_costs(hlo_text: str) -> dict[str, float]:
+    """FLOPs and HBM bytes per device per step, counting loop bodies their trip count of times
+    (XLA's `cost_analysis` visits a while body once, so a scan over layers or micro-batches is
+    undercounted by its length). FLOPs: dots and convolutions (TPU lowers dots to both) plus the
+    cost estimates Pallas kernels declare; other ops' FLOPs are ignored (elementwise work is small
+    beside the matmuls). Bytes: operands plus result of every unfused instruction, the traffic
+    of a fusion to and from HBM."""
+    comps, entry = _parse_hlo(hlo_text)
+    mult = _multipliers(comps, entry)
+    shapes = {name: _dims(typ) for instrs in comps.values() for name, typ, *_ in instrs}
+    sizes = {name: sum(_type_bytes(typ)) for instrs in comps.values() for name, typ, *_ in instrs}
+    fused = {callee for instrs in comps.values() for _, _, op, _, attrs in instrs if op == "fusion"
+             for callee in re.findall(r"calls=%([\w.\-]+)", attrs)}
+    fusion_access = {comp: _fusion_access(comps[comp], sizes) for comp in fused}
+    flops = kernel_flops = nbytes = 0.0
+    by_op: dict[str, float] = defaultdict(float)
+    for comp, instrs in comps.items():
+        n = mult.get(comp, 0)
+        for _, typ, opcode, args, attrs in instrs:
+            if opcode in ("dot", "convolution"):
+                f = n * _dot_flops(typ, opcode, args, attrs, shapes)
+                flops += f
+                op = re.search(r'op_name="([^"]*)"', attrs)
+                by_op[_op_label(op.group(1) if op else opcode)] += f
+            elif opcode == "custom-call":
+                est = re.search(r'"cost_estimate":\{"flops":"(\d+)"', attrs)
+                kernel_flops += n * (int(est.group(1)) if est else 0)
+            if comp in fused or opcode in _NO_TRAFFIC:
+                continue
+            names = re.findall(r"%([\w.\-]+)", args)
+            result = sum(_type_bytes(typ))
+            if opcode in ("dynamic-slice", "gather"):  # reads only what it returns
+                nbytes += n * 2 * result
+            elif opcode in ("dynamic-update-slice", "scatter") and len(names) >= 2:
+                nbytes += n * 2 * sizes.get(names[-1], 0)  # in place: the update in and out
+            elif opcode == "fusion":
+                callee = re.search(r"calls=%([\w.\-]+)", attrs)
+                access = fusion_access.get(callee.group(1) if callee else "", ({}, None))
+                reads = sum(access[0].get(i, sizes.get(a, 0)) for i, a in enumerate(names))
+                nbytes += n * (reads + (result if access[1] is None else access[1]))
+            else:
+                nbytes += n * (result + sum(sizes.get(a, 0) for a in names))
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]
+    return {"flops": flops + kernel_flops, "kernel_flops": kernel_flops, "bytes": nbytes,
+            "matmul_flops_by_op": dict(top)}
+
+
+def _op_label(op_name: str) -> str:
+    """A jax op_name without loop/transform noise: where in the model a matmul comes from."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "while", "body",
+                                                                      "closed_call", "cond"))]
+    return "/".join(parts[-3:])
 
 
 def largest_buffers(hlo_text: str, top: int) -> list[dict]:
@@ -260,6 +431,44 @@ def largest_buffers(hlo_text: str, top: int) -> list[dict]:
                           "op_name": op.group(1)[-120:] if op else opcode})
     found.sort(key=lambda b: -b["bytes"])
     return found[:top]
+
+
+def weight_all_gathers(hlo_text: str, params) -> list[dict]:
+    """All-gathers whose result is a whole parameter (or one layer of a stacked, scanned one):
+    what a decode step must not do every step, since it moves every weight every token."""
+    full = set()
+    for x in jax.tree.leaves(params):
+        full.add(tuple(x.shape))
+        if len(x.shape) > 2:  # one layer of a [layers, ...] stack
+            full.add(tuple(x.shape[1:]))
+    comps, _ = _parse_hlo(hlo_text)
+    found = []
+    for instrs in comps.values():
+        for name, typ, opcode, _, _ in instrs:
+            if opcode.removesuffix("-start") != "all-gather":
+                continue
+            for dtype, dims in _SHAPE_RE.findall(typ):
+                shape = tuple(int(d) for d in dims.split(",") if d)
+                if len(shape) >= 2 and shape in full:
+                    found.append({"instruction": name, "shape": f"{dtype}{list(shape)}"})
+    return found
+
+
+def pallas_calls(hlo_text: str) -> dict[str, int]:
+    """Pallas kernels compiled into the program (Mosaic custom calls on TPU), by kernel name."""
+    out: dict[str, int] = defaultdict(int)
+    for line in hlo_text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line:
+            continue
+        op = re.search(r'op_name="([^"]*)"', line)
+        parts = (op.group(1) if op else "").split("/")
+        if len(parts) >= 2 and parts[-1] == "pallas_call":
+            name = re.sub(r"^jit\((.*)\)$", r"\1", parts[-2])
+        else:  # kernels named by their own custom call (TPU flash attention is splash attention)
+            im = _INSTR_RE.match(line)
+            name = re.sub(r"\.\d+$", "", im.group(1)) if im else "unknown"
+        out[name] += 1
+    return dict(out)
 
 
 # Abstract inputs ---------------------------------------------------------------------------------
@@ -371,16 +580,6 @@ def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
     return fn, (state, batch), params
 
 
-def _decode_batch_spec(mesh: Mesh, batch: int) -> tuple:
-    """Mesh axes for the decode batch: data, fsdp, expert (tensor splits heads), as many as divide."""
-    axes, size = [], 1
-    for a in ("data", "fsdp", "expert"):
-        if a in mesh.axis_names and mesh.shape[a] > 1 and batch % (size * mesh.shape[a]) == 0:
-            axes.append(a)
-            size *= mesh.shape[a]
-    return tuple(axes)
-
-
 def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
     from hcjax.rollout.engine import Engine
 
@@ -389,19 +588,7 @@ def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
     engine = Engine(model, mesh=mesh, max_concurrent_decodes=pc.decode_batch,
                     max_target_length=pc.kv_len, max_prefill_length=max(1, pc.kv_len // 2))
     state = jax.eval_shape(lambda: engine._init_decode_impl(model_cfg.vocab_size))
-    axes = _decode_batch_spec(mesh, pc.decode_batch)
-    tensor = mesh.shape.get("tensor", 1)
-
-    def sharding(x):
-        spec = [None] * x.ndim
-        if x.ndim and x.shape[0] == pc.decode_batch and axes:
-            spec[0] = axes
-        # KV caches are [B, slots, kv_heads, head_dim]: heads over tensor, as the projections are.
-        if x.ndim == 4 and tensor > 1 and x.shape[2] % tensor == 0:
-            spec[2] = "tensor"
-        return NamedSharding(mesh, PartitionSpec(*spec))
-
-    shardings = jax.tree.map(sharding, state)
+    shardings = engine.decode_state_shardings(model_cfg.vocab_size)
     state = _abstract(state, shardings)
     replicated = NamedSharding(mesh, PartitionSpec())
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
@@ -411,6 +598,12 @@ def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
     return fn, (params, state, version), params
 
 
+def inference_mesh_config(learner: MeshConfig) -> MeshConfig:
+    """The default inference layout: the learner's tensor and expert axes, no FSDP (a decode step
+    must not all-gather weights), the rest of the chips over data (replicas of the weights)."""
+    return MeshConfig(data=-1, fsdp=1, tensor=learner.tensor, expert=learner.expert)
+
+
 # Compile and measure -----------------------------------------------------------------------------
 
 
@@ -418,7 +611,7 @@ def _tree_bytes(tree) -> int:
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def _compile(fn, args, mesh: Mesh, spec: ChipSpec, top: int) -> dict:
+def _compile(fn, args, mesh: Mesh, spec: ChipSpec, top: int, weights=None) -> dict:
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         lowered = fn.lower(*args)
@@ -449,17 +642,31 @@ def _compile(fn, args, mesh: Mesh, spec: ChipSpec, top: int) -> dict:
     # Donated inputs alias their outputs: count those bytes once.
     total = arguments + outputs - alias + temp
     colls = collectives(text)
+    costs = hlo_costs(text)
     out = {
         "compiled": True,
         "fits": total <= spec.hbm_bytes,
         "bytes_per_chip": {"arguments": arguments, "outputs": outputs, "temp": temp,
                            "total": total, "aliased": alias},
-        "flops_per_chip": float(cost.get("flops", 0.0)),
-        "hbm_bytes_accessed_per_chip": float(cost.get("bytes accessed", 0.0)),
+        # Loop-aware counts from the HLO (see hlo_costs); XLA's own below for reference.
+        "xla_flops_per_chip": costs["flops"] - costs["kernel_flops"],
+        "kernel_declared_flops_per_chip": costs["kernel_flops"],
+        "matmul_flops_by_op": costs["matmul_flops_by_op"],
+        # HBM traffic, bracketed: at least every argument read, every output written and every
+        # temporary byte written and read once; at most operands + results of every unfused op
+        # (a Pallas kernel counted as reading its whole buffers) -- see `roofline`.
+        "hbm_bytes_accessed_per_chip": arguments + outputs - alias + 2 * temp,
+        "hbm_bytes_upper_bound_per_chip": costs["bytes"],
+        "xla_cost_analysis": {"flops": float(cost.get("flops", 0.0)),
+                              "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                              "note": "visits each loop body once"},
         "collective_bytes_per_chip": float(sum(c["bytes"] for c in colls.values())),
         "collectives": colls,
+        "pallas_kernels": pallas_calls(text),
         "compile_s": round(seconds, 2),
     }
+    if weights is not None:
+        out["weight_all_gathers"] = weight_all_gathers(text, weights)
     if not out["fits"]:
         out["bytes_over"] = total - int(spec.hbm_bytes)
         out["largest_buffers"] = largest_buffers(text, top)
@@ -494,18 +701,57 @@ def _oom_record(message: str, args, spec: ChipSpec, seconds: float) -> dict:
         "compiled": False, "fits": False,
         "bytes_per_chip": {"arguments": int(arguments), "outputs": 0, "temp": temp,
                            "total": total, "aliased": 0},
-        "flops_per_chip": 0.0, "hbm_bytes_accessed_per_chip": 0.0,
+        "xla_flops_per_chip": 0.0, "kernel_declared_flops_per_chip": 0.0,
+        "hbm_bytes_accessed_per_chip": 0.0, "hbm_bytes_upper_bound_per_chip": 0.0,
         "collective_bytes_per_chip": 0.0, "collectives": {},
         "compile_s": round(seconds, 2), "bytes_over": total - int(spec.hbm_bytes),
         "largest_buffers": buffers, "error": message.splitlines()[0][:500],
     }
 
 
+def model_flops_split(model_cfg: ModelConfig, params, tokens: int, ctx_global: float,
+                      ctx_local: float, train: bool) -> dict[str, float]:
+    """Model FLOPs of a step by part: routed experts, attention scores (QKᵀ and AV) and the rest
+    (projections, dense MLPs, router, head). Training counts forward + backward (3x forward)."""
+    passes = 3 if train else 1
+    frac = model_cfg.experts_per_token / model_cfg.num_experts
+    expert_params = sum(math.prod(v.shape) * frac for _, v in nnx.to_flat_state(params)
+                        if "experts" in (v.get_metadata().get("logical_axes") or ()))
+    experts = passes * 2 * tokens * expert_params
+    attention = passes * tokens * attention_flops_per_token(model_cfg, ctx_global, ctx_local)
+    total = passes * 2 * tokens * active_params(model_cfg, params) + attention
+    return {"total": total, "experts": experts, "attention": attention,
+            "other": total - experts - attention}
+
+
+def account_flops(step: dict, split: dict[str, float], devices: int, remat_factor: float) -> None:
+    """Executed FLOPs per chip = the XLA-lowered matmuls (counted in the HLO) + the model FLOPs of
+    the parts that run in Pallas kernels (their declared cost is the dropless worst case of the
+    buffers they get, not the work done), times the recompute of rematerialisation.
+    `flops_ratio` = XLA matmul FLOPs / (the model FLOPs of the parts XLA runs x remat_factor):
+    1.0 is no waste beyond remat."""
+    kernels = step.get("pallas_kernels", {})
+    in_kernels = 0.0
+    if any("gmm" in k for k in kernels):
+        in_kernels += split["experts"]
+    if any(s in k for k in kernels for s in ("splash", "flash", "decode_attention")):
+        in_kernels += split["attention"]
+    step["model_flops_split"] = split
+    step["model_flops_in_kernels"] = in_kernels
+    step["remat_factor"] = remat_factor
+    step["flops_per_chip"] = step["xla_flops_per_chip"] + in_kernels * remat_factor / devices
+    in_xla = (split["total"] - in_kernels) * remat_factor
+    step["flops_ratio"] = step["xla_flops_per_chip"] * devices / in_xla if in_xla else 0.0
+
+
 def roofline(step: dict, spec: ChipSpec, devices: int, model_flops: float) -> None:
     """Step time = max(compute, HBM, collectives): each at its peak, perfectly overlapped (a lower
-    bound). compute = XLA FLOPs / peak bf16; HBM = XLA bytes accessed / HBM bandwidth;
-    collectives = collective bytes / ICI bandwidth of one chip. MFU = model FLOPs / (devices ·
-    peak · step time)."""
+    bound). compute = executed FLOPs (`account_flops`) / peak bf16; HBM = the compulsory traffic
+    (arguments and outputs once, temporaries written and read once) / HBM bandwidth, a lower
+    bound: the HLO's upper bound (`hlo_costs`, every unfused op's operands and results) is
+    reported beside it as `hbm_upper_s`, the step time if nothing stayed in VMEM or was fused
+    better; collectives = collective bytes / ICI bandwidth of one chip. MFU = model FLOPs /
+    (devices · peak · step time)."""
     parts = {
         "compute_s": step["flops_per_chip"] / spec.peak_bf16_flops,
         "hbm_s": step["hbm_bytes_accessed_per_chip"] / spec.hbm_bytes_per_s,
@@ -513,6 +759,7 @@ def roofline(step: dict, spec: ChipSpec, devices: int, model_flops: float) -> No
     }
     step_s = max(parts.values())
     step.update(parts)
+    step["hbm_upper_s"] = step.get("hbm_bytes_upper_bound_per_chip", 0.0) / spec.hbm_bytes_per_s
     step["bound_by"] = max(parts, key=parts.get).removesuffix("_s")
     step["model_flops"] = model_flops
     step["estimated_step_s"] = step_s
@@ -540,25 +787,28 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
         # Training model FLOPs (forward + backward = 3x forward): 6·N_active·tokens plus causal
         # attention 3·2·H·ctx·(d_qk + d_v) per token per layer, ctx the mean keys per query.
         ctx_g, ctx_l = _causal_mean_ctx(pc.seq_len, model_cfg.window)
-        model_flops = pc.global_batch_tokens * (
-            6 * n_active + 3 * attention_flops_per_token(model_cfg, ctx_g, ctx_l))
-        roofline(step, spec, len(devices), model_flops)
+        split = model_flops_split(model_cfg, params, pc.global_batch_tokens, ctx_g, ctx_l, True)
+        # Full remat runs each layer's forward again in the backward: 4 passes instead of 3.
+        remat = 4 / 3 if model_cfg.remat_policy == "full" else 1.0
+        account_flops(step, split, len(devices), remat)
+        roofline(step, spec, len(devices), split["total"])
         step["active_params"] = n_active
         step["tokens"] = pc.global_batch_tokens
         result["train_step"] = step
     if pc.decode:
         inf_topology = pc.inference_topology or pc.topology
         inf_devices, inf_spec, inf_chips = tpu_devices(inf_topology)
-        mesh = _mesh(pc.inference_mesh or mesh_cfg, inf_devices, "inference")
+        mesh = _mesh(pc.inference_mesh or inference_mesh_config(mesh_cfg), inf_devices,
+                     "inference")
         fn, args, params = _decode_inputs(model_cfg, pc, mesh)
-        n_active = active_params(model_cfg, params)
         step = {"topology": inf_topology, "chips": inf_chips, "mesh": dict(mesh.shape)}
-        step.update(_compile(fn, args, mesh, inf_spec, pc.top_buffers))
+        step.update(_compile(fn, args, mesh, inf_spec, pc.top_buffers, weights=params))
         # Decode model FLOPs per step: 2·N_active per token plus attention over a full KV of
         # kv_len keys (global layers) or `window` keys (local), for every concurrent sequence.
-        model_flops = pc.decode_batch * (2 * n_active + attention_flops_per_token(
-            model_cfg, pc.kv_len, min(model_cfg.window, pc.kv_len)))
-        roofline(step, inf_spec, len(inf_devices), model_flops)
+        split = model_flops_split(model_cfg, params, pc.decode_batch, pc.kv_len,
+                                  min(model_cfg.window, pc.kv_len), False)
+        account_flops(step, split, len(inf_devices), 1.0)
+        roofline(step, inf_spec, len(inf_devices), split["total"])
         step["tokens_per_s_estimate"] = (
             pc.decode_batch / step["estimated_step_s"] if step["estimated_step_s"] else 0.0)
         result["decode_step"] = step
@@ -592,14 +842,23 @@ def summary_table(result: dict) -> str:
             f"  per chip: arguments {_gb(b['arguments'])}, outputs {_gb(b['outputs'])}, "
             f"temp {_gb(b['temp'])}, total {_gb(b['total'])} -> "
             + ("fits" if step["fits"] else f"DOES NOT FIT, {_gb(step['bytes_over'])} over"),
-            f"  FLOPs per chip {step['flops_per_chip']:.3e} (model FLOPs {step['model_flops']:.3e} "
-            f"over all chips), HBM bytes accessed {_gb(step['hbm_bytes_accessed_per_chip'])}",
+            f"  FLOPs per chip {step['flops_per_chip']:.3e} (XLA matmuls "
+            f"{step['xla_flops_per_chip']:.3e} + Pallas kernels' model FLOPs); model FLOPs "
+            f"{step['model_flops']:.3e} over all chips; XLA/model {step['flops_ratio']:.2f} beyond "
+            f"remat x{step['remat_factor']:.2f}; HBM bytes {_gb(step['hbm_bytes_accessed_per_chip'])}"
+            f" (upper bound {_gb(step['hbm_bytes_upper_bound_per_chip'])})",
             f"  collectives per chip {_gb(step['collective_bytes_per_chip'])}: "
             + ", ".join(f"{k} x{v['count']} {_gb(v['bytes'])}" for k, v in step["collectives"].items()),
             f"  roofline: compute {step['compute_s']:.4f} s, HBM {step['hbm_s']:.4f} s, "
             f"collectives {step['collective_s']:.4f} s -> step {step['estimated_step_s']:.4f} s "
+            f"(HBM upper bound {step['hbm_upper_s']:.4f} s) "
             f"({step['bound_by']}-bound), MFU {step['estimated_mfu']:.1%}",
         ]
+        if step.get("pallas_kernels"):
+            lines.append("  Pallas kernels (Mosaic): " + ", ".join(
+                f"{k} x{v}" for k, v in sorted(step["pallas_kernels"].items())))
+        if "weight_all_gathers" in step:
+            lines.append(f"  whole-weight all-gathers per step: {len(step['weight_all_gathers'])}")
         if "tokens_per_s_estimate" in step:
             lines.append(f"  decode: {step['tokens_per_s_estimate']:,.0f} tokens/s")
         for buf in step.get("largest_buffers", []):
@@ -639,6 +898,3 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(json.dumps(result))
     return result
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

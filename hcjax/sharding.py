@@ -30,7 +30,9 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
-    "latent": None,
+    # LatentMoE's latent width: the expert weights' other axis, so [E, latent, f] is split over
+    # expert x fsdp x tensor like plain experts' [E, embed, f] (else they are replicated over fsdp).
+    "latent": "fsdp",
     "q_lora": None,
     "kv_lora": None,
     "experts": "expert",
@@ -219,11 +221,18 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Mapping |
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.auto_axes:
         return x
-    if len(logical_axes) != x.ndim:
-        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {x.shape}")
+    return jax.lax.with_sharding_constraint(x, activation_spec(x.shape, logical_axes, mesh, rules))
+
+
+def activation_spec(shape: Sequence[int], logical_axes: Sequence[str | None], mesh,
+                    rules: Mapping | None = None) -> PartitionSpec:
+    """The PartitionSpec `constrain` gives an activation of `shape` on `mesh`: each dimension keeps
+    the leading Auto mesh axes of its rule whose product divides it."""
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
     auto = set(mesh.auto_axes)
     spec = []
-    for size, entry in zip(x.shape, logical_to_spec(logical_axes, rules)):
+    for size, entry in zip(shape, logical_to_spec(logical_axes, rules)):
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         kept: list[str] = []
         for axis in (a for a in axes if a in auto and mesh.shape[a] > 1):
@@ -231,4 +240,4 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Mapping |
                 break
             kept.append(axis)
         spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+    return PartitionSpec(*spec)

@@ -12,8 +12,15 @@ LOWERINGS = ("gpu", "tpu")
 
 
 def backend() -> str:
-    """The platform JAX runs on by default: "cpu", "gpu" or "tpu"."""
-    return jax.default_backend()
+    """The platform programs are being built for: "cpu", "gpu" or "tpu".
+
+    That is the context mesh's platform when one is set with `jax.set_mesh` (a CPU host compiling
+    for a TPU topology builds TPU programs), else the platform JAX runs on by default.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None) or jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def resolve_impl(impl: str, kernel: str) -> str:

@@ -247,3 +247,17 @@ def test_expert_parallel_compiles_for_a_tpu_topology(mode):
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(abstract, x).compile()
     text = compiled.as_text()
     assert ("ragged-all-to-all" if mode == "all_to_all" else "all-gather") in text
+
+
+@pytest.mark.parametrize("family,mesh_name,b,t", [("mai", "e8", 4, 8), ("qwen3_moe", "e4f2", 3, 5)])
+def test_chunked_all_to_all_equals_single_device(family, mesh_name, b, t):
+    """expert_parallel_chunks = 3: each device exchanges its tokens in three rounds (padded to
+    a multiple); values, routing, statistics and gradients are unchanged."""
+    name = f"{family}_chunked"
+    FAMILIES[name] = dataclasses.replace(FAMILIES[family], expert_parallel_chunks=3)
+    try:
+        _check_layer(name, mesh_name, "all_to_all", b=b, t=t)
+    finally:
+        del FAMILIES[name]
+    with pytest.raises(ValueError, match="expert_parallel_chunks=0 must be a positive integer"):
+        dataclasses.replace(FAMILIES[family], expert_parallel_chunks=0)

@@ -143,6 +143,30 @@ def test_mai_scan_groups_layers_by_position_in_the_period():
     assert_trees_close(unstack_cache(cache, scfg), flat, rtol=0, atol=0)
 
 
+def test_layers_after_the_last_whole_period_run_unrolled():
+    cfg = dataclasses.replace(MAI, num_layers=9)  # one period of 6, then 3 tail layers
+    scfg = scanned(cfg)
+    u = nnx.state(Transformer(cfg, rngs=nnx.Rngs(5)))
+    s = nnx.state(Transformer(scfg, rngs=nnx.Rngs(5)))
+    assert sorted(s["tail_blocks"].keys()) == [0, 1, 2]
+    assert s["scan_blocks"][0]["ffn"]["w_gate"].shape[0] == 1
+    assert_trees_close(stack_layers(u, scfg), s, rtol=0, atol=0)
+    assert_trees_close(unstack_layers(s, scfg), u, rtol=0, atol=0)
+    cache = init_cache(scfg, batch_size=2, max_len=9)
+    assert len(cache) == 6 + 3 and cache[6]["k"].shape == (2, 5, 2, 8)  # tail layer 6: local
+    flat = init_cache(cfg, batch_size=2, max_len=9)
+    assert_trees_close(stack_cache(flat, scfg), cache, rtol=0, atol=0)
+    assert_trees_close(unstack_cache(cache, scfg), flat, rtol=0, atol=0)
+    (la, a), ga = jitted(cfg)[1](state_of(cfg), X, PACKED)
+    (lb, b), gb = jitted(scfg)[1](state_of(scfg), X, PACKED)
+    np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    assert len(b.routing) == cfg.num_moe_layers == 5
+    for ra, rb in zip(a.routing, b.routing):
+        np.testing.assert_array_equal(ra, rb)
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    assert_trees_close(ga, unstack_layers(gb, scfg), rtol=1e-4, atol=1e-5)
+
+
 # Scanned == unrolled ---------------------------------------------------------------------------
 
 # Two packed documents and padding in row 0, a plain row 1.
@@ -218,9 +242,11 @@ def greedy_decode(cfg, prompt, steps):
     return jnp.stack(logits, 1), out.cache
 
 
-@pytest.mark.parametrize("family", ["deepseek", pytest.param("mai", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["deepseek", "mai_tail",
+                                    pytest.param("mai", marks=pytest.mark.slow)])
 def test_cached_greedy_decoding_is_the_same_scanned(family):
-    cfg = FAMILIES[family]
+    # mai_tail: one scanned period of 6 and two unrolled tail layers (their cache entries last).
+    cfg = dataclasses.replace(MAI, num_layers=8) if family == "mai_tail" else FAMILIES[family]
     prompt = tokens(2, 4, seed=7)
     steps = 6  # past the window of 5: the local layers' ring buffers wrap
     la, cache_a = greedy_decode(cfg, prompt, steps)
@@ -311,12 +337,32 @@ def test_create_sharded_scanned_model():
 
 
 def test_bad_scan_and_remat_configs_are_clear():
-    with pytest.raises(ValueError, match=r"num_layers=8 cannot be scanned.*period 6"):
-        dataclasses.replace(MAI, num_layers=8, scan_layers=True)
+    with pytest.raises(ValueError, match=r"num_layers=5 cannot be scanned.*no whole period.*6 layers"):
+        dataclasses.replace(MAI, num_layers=5, scan_layers=True)
     with pytest.raises(ValueError, match=r"num_layers=1 cannot be scanned.*first_dense_layers=1"):
         dataclasses.replace(DEEPSEEK, num_layers=1, scan_layers=True)
     dataclasses.replace(MAI, num_layers=8)  # unrolled: any number of layers
+    dataclasses.replace(MAI, num_layers=8, scan_layers=True)  # one period and two tail layers
     with pytest.raises(ValueError, match="remat_policy='everything' must be one of"):
         dataclasses.replace(MAI, remat_policy="everything")
     with pytest.raises(ValueError, match="cache has 4 entries, the model expects 2"):
         model_of(scanned(GPT_OSS))(tokens(1, 2), cache=init_cache(GPT_OSS, 1, 4))
+
+
+def test_pallas_kernels_run_on_local_shards_under_a_mesh():
+    """With a mesh in context the Pallas kernels (interpret mode on CPU) run under shard_map on
+    each device's batch and heads, and give what they give without a mesh."""
+    cfg = dataclasses.replace(MAI, num_layers=6, attention_impl="pallas", moe_impl="pallas")
+    graphdef, state = abstract_model(cfg)[0], state_of(cfg)
+    mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=2, tensor=2, expert=2))
+    x = tokens(4, 8, seed=5)
+
+    def step(s, x):
+        return nnx.merge(graphdef, s)(x).logits
+
+    ref = jax.jit(step)(state, x)
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(step).lower(shard_state(state, mesh), x)
+        assert "shard_map" in str(lowered.as_text()) or "sdy.manual_computation" in lowered.as_text()
+        logits = lowered.compile()(shard_state(state, mesh), x)
+    np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)

@@ -4,6 +4,7 @@ compile-only devices) from this CPU host, and reports fit, bytes over and clear 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from hcjax import config as hcfg
@@ -48,7 +49,7 @@ def test_tiny_plan_compiles_both_steps_and_fits(tmp_path):
     for name in ("train_step", "decode_step"):
         step = result[name]
         assert step["compiled"] and step["fits"], name
-        assert step["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+        assert step["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1} if name == "train_step" else {"data": 2, "fsdp": 1, "tensor": 2, "expert": 1}
         for key in ("arguments", "outputs", "temp", "total"):
             assert step["bytes_per_chip"][key] > 0, (name, key)
         for key in ("flops_per_chip", "model_flops", "collective_bytes_per_chip",
@@ -122,3 +123,73 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert out["all-gather"] == {"count": 3, "bytes": 3 * 32 * 4}
     assert out["all-reduce"] == {"count": 1, "bytes": 32}
     assert out["reduce-scatter"] == {"count": 1, "bytes": 32}  # the operand, the larger side
+
+
+def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model():
+    """With impl "auto" the kernels are chosen for the mesh's platform (TPU here, on a CPU host),
+    run on local shards under shard_map, and compile through Mosaic (not interpret mode)."""
+    model = dataclasses.replace(_tiny(), num_layers=2, attention_impl="auto", moe_impl="auto")
+    pc = dataclasses.replace(SMALL, topology="v5p:2x2x1")
+    for ep in ("none", "all_to_all"):
+        cfg = dataclasses.replace(model, expert_parallel=ep)
+        result = plan_lib.plan(pc, cfg, mesh_cfg=MeshConfig(fsdp=1, tensor=2, expert=2))
+        train, decode = result["train_step"]["pallas_kernels"], result["decode_step"]["pallas_kernels"]
+        assert train.get("gmm", 0) >= 3 and any("splash" in k or "flash" in k for k in train), (ep, train)
+        assert decode.get("gmm", 0) >= 3 and any("decode_attention" in k for k in decode), decode
+    assert jax.default_backend() == "cpu"  # nothing changed the host's platform
+
+
+def test_decode_step_gathers_no_whole_weight():
+    """The default inference layout (tensor x expert, no FSDP) never all-gathers a whole weight
+    in a decode step; an FSDP inference mesh does, and the check sees it."""
+    model = dataclasses.replace(_tiny(), num_layers=7, scan_layers=True,  # a period + 1 tail
+                                expert_parallel="all_to_all")
+    pc = dataclasses.replace(SMALL, topology="v5p:2x2x2", train=False)
+    good = plan_lib.plan(pc, model, mesh_cfg=MeshConfig(fsdp=-1, tensor=2, expert=2))
+    step = good["decode_step"]
+    assert step["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 2}
+    assert step["fits"] and step["weight_all_gathers"] == []
+    fsdp = dataclasses.replace(pc, inference_mesh=MeshConfig(fsdp=4, tensor=2))
+    bad = plan_lib.plan(fsdp, model)["decode_step"]
+    assert bad["weight_all_gathers"], "an FSDP-sharded decode step gathers its weights"
+
+
+def test_hlo_costs_count_loop_bodies_their_trip_count():
+    """XLA's cost analysis visits a scan body once; the plan's own count multiplies it out."""
+
+    def f(x, w):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
+    x, w = jnp.ones((128, 256)), jnp.ones((10, 256, 256))
+    compiled = jax.jit(f).lower(x, w).compile()
+    costs = plan_lib.hlo_costs(compiled.as_text())
+    assert costs["flops"] == 10 * 2 * 128 * 256 * 256
+    assert compiled.cost_analysis()["flops"] < costs["flops"] / 5  # what the plan corrects
+    # Each step reads its layer of w (not all of it), x, and writes x: about 10 x 0.5 MB.
+    assert 10 * 256 * 256 * 4 <= costs["bytes"] <= 10 * (256 * 256 * 4 + 4 * 128 * 256 * 4) * 2
+
+
+def test_hlo_costs_count_tpu_dots_written_as_convolutions():
+    """TPU writes batched dots and weight gradients as convolutions (windows over a head axis
+    with padding, or spanning the contracted tokens); each counts its real multiply-adds."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = plan_lib.tpu_devices("v5p:2x2x1")[0]
+    mesh = Mesh(np.array(devices).reshape(4), ("fsdp",))
+    b, t, d, h, k = 8, 256, 512, 4, 64
+
+    def loss(x, w, o):
+        q = jnp.einsum("btd,dhk->bthk", x, w)
+        y = jnp.einsum("bthk,hkd->btd", q, o).astype(jnp.float32)
+        return (y * y).sum()  # a cotangent that is not a constant: no backward dot simplifies
+
+    batch = NamedSharding(mesh, PartitionSpec("fsdp"))
+    whole = NamedSharding(mesh, PartitionSpec())
+    args = (jax.ShapeDtypeStruct((b, t, d), jnp.bfloat16, sharding=batch),
+            jax.ShapeDtypeStruct((d, h, k), jnp.bfloat16, sharding=whole),
+            jax.ShapeDtypeStruct((h, k, d), jnp.bfloat16, sharding=whole))
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    forward = 2 * 2 * (b // 4) * t * d * h * k  # two einsums, one device's quarter of the batch
+    assert plan_lib.hlo_costs(text)["flops"] == pytest.approx(3 * forward, rel=0.02)

@@ -233,7 +233,8 @@ _STEP_CACHE: dict[tuple, Callable] = {}
 # between them.
 # Switches of how the model runs, not what it computes: checkpoints stay compatible across them.
 _IMPLEMENTATION_FIELDS = (
-    "moe_impl", "attention_impl", "expert_parallel", "scan_layers", "remat_policy",
+    "moe_impl", "attention_impl", "expert_parallel", "expert_parallel_chunks", "scan_layers",
+    "remat_policy",
 )
 
 

@@ -32,6 +32,38 @@ _Q_BTHD = ("activation_batch", "activation_length", "activation_heads", "activat
 _KV_BTHD = ("activation_batch", "activation_length", "activation_kv_heads", "activation_head_dim")
 
 
+def on_local_shards(kernel, q, k, v, extra):
+    """`kernel(q, k, v, extra)` on each device's own shard, under `shard_map` over the context mesh.
+
+    q is [B, (T,) Hq, D], k and v [B, S, Hkv, D], extra [B, ...] or None (segment ids, lengths). The batch
+    is split as the activations are, and the heads over the tensor axes when query and KV heads
+    both divide (so each shard keeps whole GQA groups). A Pallas call is opaque to XLA's
+    partitioner: on a global sharded array XLA would gather its operands onto every device.
+    With no mesh in context (or one device) the kernel runs directly.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.auto_axes or mesh.size == 1:
+        return kernel(q, k, v, extra)
+    batch = shd.activation_spec(q.shape[:1], ("activation_batch",), mesh)[0]
+    q_heads = shd.activation_spec(q.shape[-2:-1], ("activation_heads",), mesh)[0]
+    kv_heads = shd.activation_spec(k.shape[-2:-1], ("activation_kv_heads",), mesh)[0]
+    heads = q_heads if q_heads == kv_heads else None
+
+    def spec(x, split_heads: bool):
+        dims = [batch] + [None] * (x.ndim - 1)
+        if split_heads:
+            dims[-2] = heads
+        return jax.sharding.PartitionSpec(*dims)
+
+    q_spec, kv_spec = spec(q, True), spec(k, True)
+    if extra is None:  # e.g. no segment ids: nothing to split beside q, k, v
+        return jax.shard_map(lambda q, k, v: kernel(q, k, v, None), mesh=mesh,
+                             in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                             check_vma=False)(q, k, v)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, spec(extra, False)),
+                         out_specs=q_spec, check_vma=False)(q, k, v, extra)
+
+
 def attention_mask(q_pos, k_pos, q_seg, k_seg, window: int | None):
     """[B, T, S] bool: key visible to query. Positions < 0 are padding / empty cache slots."""
     visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
@@ -144,8 +176,13 @@ class Attention(nnx.Module):
         self.window = cfg.window if kind == "local" else None
         self.rope = _Rope(cfg, hd) if (kind == "local" or cfg.rope_global) else None
         self.dtype = cfg.compute_dtype
-        # The Pallas kernels have no sink term; with sinks the XLA path runs on every backend.
-        self.use_kernel = use_pallas(cfg.attention_impl) and not cfg.attention_sinks
+        self.attention_impl = cfg.attention_impl
+
+    @property
+    def use_kernel(self) -> bool:
+        """Pallas kernels or XLA, decided when traced (for the platform compiled for). The
+        kernels have no sink term; with sinks the XLA path runs on every backend."""
+        return use_pallas(self.attention_impl) and not self.has_sinks
 
     @staticmethod
     def cache_entries(cfg: ModelConfig) -> dict:
@@ -178,10 +215,10 @@ class Attention(nnx.Module):
             # One-token decode on the Pallas kernel: store first, then attend over the cache.
             new_cache = write_cache(cache, {"k": k, "v": v}, positions_bt, ring=ring)
             lengths = jnp.maximum(positions_bt[:, 0] + 1, 0)
-            out = pallas_kernels.decode_attention(
-                q[:, 0], new_cache["k"].astype(dt), new_cache["v"].astype(dt), lengths,
-                window=self.window, ring=ring, impl="pallas",
-            )[:, None]
+            kernel = lambda q, k, v, n: pallas_kernels.decode_attention(  # noqa: E731
+                q, k, v, n, window=self.window, ring=ring, impl="pallas")
+            out = on_local_shards(kernel, q[:, 0], new_cache["k"].astype(dt),
+                                  new_cache["v"].astype(dt), lengths)[:, None]
         else:
             keys, k_pos = _cached_keys(cache, {"k": k, "v": v}, positions_bt)
             mask = attention_mask(positions_bt, k_pos, None, None, self.window)
@@ -197,10 +234,9 @@ class Attention(nnx.Module):
         if self.use_kernel:
             # The kernel masks by index (causal, window) and segment ids; rows whose positions
             # restart per document are handled by the segment ids.
-            return pallas_kernels.flash_attention(
-                q, k, v, causal=True, window=self.window, segment_ids=segment_ids_bt,
-                impl="pallas",
-            )
+            kernel = lambda q, k, v, seg: pallas_kernels.flash_attention(  # noqa: E731
+                q, k, v, causal=True, window=self.window, segment_ids=seg, impl="pallas")
+            return on_local_shards(kernel, q, k, v, segment_ids_bt)
         mask = attention_mask(
             positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, self.window
         )

@@ -38,10 +38,11 @@ REMAT_POLICIES = ("none", "full", "dots", "minimal")
 
 
 def use_pallas(impl: str) -> bool:
-    """Whether an implementation switch selects our Pallas kernels on this backend."""
-    import jax
+    """Whether an implementation switch selects our Pallas kernels on the platform being compiled
+    for (the context mesh's, else the default backend; decided at trace time)."""
+    from pallas_kernels import _dispatch
 
-    return impl == "pallas" or (impl == "auto" and jax.default_backend() in ("gpu", "tpu"))
+    return impl == "pallas" or (impl == "auto" and _dispatch.backend() in _dispatch.LOWERINGS)
 
 
 @gin.configurable
@@ -69,6 +70,10 @@ class ModelConfig:
     max_seq_len: int = 4096
     moe_impl: str = "ragged"
     expert_parallel: str = "none"  # one of EXPERT_PARALLEL_MODES
+    # Expert-parallel dispatch in this many sequential chunks of each device's tokens: the dropless
+    # receive buffer (sized for the worst case, every peer's assignments on one device) shrinks by
+    # the same factor. Results are identical; 1 = one exchange per layer.
+    expert_parallel_chunks: int = 1
     attention_impl: str = "reference"
     norm_eps: float = 1e-6
     # Scale: layers after `first_dense_layers` run under one `jax.lax.scan` over whole periods of
@@ -236,13 +241,18 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}"
             )
+        if not isinstance(self.expert_parallel_chunks, int) or self.expert_parallel_chunks < 1:
+            raise ValueError(
+                f"ModelConfig.expert_parallel_chunks={self.expert_parallel_chunks!r} must be a "
+                "positive integer"
+            )
         scanned = self.num_layers - self.first_dense_layers
-        if self.scan_layers and (scanned <= 0 or scanned % self.layer_period):
+        if self.scan_layers and scanned < self.layer_period:
             raise ValueError(
                 f"ModelConfig.num_layers={self.num_layers} cannot be scanned: the {scanned} layers "
-                f"after first_dense_layers={self.first_dense_layers} must be a positive multiple "
-                f"of the layer-pattern period {self.layer_period} (lcm of the attention_pattern "
-                f"and ffn_pattern lengths)"
+                f"after first_dense_layers={self.first_dense_layers} hold no whole period of the "
+                f"layer pattern ({self.layer_period} layers: lcm of the attention_pattern and "
+                f"ffn_pattern lengths)"
             )
         uses_pallas_attention = self.attention_impl == "pallas"
         if uses_pallas_attention and (

@@ -201,6 +201,12 @@ def _expert_parallel_mesh(cfg: ModelConfig):
     return mesh
 
 
+def _multi_device_mesh():
+    """The context mesh if it has more than one device and Auto axes to split over, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 or not mesh.auto_axes else mesh
+
+
 def _mesh_axes(mesh, target) -> tuple[str, ...]:
     """A rule's mesh axes (str, tuple or None) that exist in `mesh`, in order."""
     targets = (target,) if isinstance(target, str) else tuple(target or ())
@@ -302,17 +308,22 @@ def _ep_all_to_all(x_nr, expert_nk, gates_nk, w, act, mlp, axes, num_peers, nati
     return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_assign.dtype), y_assign)
 
 
-def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, mlp):
+def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, mlp, chunks: int = 1):
     """The routed experts under `shard_map` over `mesh` (see the section comment above).
 
     Tokens are split over the batch axes and the expert axes; expert weights over the expert axis
     and (their hidden size) the tensor axis, as the logical rules place them, and are gathered
     over the others at the boundary. Outputs partial over the tensor axis are summed there. Tokens
-    are padded (gate 0) to a multiple of the token shards, so any batch size works.
+    are padded (gate 0) to a multiple of the token shards (times `chunks`), so any batch size
+    works. With chunks > 1 each device exchanges its tokens in that many sequential rounds
+    (`lax.map`), so the worst-case receive buffer holds chunks-times fewer rows.
     """
     expert_axes = _mesh_axes(mesh, shd.LOGICAL_RULES["experts"])
     batch_axes = _mesh_axes(mesh, shd.LOGICAL_RULES["batch"])
     token_axes = batch_axes + tuple(a for a in expert_axes if a not in batch_axes)
+    experts = "experts"
+    if mode == "local":  # every expert on every device: no exchange, weights gathered
+        expert_axes, experts = (), None
     num_peers = _axes_size(mesh, expert_axes)
     num_experts = w["gate"].shape[0]
     if num_experts % num_peers:
@@ -322,7 +333,8 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, mlp):
         )
     n = x_nr.shape[0]
     shards = _axes_size(mesh, token_axes)
-    pad = -n % shards
+    chunks = chunks if mode == "all_to_all" else 1
+    pad = -n % (shards * chunks)
     if pad:
         x_nr = jnp.pad(x_nr, ((0, pad), (0, 0)))
         expert_nk = jnp.pad(expert_nk, ((0, pad), (0, 0)))
@@ -330,11 +342,11 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, mlp):
     P = jax.sharding.PartitionSpec
     tokens = P(token_axes or None, None)
     w_specs = {
-        "gate": _spec(mesh, "experts", None, "expert_mlp"),
-        "up": _spec(mesh, "experts", None, "expert_mlp"),
-        "out": _spec(mesh, "experts", "expert_mlp", None),
-        "b_gate": _spec(mesh, "experts", "expert_mlp"),
-        "b_up": _spec(mesh, "experts", "expert_mlp"),
+        "gate": _spec(mesh, experts, None, "expert_mlp"),
+        "up": _spec(mesh, experts, None, "expert_mlp"),
+        "out": _spec(mesh, experts, "expert_mlp", None),
+        "b_gate": _spec(mesh, experts, "expert_mlp"),
+        "b_up": _spec(mesh, experts, "expert_mlp"),
     }
     tensor_axes = _mesh_axes(mesh, shd.LOGICAL_RULES["expert_mlp"])
     # The mesh's platform, not the default backend: a CPU host may compile for a TPU topology.
@@ -342,10 +354,18 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, mlp):
     native_ragged = getattr(device, "platform", jax.default_backend()) != "cpu"
 
     def local(x, e, g, w):
-        if mode == "all_gather":
+        if mode == "local":
+            y = mlp(x, w, e, g, act)
+        elif mode == "all_gather":
             y = _ep_all_gather(x, e, g, w, act, mlp, expert_axes)
-        else:
+        elif chunks == 1:
             y = _ep_all_to_all(x, e, g, w, act, mlp, expert_axes, num_peers, native_ragged)
+        else:
+            split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])  # noqa: E731
+            y = jax.lax.map(
+                lambda c: _ep_all_to_all(*c, w, act, mlp, expert_axes, num_peers, native_ragged),
+                (split(x), split(e), split(g)))
+            y = y.reshape(-1, y.shape[-1])
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 
     y = jax.shard_map(
@@ -353,6 +373,7 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, mlp):
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, {name: w_specs[name] for name in w}),
         out_specs=tokens,
+        check_vma=False,  # Pallas calls inside carry no varying-axes types
     )(x_nr, expert_nk.astype(jnp.int32), gates_nk, w)
     return y[:n]
 
@@ -462,13 +483,18 @@ class MoE(nnx.Module):
         if self.cfg.expert_activation == "clamped_swiglu":
             act = clamped_swiglu_act(self.cfg.swiglu_limit, self.cfg.swiglu_alpha)
         mlp = routed_experts_fn(self.impl)
-        mesh = _expert_parallel_mesh(self.cfg)
+        mode, mesh = self.cfg.expert_parallel, _expert_parallel_mesh(self.cfg)
+        if mesh is None and use_pallas(self.impl):
+            # A Pallas gmm cannot be partitioned by XLA: without expert parallelism it still runs
+            # on each device's tokens under shard_map, every expert's weights on every device.
+            mode, mesh = "local", _multi_device_mesh()
         if mesh is None:
             y = mlp(h, w, expert_nk, gates, act)
         else:
             # b_out is added once here, not on every tensor shard inside the shard_map.
             b_out = w.pop("b_out", None)
-            y = _expert_parallel(self.cfg.expert_parallel, mesh, h, w, expert_nk, gates, act, mlp)
+            y = _expert_parallel(mode, mesh, h, w, expert_nk, gates, act, mlp,
+                                 chunks=self.cfg.expert_parallel_chunks)
             if b_out is not None:
                 y = y + jnp.einsum("nk,nkr->nr", gates.astype(dt), b_out[expert_nk])
         if self.latent:

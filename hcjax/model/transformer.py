@@ -7,9 +7,10 @@ Each block: pre-norm attention (MAI: its output passes an RMSNorm with gain init
 every attention branch starts at zero), then a pre-norm FFN. MAI ties the input and output
 embeddings and scales logits by d_model**-0.5; the open families use a plain (often untied) head.
 
-At scale (`ModelConfig.scan_layers`): the leading `first_dense_layers` stay unrolled and the rest run
-under one `jax.lax.scan` whose step is one period of the layer pattern (lcm of the attention and FFN
-pattern lengths), its parameters stacked on a leading "layers" axis; `stack_layers` /
+At scale (`ModelConfig.scan_layers`): the leading `first_dense_layers` stay unrolled and the whole
+periods after them run under one `jax.lax.scan` whose step is one period of the layer pattern (lcm
+of the attention and FFN pattern lengths), its parameters stacked on a leading "layers" axis; the
+layers after the last whole period (`tail_blocks`) run unrolled; `stack_layers` /
 `unstack_layers` convert parameter states between the two layouts, `stack_cache` / `unstack_cache`
 the KV cache. Each layer is rematerialised by `ModelConfig.remat_policy`, and activations are
 constrained by logical axis names on the mesh in context (`jax.set_mesh`; none: no-op).
@@ -132,10 +133,12 @@ class Transformer(nnx.Module):
         # Built layer by layer in both layouts, so a seed gives the same weights either way.
         blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
         if cfg.scan_layers:
-            unrolled, periodic = _scan_groups(blocks, cfg)
+            unrolled, periodic, trailing = _scan_groups(blocks, cfg)
             self.blocks = nnx.List(unrolled)
             # scan_blocks[r]: the blocks at position r of every period, parameters [n, ...].
             self.scan_blocks = nnx.List([_stack_modules(group) for group in periodic])
+            # The layers after the last whole period (64 = 10 periods of 6 + 4), unrolled.
+            self.tail_blocks = nnx.List(trailing)
         else:
             self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
@@ -180,21 +183,30 @@ class Transformer(nnx.Module):
         routing_of = {} if routing is None else dict(zip(cfg.moe_layers, routing))
         cache_in = (None,) * cache_entries if cache is None else tuple(cache)
         new_cache, moe_of = [], {}  # moe_of: layer -> (chosen, stats)
-        for i, block in enumerate(self.blocks):  # every layer, or the unrolled leading ones
-            graphdef, state = nnx.split(block)
-            rngs_2 = None if layer_rngs is None else layer_rngs[i]
-            x, layer_cache, moe_out = _layer_fn(graphdef, cfg.remat_policy)(
-                state, x, shared, (routing_of.get(i), cache_in[i], rngs_2)
-            )
-            new_cache.append(layer_cache)
-            if moe_out is not None:
-                moe_of[i] = moe_out
+
+        def unrolled(x, blocks, first_layer, first_entry):
+            for j, block in enumerate(blocks):
+                i = first_layer + j
+                graphdef, state = nnx.split(block)
+                rngs_2 = None if layer_rngs is None else layer_rngs[i]
+                x, layer_cache, moe_out = _layer_fn(graphdef, cfg.remat_policy)(
+                    state, x, shared, (routing_of.get(i), cache_in[first_entry + j], rngs_2)
+                )
+                new_cache.append(layer_cache)
+                if moe_out is not None:
+                    moe_of[i] = moe_out
+            return x
+
+        # Every layer, or the unrolled leading ones.
+        x = unrolled(x, self.blocks, 0, 0)
         if cfg.scan_layers:
+            p0, period = cfg.first_dense_layers, cfg.layer_period
             x, scan_cache, scan_moe = self._scan_periods(
-                x, shared, routing_of, cache_in[len(self.blocks) :], layer_rngs
+                x, shared, routing_of, cache_in[p0 : p0 + period], layer_rngs
             )
             new_cache.extend(scan_cache)
             moe_of.update(scan_moe)
+            x = unrolled(x, self.tail_blocks, p0 + num_scan_periods(cfg) * period, p0 + period)
 
         logits = self._head(x)
         chosen = tuple(moe_of[i][0] for i in cfg.moe_layers)
@@ -268,10 +280,13 @@ class Transformer(nnx.Module):
 # Unrolled <-> scanned layouts ------------------------------------------------------------------
 
 
-def _scan_groups(per_layer: Sequence, cfg: ModelConfig) -> tuple[list, list[list]]:
-    """Per-layer items -> (the unrolled leading ones, [period position r][period j] the rest)."""
-    p0, period = cfg.first_dense_layers, cfg.layer_period
-    return list(per_layer[:p0]), [list(per_layer[p0 + r :: period]) for r in range(period)]
+def _scan_groups(per_layer: Sequence, cfg: ModelConfig) -> tuple[list, list[list], list]:
+    """Per-layer items -> (the unrolled leading ones, [period position r][period j] the scanned
+    ones, the unrolled trailing ones after the last whole period)."""
+    p0, period, n = cfg.first_dense_layers, cfg.layer_period, num_scan_periods(cfg)
+    end = p0 + n * period
+    return (list(per_layer[:p0]), [list(per_layer[p0 + r : end : period]) for r in range(period)],
+            list(per_layer[end:]))
 
 
 def _is_variable(x) -> bool:
@@ -326,9 +341,17 @@ def num_scan_periods(cfg: ModelConfig) -> int:
     return (cfg.num_layers - cfg.first_dense_layers) // cfg.layer_period
 
 
+def num_tail_layers(cfg: ModelConfig) -> int:
+    """Layers after the last whole scanned period (unrolled)."""
+    return (cfg.num_layers - cfg.first_dense_layers) % cfg.layer_period if cfg.scan_layers else 0
+
+
 def cache_layout_size(cfg: ModelConfig) -> int:
-    """Entries of the model's cache tuple: one per layer, or unrolled + one per period position."""
-    return cfg.first_dense_layers + cfg.layer_period if cfg.scan_layers else cfg.num_layers
+    """Entries of the model's cache tuple: one per layer, or the leading unrolled layers, one per
+    period position, and the trailing unrolled layers."""
+    if not cfg.scan_layers:
+        return cfg.num_layers
+    return cfg.first_dense_layers + cfg.layer_period + num_tail_layers(cfg)
 
 
 def stack_layers(state: nnx.State, cfg: ModelConfig) -> nnx.State:
@@ -338,11 +361,13 @@ def stack_layers(state: nnx.State, cfg: ModelConfig) -> nnx.State:
     scan_blocks/r (logical axes gain a leading "layers"). Works on concrete and abstract states.
     """
     blocks = [state["blocks"][i] for i in range(cfg.num_layers)]
-    unrolled, periodic = _scan_groups(blocks, cfg)
+    unrolled, periodic, trailing = _scan_groups(blocks, cfg)
     out = {key: value for key, value in state.items() if key != "blocks"}
     if unrolled:
         out["blocks"] = dict(enumerate(unrolled))
     out["scan_blocks"] = {r: _stack_trees(group) for r, group in enumerate(periodic)}
+    if trailing:
+        out["tail_blocks"] = dict(enumerate(trailing))
     return _as_state(out)
 
 
@@ -352,7 +377,9 @@ def unstack_layers(state: nnx.State, cfg: ModelConfig) -> nnx.State:
     blocks = [state["blocks"][i] for i in range(cfg.first_dense_layers)]
     periodic = [_unstack_tree(state["scan_blocks"][r], n) for r in range(cfg.layer_period)]
     blocks += [periodic[r][j] for j in range(n) for r in range(cfg.layer_period)]
-    out = {key: value for key, value in state.items() if key not in ("blocks", "scan_blocks")}
+    blocks += [state["tail_blocks"][j] for j in range(num_tail_layers(cfg))]
+    out = {key: value for key, value in state.items()
+           if key not in ("blocks", "scan_blocks", "tail_blocks")}
     out["blocks"] = dict(enumerate(blocks))
     return _as_state(out)
 
@@ -364,15 +391,16 @@ def _as_state(nested: dict) -> nnx.State:
 
 def stack_cache(cache: Sequence, cfg: ModelConfig) -> tuple:
     """A per-layer cache tuple (scan_layers=False) in the scanned layout of `cfg`."""
-    unrolled, periodic = _scan_groups(cache, cfg)
-    return tuple(unrolled) + tuple(_stack_trees(group) for group in periodic)
+    unrolled, periodic, trailing = _scan_groups(cache, cfg)
+    return tuple(unrolled) + tuple(_stack_trees(group) for group in periodic) + tuple(trailing)
 
 
 def unstack_cache(cache: Sequence, cfg: ModelConfig) -> tuple:
     """Inverse of `stack_cache`: one cache layer per model layer."""
-    p0, n = cfg.first_dense_layers, num_scan_periods(cfg)
-    periodic = [_unstack_tree(c, n) for c in cache[p0:]]
-    return tuple(cache[:p0]) + tuple(periodic[r][j] for j in range(n) for r in range(len(periodic)))
+    p0, n, period = cfg.first_dense_layers, num_scan_periods(cfg), cfg.layer_period
+    periodic = [_unstack_tree(c, n) for c in cache[p0 : p0 + period]]
+    return (tuple(cache[:p0]) + tuple(periodic[r][j] for j in range(n) for r in range(period))
+            + tuple(cache[p0 + period :]))
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> tuple:
@@ -393,12 +421,12 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> t
 
     if not cfg.scan_layers:
         return tuple(layer(i) for i in range(cfg.num_layers))
-    unrolled, periodic = _scan_groups(list(range(cfg.num_layers)), cfg)
+    unrolled, periodic, trailing = _scan_groups(list(range(cfg.num_layers)), cfg)
     n = num_scan_periods(cfg)
     stacked = [
         jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), layer(ids[0])) for ids in periodic
     ]
-    return tuple(layer(i) for i in unrolled) + tuple(stacked)
+    return tuple(layer(i) for i in unrolled) + tuple(stacked) + tuple(layer(i) for i in trailing)
 
 
 def cache_bytes(cache) -> int:
