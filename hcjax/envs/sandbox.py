@@ -1,22 +1,30 @@
 """Run untrusted programs in a throw-away Linux sandbox and classify how each run ended.
 
 Design (no extra Debian package needed): `unshare` (util-linux) gives fresh network, PID, mount,
-IPC and UTS namespaces; a tiny Python init, still root inside them, mounts private size-capped
-tmpfs on /tmp, /var/tmp and /dev/shm, binds the run's work directory at /tmp/work, makes every
-other mount read-only, then forks the program as an unprivileged per-run uid with
-`no_new_privs` and rlimits (CPU, address space, processes, file size, open files).  The init is
-PID 1, so when it exits the kernel kills everything the program left behind; the parent also
-kills the whole process group at the wall-clock deadline or when output exceeds its cap.  When
-namespaces cannot be made (not root, no `unshare`, kernel refusal) the run is classified as an
-infrastructure error (`aborted`), never run unsandboxed.  Disk usage inside the work directory is
-bounded per file (RLIMIT_FSIZE), not in total.  Must not import JAX.
+IPC and UTS namespaces; a tiny Python init, root inside them, mounts a minimal /dev (null, zero,
+full, random, urandom bound from the host's, nothing else), private size-capped tmpfs on /tmp,
+/var/tmp and /dev/shm, binds the run's work directory at /tmp/work, makes every other mount
+read-only, then forks the program as a per-run uid with `no_new_privs` and rlimits (CPU,
+address space, processes, file size, open files).  The init is PID 1, so when it exits the
+kernel kills everything the program left behind; the parent also kills the whole process group
+at the wall-clock deadline or when output exceeds its cap.  Disk usage inside the work directory
+is bounded per file (RLIMIT_FSIZE), not in total.  Must not import JAX.
+
+Root is not needed.  As root the program gets a fresh host uid with `setuid`.  Otherwise the
+namespaces live in a user namespace owned by the caller (`unshare --map-root-user`): the init is
+root only there, read-only remounts keep each mount's locked flags (nodev, noexec), and the
+program runs in a second, nested user namespace under the per-run uid, mapped onto the caller's
+own, so it holds no capability over the sandbox's mounts and cannot undo them.  Where namespaces
+cannot be made at all (no `unshare`, user namespaces disabled, kernel refusal) the run is an
+infrastructure error (`aborted`), never run unsandboxed.
 
 Memory and processes: where this process may create cgroups (v2, or v1's memory and pids
 controllers), each sandbox gets its own group: one memory limit for all its processes, a pids
-limit, and an OOM kill reported as MEMORY from the group's own OOM record.  Elsewhere it falls
-back to per-process RLIMIT_AS and RLIMIT_NPROC; every Outcome says which (`containment`).
-A SIGKILL is classified by the run's rusage: CPU time at the limit is TIMEOUT, resident memory
-at the limit is MEMORY, anything else a CRASH.
+limit, and an OOM kill reported as MEMORY from the group's own OOM record.  Elsewhere (an
+unprivileged caller, usually) it falls back to per-process RLIMIT_AS and RLIMIT_NPROC; every
+Outcome says which (`containment`, see `containment_level`).  A SIGKILL is classified by the
+run's rusage: CPU time at the limit is TIMEOUT, resident memory at the limit is MEMORY, anything
+else a CRASH.
 """
 
 from __future__ import annotations
@@ -48,24 +56,33 @@ STATUSES = (OK, TIMEOUT, MEMORY, CRASH, OUTPUT_LIMIT, INFRA_ERROR)
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 INSIDE_DIR = "/tmp/work"  # where the work directory appears inside the sandbox
 _SHELL = ["/bin/sh", "-c"]
+_DEVICES = ("null", "zero", "full", "random", "urandom")  # all of /dev the sandbox sees
 _UID_BASE = 2_000_000  # far above any real account, so RLIMIT_NPROC counts only this run
 _MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")
 
 # Runs as root inside the new namespaces (argv[1] is a JSON config).  It reports over the status
 # pipe: "ready" once the filesystem is locked down, then "exit <wait status>" for the program.
 _INIT_SOURCE = r"""
-import ctypes, json, os, re, resource, signal, sys, warnings  # warnings: execvpe needs it after setuid
+import ctypes, errno, json, os, re, resource, signal, sys, warnings  # warnings: execvpe needs it
 cfg = json.loads(sys.argv[1])
 status = cfg["status_fd"]
 def report(line):
     os.write(status, (line + "\n").encode())
 libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 32, 4096, 16384, 1 << 18
-MS_NODEV = 4
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+CLONE_NEWUSER = 0x10000000
 def mount(src, target, flags, fstype=None, data=None):
     if libc.mount(src, target.encode(), fstype, flags, data) != 0:
         err = ctypes.get_errno()
         raise OSError(err, "mount %s: %s" % (target, os.strerror(err)))
+def bind(fd, target):
+    mount(("/proc/self/fd/%d" % fd).encode(), target, MS_BIND)
+    os.close(fd)
+def remount(point, flags):
+    # In a user namespace nodev/noexec (ST_* and MS_* share the bits) are locked: keep them.
+    kept = os.statvfs(point).f_flag & (MS_NODEV | MS_NOEXEC)
+    mount(None, point, MS_REMOUNT | MS_BIND | MS_NOSUID | flags | kept)
 def unescape(path):
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
 try:
@@ -74,6 +91,18 @@ try:
             f.write("0")
     work_fd = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
     mount(None, "/", MS_REC | MS_PRIVATE)
+    # A minimal /dev: the harmless character devices, bound from the host's (a user namespace
+    # may not mknod), and the usual symlinks.  Nothing else of the host's /dev is reachable.
+    devices = {name: os.open("/dev/" + name, os.O_PATH) for name in cfg["devices"]
+               if os.path.exists("/dev/" + name)}
+    mount(b"tmpfs", "/dev", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"tmpfs", b"size=64k,mode=755")
+    for name, fd in devices.items():
+        os.close(os.open("/dev/" + name, os.O_CREAT | os.O_WRONLY, 0o666))
+        bind(fd, "/dev/" + name)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, "/dev/" + name)
+    os.mkdir("/dev/shm")
     # Private, size-capped scratch dirs: writes there vanish with the sandbox, and host
     # sockets or files living in them are out of reach.
     private = [d for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)]
@@ -82,17 +111,23 @@ try:
               ("size=%dm,mode=1777" % cfg["tmp_mb"]).encode())
     work = cfg["inside"]
     os.mkdir(work)
-    mount(("/proc/self/fd/%d" % work_fd).encode(), work, MS_BIND)
-    os.close(work_fd)
+    bind(work_fd, work)
     points = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             points.append(unescape(line.split()[4]))
     for point in points:
-        if point in private or point == work or point == "/proc" or point.startswith("/proc/"):
-            continue
-        mount(None, point, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
-    mount(None, work, MS_REMOUNT | MS_BIND | MS_NOSUID)
+        if (point in private or point == work or point.startswith("/dev/")
+                or point == "/proc" or point.startswith("/proc/")):
+            continue  # (the host's /dev/* mounts lie hidden under the new /dev)
+        try:
+            remount(point, MS_RDONLY)
+        except OSError as e:
+            # A mount the caller cannot even reach stays out of the program's reach too (it
+            # runs as the same user); as root every mount must be made read-only.
+            if not (cfg["userns"] and e.errno in (errno.EACCES, errno.ENOENT)):
+                raise
+    remount(work, 0)
 except OSError as e:
     report("error " + str(e))
     sys.exit(125)
@@ -107,9 +142,20 @@ if pid == 0:
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
         libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot regain root
         os.chdir(work)
-        os.setgroups([])
-        os.setgid(cfg["uid"])
-        os.setuid(cfg["uid"])
+        if cfg["userns"]:
+            # A nested user namespace where the run's uid stands for this one (the caller's
+            # uid outside): the program execs as a non-root uid, so with no capabilities over
+            # the mount namespace above, which it therefore cannot remount.
+            if libc.unshare(CLONE_NEWUSER) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER) failed")
+            for name, text in (("setgroups", "deny"), ("uid_map", "%d 0 1" % cfg["uid"]),
+                               ("gid_map", "%d 0 1" % cfg["uid"])):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+        else:
+            os.setgroups([])
+            os.setgid(cfg["uid"])
+            os.setuid(cfg["uid"])
         os.close(status)
         os.execvpe(cfg["argv"][0], cfg["argv"], cfg["env"])
     except BaseException as e:
@@ -130,7 +176,7 @@ class Outcome:
     returncode: int | None
     wall_s: float
     detail: str = ""
-    containment: str = ""  # what held the run (see `containment_level`), e.g. "namespaces+cgroup"
+    containment: str = ""  # what held the run (see `containment_level`), e.g. "userns+rlimits"
 
     @property
     def ok(self) -> bool:
@@ -193,6 +239,8 @@ def resolve_inside(root: str, rel: str) -> str:
 
 
 def _chown_tree(root: str, uid: int) -> None:
+    if os.geteuid() != 0:
+        return  # the caller's files: its user namespace shows them as the sandbox uid's
     os.chown(root, uid, uid)
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
@@ -202,6 +250,17 @@ def _chown_tree(root: str, uid: int) -> None:
             # > 1) must not hand that file to the sandbox's uid.
             if st.st_uid == 0 and (stat.S_ISDIR(st.st_mode) or st.st_nlink == 1):
                 os.chown(path, uid, uid, follow_symlinks=False)
+
+
+def _init_python() -> str:
+    """An interpreter for the init that this user may execute: this one, or the system's (a
+    venv can point into a directory, such as root's home, that an unprivileged user cannot
+    enter).  The init needs only the standard library."""
+    found = shutil.which("python3", path=SANDBOX_PATH)
+    for candidate in (sys.executable, found):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return sys.executable
 
 
 def _infra(detail: str, start: float, stderr: str = "") -> Outcome:
@@ -301,11 +360,13 @@ def _write(path: str, value: str, missing_ok: bool = False) -> None:
             raise
 
 
-def containment_level(cgroup: bool) -> str:
-    """What contains a run: namespaces (net, pid, mount, ipc, uts) always; then either a
-    cgroup (memory for the whole sandbox, OOM kills reported as such, a pids limit) or, where
+def containment_level(cgroup: bool, userns: bool = False) -> str:
+    """What contains a run.  First the namespaces (net, pid, mount, ipc, uts), made by root
+    ("namespaces": the program runs as a fresh host uid) or inside a user namespace of an
+    unprivileged caller ("userns": the program's uid is the caller's own outside).  Then either
+    a cgroup (memory for the whole sandbox, OOM kills reported as such, a pids limit) or, where
     no cgroup can be made, per-process rlimits only (RLIMIT_AS memory, RLIMIT_NPROC)."""
-    return "namespaces+cgroup" if cgroup else "namespaces+rlimits"
+    return ("userns" if userns else "namespaces") + ("+cgroup" if cgroup else "+rlimits")
 
 
 def run(
@@ -325,7 +386,7 @@ def run(
 
     `files` are written into the work directory first.  With `workdir=None` a temporary
     directory is created and removed afterwards; otherwise that directory is used and kept (its
-    owner must be `uid`, see `Workspace`).  Never raises for problems of the run itself: they
+    owner must be `uid` when run as root, see `Workspace`).  Never raises for problems of the run itself: they
     come back as an `Outcome` whose status is one of STATUSES.
     """
     if isinstance(command, str):
@@ -340,8 +401,6 @@ def run(
         raise ValueError(f"memory_mb={memory_mb!r} is not an integer >= 16")
     limits = limits or Limits()
     start = time.monotonic()
-    if os.geteuid() != 0:
-        return _infra(f"sandbox needs root for namespaces; euid={os.geteuid()}", start)
     if not os.path.exists(unshare_path):
         return _infra(f"unshare_path={unshare_path!r} does not exist", start)
 
@@ -350,7 +409,7 @@ def run(
         workdir = tempfile.mkdtemp(prefix="hcjax-sbx-")
         uid = fresh_uid() if uid is None else uid
     elif uid is None:
-        uid = os.stat(workdir).st_uid
+        uid = os.stat(workdir).st_uid if os.geteuid() == 0 else fresh_uid()
     workdir = os.path.realpath(workdir)
     try:
         if files:
@@ -378,23 +437,25 @@ def _run_in(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env, unshar
 
 def _run_contained(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env, unshare_path,
                    start, cgroup):
+    userns = os.geteuid() != 0
     status_r, status_w = os.pipe()
     run_env = {"PATH": SANDBOX_PATH, "HOME": INSIDE_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}
     run_env.update(env or {})
     cfg = {"status_fd": status_w, "workdir": workdir, "inside": INSIDE_DIR, "uid": uid,
-           "argv": argv, "env": run_env, "tmp_mb": limits.tmp_mb,
+           "argv": argv, "env": run_env, "tmp_mb": limits.tmp_mb, "userns": userns,
+           "devices": _DEVICES,
            "rlimits": _rlimits(timeout_s, memory_mb, limits, cgroup is not None),
            "cgroup_procs": [] if cgroup is None else cgroup.procs_files}
-    unshare = [unshare_path, "--net", "--pid", "--fork", "--mount-proc", "--mount", "--ipc",
-               "--uts", "--kill-child"]
+    unshare = [unshare_path, *(["--user", "--map-root-user"] if userns else []), "--net",
+               "--pid", "--fork", "--mount-proc", "--mount", "--ipc", "--uts", "--kill-child"]
     stdin_file = tempfile.TemporaryFile()
     if stdin is not None:
         stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
         stdin_file.seek(0)
     try:
         proc = subprocess.Popen(
-            [*unshare, sys.executable, "-I", "-S", "-c", _INIT_SOURCE, json.dumps(cfg)],
+            [*unshare, _init_python(), "-I", "-S", "-c", _INIT_SOURCE, json.dumps(cfg)],
             stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=(status_w,), start_new_session=True, cwd=workdir,
             env={"PATH": SANDBOX_PATH})
@@ -416,7 +477,10 @@ def _run_contained(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env,
     outcome = _classify(status_text, killed_for, stdout, stderr, wall, shell=argv[:2] == _SHELL,
                         cpu_limit=_cpu_limit(timeout_s, limits), memory_kb=memory_mb << 10,
                         oom_killed=cgroup is not None and cgroup.oom_killed())
-    return dataclasses.replace(outcome, containment=containment_level(cgroup is not None))
+    if outcome.aborted and userns:
+        detail = f"{outcome.detail} (in a user namespace, euid={os.geteuid()})"
+        outcome = dataclasses.replace(outcome, detail=detail)
+    return dataclasses.replace(outcome, containment=containment_level(cgroup is not None, userns))
 
 
 def _collect(proc, status_r, deadline, max_output):
