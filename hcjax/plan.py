@@ -93,6 +93,8 @@ class PlanConfig:
 
     topology: str = "v5p:2x2x1"
     inference_topology: str | None = None  # None = same as `topology`
+    num_slices: int = 1  # learner slices joined over DCN (multi-slice)
+    inference_num_slices: int = 1
     global_batch_tokens: int = 1 << 20
     seq_len: int = 8192
     decode_batch: int = 256
@@ -104,7 +106,8 @@ class PlanConfig:
     top_buffers: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len"):
+        for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len", "num_slices",
+                     "inference_num_slices"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PlanConfig.{name}={value!r} must be a positive integer")
@@ -115,8 +118,9 @@ class PlanConfig:
             )
 
 
-def tpu_devices(topology: str) -> tuple[list, ChipSpec, int]:
-    """(compile-only devices, per-device spec, chips) for a name like "v5p:8x8x16"."""
+def tpu_devices(topology: str, num_slices: int = 1) -> tuple[list, ChipSpec, int]:
+    """(compile-only devices, per-device spec, chips) for a name like "v5p:8x8x16", times
+    `num_slices` slices joined over DCN (devices slice-major)."""
     m = _TOPOLOGY_RE.match(topology)
     if not m:
         raise ValueError(
@@ -130,10 +134,11 @@ def tpu_devices(topology: str) -> tuple[list, ChipSpec, int]:
     # load libtpu at once; without this the second one fails on libtpu's lockfile.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
-        devices = list(topologies.get_topology_desc(topology, platform="tpu").devices)
+        kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+        devices = list(topologies.get_topology_desc(topology, platform="tpu", **kwargs).devices)
     except Exception as e:  # libtpu missing, or a shape it rejects
         raise ValueError(f"topology={topology!r}: libtpu could not build it ({e})") from e
-    chips = math.prod(int(d) for d in m.group(2).split("x"))
+    chips = math.prod(int(d) for d in m.group(2).split("x")) * num_slices
     spec = CHIP_SPECS[m.group(1)]
     per_chip = max(1, len(devices) // chips)  # v4 exposes each TensorCore as a device
     if per_chip > 1:
@@ -141,12 +146,19 @@ def tpu_devices(topology: str) -> tuple[list, ChipSpec, int]:
     return devices, spec, chips
 
 
-def _mesh(cfg: MeshConfig, devices: list, what: str) -> Mesh:
+def _mesh(cfg: MeshConfig, devices: list, what: str, num_slices: int = 1) -> Mesh:
     mesh = make_mesh(cfg, devices)
     if mesh.size != len(devices):
         raise ValueError(
             f"{what} mesh axes {dict(mesh.shape)} multiply to {mesh.size}, not the {len(devices)} "
             "devices of the topology"
+        )
+    # Devices are slice-major, so only the outermost axis (data) may cross the slices: over DCN
+    # a step should only all-reduce gradients, never gather weights or exchange tokens.
+    if num_slices > 1 and mesh.shape["data"] % num_slices:
+        raise ValueError(
+            f"{what} mesh: MeshConfig.data={mesh.shape['data']} is not a multiple of "
+            f"num_slices={num_slices}; only the data axis may span the slices (DCN)"
         )
     return mesh
 
@@ -750,8 +762,9 @@ def roofline(step: dict, spec: ChipSpec, devices: int, model_flops: float) -> No
     (arguments and outputs once, temporaries written and read once) / HBM bandwidth, a lower
     bound: the HLO's upper bound (`hlo_costs`, every unfused op's operands and results) is
     reported beside it as `hbm_upper_s`, the step time if nothing stayed in VMEM or was fused
-    better; collectives = collective bytes / ICI bandwidth of one chip. MFU = model FLOPs /
-    (devices · peak · step time)."""
+    better; collectives = collective bytes / ICI bandwidth of one chip (with several slices the
+    data axis's all-reduce crosses DCN, which is slower: the estimate is then a lower bound).
+    MFU = model FLOPs / (devices · peak · step time)."""
     parts = {
         "compute_s": step["flops_per_chip"] / spec.peak_bf16_flops,
         "hbm_s": step["hbm_bytes_accessed_per_chip"] / spec.hbm_bytes_per_s,
@@ -774,12 +787,12 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
     model_cfg = model_cfg or ModelConfig()
     learner_cfg = learner_cfg or LearnerConfig()
     mesh_cfg = mesh_cfg or MeshConfig()
-    devices, spec, chips = tpu_devices(pc.topology)
-    result: dict = {"topology": pc.topology, "chips": chips, "devices": len(devices),
-                    "hbm_bytes_per_chip": spec.hbm_bytes}
+    devices, spec, chips = tpu_devices(pc.topology, pc.num_slices)
+    result: dict = {"topology": pc.topology, "num_slices": pc.num_slices, "chips": chips,
+                    "devices": len(devices), "hbm_bytes_per_chip": spec.hbm_bytes}
     t0 = time.perf_counter()
     if pc.train:
-        mesh = _mesh(mesh_cfg, devices, "learner")
+        mesh = _mesh(mesh_cfg, devices, "learner", pc.num_slices)
         fn, args, params = _train_inputs(model_cfg, learner_cfg, pc, mesh)
         n_active = active_params(model_cfg, params)
         step = {"mesh": dict(mesh.shape)}
@@ -797,9 +810,9 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
         result["train_step"] = step
     if pc.decode:
         inf_topology = pc.inference_topology or pc.topology
-        inf_devices, inf_spec, inf_chips = tpu_devices(inf_topology)
+        inf_devices, inf_spec, inf_chips = tpu_devices(inf_topology, pc.inference_num_slices)
         mesh = _mesh(pc.inference_mesh or inference_mesh_config(mesh_cfg), inf_devices,
-                     "inference")
+                     "inference", pc.inference_num_slices)
         fn, args, params = _decode_inputs(model_cfg, pc, mesh)
         step = {"topology": inf_topology, "chips": inf_chips, "mesh": dict(mesh.shape)}
         step.update(_compile(fn, args, mesh, inf_spec, pc.top_buffers, weights=params))
@@ -830,7 +843,9 @@ def _gb(x: float) -> str:
 
 
 def summary_table(result: dict) -> str:
-    lines = [f"topology {result['topology']}: {result['chips']} chips, "
+    slices = result.get("num_slices", 1)
+    lines = [f"topology {result['topology']}" + (f" x {slices} slices (DCN)" if slices > 1 else "")
+             + f": {result['chips']} chips, "
              f"{_gb(result['hbm_bytes_per_chip'])} HBM per chip"]
     for name in ("train_step", "decode_step"):
         step = result.get(name)
@@ -873,7 +888,8 @@ def summary_table(result: dict) -> str:
 def _extra_flags(parser) -> None:
     parser.add_argument("--topology", default=None, help="learner TPU topology, e.g. v5p:8x8x16")
     parser.add_argument("--inference_topology", default=None, help="e.g. v5p:4x4x8")
-    for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len"):
+    for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len", "num_slices",
+                 "inference_num_slices"):
         parser.add_argument(f"--{name}", type=int, default=None)
 
 
@@ -883,7 +899,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     hcfg.bind(flags.gin_files, flags.gin_params)
     overrides = {k: getattr(flags.extra, k) for k in
                  ("topology", "inference_topology", "global_batch_tokens", "seq_len",
-                  "decode_batch", "kv_len") if getattr(flags.extra, k) is not None}
+                  "decode_batch", "kv_len", "num_slices", "inference_num_slices")
+                 if getattr(flags.extra, k) is not None}
     pc = dataclasses.replace(PlanConfig(), **overrides)
     if flags.output_dir:
         hcfg.write_config(flags.output_dir, flags)

@@ -193,3 +193,15 @@ def test_hlo_costs_count_tpu_dots_written_as_convolutions():
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
     forward = 2 * 2 * (b // 4) * t * d * h * k  # two einsums, one device's quarter of the batch
     assert plan_lib.hlo_costs(text)["flops"] == pytest.approx(3 * forward, rel=0.02)
+
+
+def test_two_slices_over_dcn_plan_with_data_across_them():
+    """Multi-slice: two v5p:2x2x1 slices (8 chips); only the data axis may cross the slices."""
+    model = dataclasses.replace(_tiny(), num_layers=2)
+    pc = dataclasses.replace(SMALL, num_slices=2, decode=False)
+    result = plan_lib.plan(pc, model, mesh_cfg=MeshConfig(data=2, fsdp=2, tensor=2))
+    assert result["chips"] == 8 and result["num_slices"] == 2
+    step = result["train_step"]
+    assert step["compiled"] and step["fits"] and step["mesh"]["data"] == 2
+    with pytest.raises(ValueError, match=r"MeshConfig.data=1 is not a multiple of num_slices=2"):
+        plan_lib.plan(pc, model, mesh_cfg=MeshConfig(data=1, fsdp=4, tensor=2))
