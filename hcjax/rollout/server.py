@@ -165,6 +165,7 @@ class RolloutServer:
         if max_queue <= 0:
             raise ValueError(f"max_queue={max_queue} must be positive")
         self.engine = engine
+        self.max_queue = max_queue  # requests waiting for a slot, at most
         self._params = engine.load_params() if params is None else params
         self._version = int(version)
         self._weights_lock = threading.Lock()

@@ -110,13 +110,6 @@ def _client_of(context: grpc.ServicerContext) -> str:
     return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
 
 
-def _queue_capacity(server: RolloutServer) -> int:
-    capacity = getattr(server, "max_queue", None)
-    if capacity is None:  # RolloutServer keeps it as its queue's bound
-        capacity = getattr(getattr(server, "_requests", None), "maxsize", 64)
-    return int(capacity)
-
-
 class RolloutServicer:
     """Adapts a RolloutServer to gRPC; one instance may be registered on any number of servers."""
 
@@ -125,7 +118,7 @@ class RolloutServicer:
         self.limits = limits or RequestLimits()
         engine = server.engine
         self.max_per_client = max(
-            1, int(self.limits.queue_share * _queue_capacity(server))
+            1, int(self.limits.queue_share * server.max_queue)
             + engine.max_concurrent_decodes)
         self._inflight: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -134,15 +127,10 @@ class RolloutServicer:
 
     # Validation ------------------------------------------------------------------------------
     def _engine_routing_dims(self) -> tuple[int, int]:
-        """(MoE layers, experts per token) of the engine's routing record, from one prefill."""
+        """(MoE layers, experts per token) of the engine's routing record."""
         if self._routing_dims is None:
-            engine = self.server.engine
-            shape = getattr(engine, "routing_shape", None)
-            if shape is None:
-                prefix, _ = engine.prefill(params=engine.load_params(), padded_tokens=[0],
-                                           true_length=1)
-                shape = (prefix.routing.shape[0], prefix.routing.shape[2])
-            self._routing_dims = (int(shape[0]), int(shape[1]))
+            layers, k = self.server.engine.routing_shape
+            self._routing_dims = (int(layers), int(k))
         return self._routing_dims
 
     def validate(self, request: GenerateRequest) -> None:
