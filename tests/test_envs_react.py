@@ -145,7 +145,7 @@ def test_shop_episode_graded_on_final_state():
             break
     args = task.reference[0][1]
     env = shop.ShopEnvironment(task)
-    assert env.grade().score == 0.0  # nothing done yet
+    assert env.grade().reward == 0.0  # nothing done yet
     tok = Bytes()
     turns = ["let me look " + call("list_products"),
              call("place_order", **args), *(call(n, **a) for n, a in task.reference[1:]),
@@ -153,7 +153,7 @@ def test_shop_episode_graded_on_final_state():
     traj = react.run_episode(tok.encode(task.instruction), Scripted(turns), tok, env.tools)
     assert traj.finish_reason == react.STOP and traj.num_successful == len(turns) - 1
     grade = env.grade()
-    assert grade.score == 1.0, grade.reason
+    assert grade.reward == 1.0, grade.reason
 
 
 def test_shop_wrong_actions_fail_the_grade():
@@ -163,7 +163,7 @@ def test_shop_wrong_actions_fail_the_grade():
     cid = task.reference[0][1]["customer_id"]
     assert env.tools(ToolCall("update_email", {"customer_id": cid, "email": "wrong@x"})).ok
     grade = env.grade()
-    assert grade.score == 0.0 and "customers" in grade.reason
+    assert grade.reward == 0.0 and "customers" in grade.reason
     # Invalid operations change nothing.
     assert not env.tools(ToolCall("cancel_order", {"order_id": 1})).ok  # delivered, not placed
     assert not env.tools(ToolCall("place_order", {"customer_id": cid, "product_id": 1,

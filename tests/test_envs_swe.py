@@ -57,12 +57,12 @@ def test_hidden_tests_are_absent_until_grading_and_fix_passes():
     env = swe.SWEEnvironment(task(), tool_timeout_s=10)
     try:
         assert not os.path.exists(os.path.join(env.workspace.path, "hidden_test_calc.py"))
-        assert env.grade().score == 0.0  # the bug is still there
+        assert env.grade().reward == 0.0  # the bug is still there
         result = env.tools(ToolCall("edit", {"command": "str_replace", "path": "calc.py",
                                              "old": "a - b", "new": "a + b"}))
         assert result.ok
         grade = env.grade()
-        assert grade.score == 1.0, grade.reason
+        assert grade.reward == 1.0, grade.reason
     finally:
         env.close()
 
@@ -74,7 +74,7 @@ def test_tampered_tests_are_reset_before_grading():
         env.tools(ToolCall("bash", {"command": "echo 'print(1)' > test_calc.py; "
                                                "echo 'print(2)' > test_extra.py"}))
         grade = env.grade()
-        assert grade.score == 0.0
+        assert grade.reward == 0.0
         assert "test_calc.py" in grade.reason and "test_extra.py" in grade.reason
         assert env.workspace.read("test_calc.py") == REPO["test_calc.py"]
         assert not os.path.exists(os.path.join(env.workspace.path, "test_extra.py"))
@@ -103,7 +103,7 @@ def test_swe_episode_through_the_react_loop():
                                  Bytes(), env.tools)
         text = Bytes().decode(traj.response_ids)
         assert "AssertionError" in text and "visible ok" in text
-        assert traj.finish_reason == react.STOP and env.grade().score == 1.0
+        assert traj.finish_reason == react.STOP and env.grade().reward == 1.0
     finally:
         env.close()
 

@@ -44,7 +44,7 @@ def test_select_tests_is_seeded_by_problem_and_capped():
 @needs_root
 def test_correct_program_passes_all_tests():
     grade = code.grade(PROGRAM, TESTS, problem_key="add")
-    assert grade.score == 1.0 and grade.reason == "all 4 selected tests pass"
+    assert grade.reward == 1.0 and grade.reason == "all 4 selected tests pass"
 
 
 @needs_root
@@ -56,7 +56,7 @@ def test_correct_program_passes_all_tests():
 ])
 def test_wrong_programs_fail(response, why, timeout_s):
     grade = code.grade(response, TESTS, problem_key="add", timeout_s=timeout_s, memory_mb=256)
-    assert grade.score == 0.0 and not grade.aborted and why in grade.reason
+    assert grade.reward == 0.0 and not grade.aborted and why in grade.reason
 
 
 @needs_root
@@ -74,7 +74,7 @@ def test_wrong_programs_fail(response, why, timeout_s):
 ])
 def test_call_tests_resist_reward_hacks(hack):
     response = f"```python\n{hack}\n```"
-    assert code.grade(response, [code.CallTest("add(1, 2)", "3")], problem_key="p").score == 0.0
+    assert code.grade(response, [code.CallTest("add(1, 2)", "3")], problem_key="p").reward == 0.0
 
 
 @needs_root
@@ -83,13 +83,13 @@ def test_call_tests_reject_nested_always_equal_objects(expected, result):
     hack = ("class Any:\n    def __eq__(self, other):\n        return True\n"
             f"def add(a, b):\n    return {result}")
     assert code.grade(f"```python\n{hack}\n```", [code.CallTest("add(1, 2)", expected)],
-                      problem_key="p").score == 0.0
+                      problem_key="p").reward == 0.0
     honest = f"```python\ndef add(a, b):\n    return {expected}\n```"
-    assert code.grade(honest, [code.CallTest("add(1, 2)", expected)], problem_key="p").score == 1.0
+    assert code.grade(honest, [code.CallTest("add(1, 2)", expected)], problem_key="p").reward == 1.0
 
 
 def test_no_program_and_no_tests():
-    assert code.grade("just prose", TESTS, problem_key="p").score == 0.0
+    assert code.grade("just prose", TESTS, problem_key="p").reward == 0.0
     with pytest.raises(ValueError, match="tests=\\[\\] is empty"):
         code.grade(PROGRAM, [], problem_key="p")
 
@@ -100,4 +100,4 @@ def test_sandbox_failure_is_aborted(monkeypatch):
 
     monkeypatch.setattr(sandbox, "run", broken)
     grade = code.grade(PROGRAM, TESTS, problem_key="add")
-    assert grade.aborted and grade.score == 0.0 and "no namespaces" in grade.reason
+    assert grade.aborted and grade.reward == 0.0 and "no namespaces" in grade.reason

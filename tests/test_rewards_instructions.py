@@ -50,10 +50,10 @@ def test_constraint_pass_and_fail(constraint, good, bad):
 def test_reward_needs_every_necessary_constraint():
     constraints = [C("lowercase"), C("word_count", {"relation": "at_most", "n": 4}),
                    C("postscript", necessary=False)]
-    assert ins.grade("short and lower", constraints).score == 1.0  # optional P.S. missing
+    assert ins.grade("short and lower", constraints).reward == 1.0  # optional P.S. missing
     failed = ins.grade("short and lower but far too long", constraints)
-    assert failed.score == 0.0 and "word_count: FAIL (7 words (at most 4))" in failed.reason
-    assert ins.grade("Short", constraints).score == 0.0
+    assert failed.reward == 0.0 and "word_count: FAIL (7 words (at most 4))" in failed.reason
+    assert ins.grade("Short", constraints).reward == 0.0
 
 
 def test_counts_are_exact():

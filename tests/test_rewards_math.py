@@ -22,7 +22,7 @@ def test_extract_answer(response, answer):
 @pytest.mark.parametrize("response", ["The answer is 3.", "\\boxed{\\frac{6}{2}", "<answer></answer>"])
 def test_no_final_answer(response):
     grade = math_grader.grade(response, "3")
-    assert grade.score == 0.0 and "no final answer" in grade.reason
+    assert grade.reward == 0.0 and "no final answer" in grade.reason
 
 
 @pytest.mark.parametrize("answer, reference", [
@@ -64,13 +64,13 @@ def test_last_answer_wins_over_hedging():
 def test_adversarial_inputs_are_wrong_not_errors():
     for response in ["\\boxed{}}}{{{\\frac", "\\boxed{\\frac{\\sqrt{}{}}", "\\boxed{" + "(" * 500 + "}",
                      "\\boxed{" + "1" * 2000 + "}", "<answer>\x00\x01</answer>"]:
-        assert math_grader.grade(response, "1", timeout_s=1).score == 0.0
+        assert math_grader.grade(response, "1", timeout_s=1).reward == 0.0
 
 
 def test_time_limit_stops_a_pathological_comparison():
     start = time.monotonic()
     grade = math_grader.grade("\\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=1)
-    assert grade.score == 0.0 and "exceeded" in grade.reason
+    assert grade.reward == 0.0 and "exceeded" in grade.reason
     assert time.monotonic() - start < 10  # the comparison alone would run far longer
 
 
@@ -86,7 +86,7 @@ def test_time_limit_works_off_the_main_thread():
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join(timeout=120)
-    assert [g.score for g in results] == [1.0, 0.0, 1.0]
+    assert [g.reward for g in results] == [1.0, 0.0, 1.0]
     assert "exceeded" in results[1].reason
 
 

@@ -25,7 +25,7 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} with balanced braces, or None."""
     starts = [m.end() for m in _BOXED.finditer(text)]
     for start in reversed(starts):
@@ -46,10 +46,10 @@ def extract_answer(response: str) -> str | None:
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         block = tagged[-1]
-        boxed = _last_boxed(block)
+        boxed = last_boxed(block)
         answer = boxed if boxed is not None else block
     else:
-        answer = _last_boxed(response)
+        answer = last_boxed(response)
     if answer is None:
         return None
     answer = answer.strip().strip("$").strip()
@@ -93,4 +93,4 @@ def grade(response: str, reference: str, *, timeout_s: float = 5.0) -> Grade:
 
 def verify(response: str, reference: str, *, timeout_s: float = 5.0) -> bool:
     """True when the response's final answer is equivalent to `reference`."""
-    return grade(response, reference, timeout_s=timeout_s).score == 1.0
+    return grade(response, reference, timeout_s=timeout_s).reward == 1.0
