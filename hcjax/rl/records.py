@@ -8,12 +8,22 @@ from its own logits (`support_mask_from_record`) and sets every other logit to -
 log-softmax. Rank-based replay is exact whenever learner and sampler order the logits alike, which
 is the design: it never depends on the two sides agreeing on logit values to the last bit.
 `n_kept == 0` means "no record" (e.g. a tool-observation token that was not sampled): full vocab.
+
+Record schema: the Rollout dataclass's own fields are the one list of what a record holds. Each
+array field says its dtype through `array_field`; fields set after sampling say so through
+`graded_field`. `record_schema(cls)` reads that back as `FieldSpec`s, and the gRPC wire format
+(hcjax/rollout/wire.py) and the JSON rollout store (hcjax/rl/store.py) are built from it with
+`rollout_arrays`, `rollout_scalars` and `rollout_from_parts`, so a field added here (or in a
+subclass such as SampledRollout) reaches both formats with no other edit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +31,85 @@ import numpy as np
 
 __all__ = [
     "FINISH_REASONS",
+    "ROLLOUT_SCHEMA",
+    "FieldSpec",
     "Rollout",
+    "array_field",
+    "graded_field",
     "mask_logits_to_support",
+    "record_schema",
+    "rollout_arrays",
+    "rollout_from_parts",
+    "rollout_scalars",
     "support_mask_from_record",
+    "tuple_field",
 ]
 
 FINISH_REASONS = ("stop", "length", "aborted", "error")
+
+_SPEC_KEY = "hcjax.record"  # dataclass field metadata key holding a field's serialisation facts
+KINDS = ("array", "scalar", "tuple", "mapping")
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """How one field of a record is serialised; derived from the dataclass by `record_schema`.
+
+    kind: "array" (numpy array of `dtype`), "scalar" (a JSON scalar: str, int, float, bool or
+      None), "tuple" (a tuple of JSON scalars, a list in JSON) or "mapping" (str -> float).
+    optional: the field may be None (an absent array on the wire, null in the store).
+    per_token: an array of shape [R], one entry per response token (checked by validate).
+    on_wire: False for fields set after sampling (grading, advantages): the rollout service
+      neither sends nor accepts them.
+    has_default: the dataclass gives a default, so a reader may leave the field out.
+    """
+
+    name: str
+    kind: str = "scalar"
+    dtype: np.dtype | None = None
+    optional: bool = False
+    per_token: bool = False
+    on_wire: bool = True
+    has_default: bool = False
+
+
+def array_field(dtype: Any, *, per_token: bool = False, optional: bool = False) -> Any:
+    """A dataclass field holding a numpy array of `dtype` (None allowed, and the default, when
+    `optional`). __post_init__ casts it; the wire and store formats carry it as an array."""
+    meta = {_SPEC_KEY: {"kind": "array", "dtype": np.dtype(dtype), "per_token": per_token}}
+    return dataclasses.field(default=None if optional else dataclasses.MISSING, metadata=meta)
+
+
+def graded_field(default: Any = None, *, kind: str = "scalar", default_factory: Any = None) -> Any:
+    """A field set after sampling (reward, advantage...): stored, never on the rollout wire."""
+    meta = {_SPEC_KEY: {"kind": kind, "on_wire": False}}
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def tuple_field(default: tuple = ()) -> Any:
+    """A field holding a tuple of JSON scalars (a list in JSON, a tuple again when read)."""
+    return dataclasses.field(default=default, metadata={_SPEC_KEY: {"kind": "tuple"}})
+
+
+@functools.cache
+def record_schema(cls: type, *, wire: bool = False) -> tuple[FieldSpec, ...]:
+    """The FieldSpecs of record class `cls` (Rollout or a dataclass subclass), in field order;
+    with `wire`, only the fields the rollout service carries."""
+    specs = []
+    for f in dataclasses.fields(cls):
+        facts = dict(f.metadata.get(_SPEC_KEY, {}))
+        kind = facts.pop("kind", "scalar")
+        if kind not in KINDS:
+            raise ValueError(f"{cls.__name__}.{f.name} has kind={kind!r}, not one of {KINDS}")
+        has_default = (f.default is not dataclasses.MISSING
+                       or f.default_factory is not dataclasses.MISSING)
+        spec = FieldSpec(f.name, kind, optional=has_default and f.default is None,
+                         has_default=has_default, **facts)
+        if not wire or spec.on_wire:
+            specs.append(spec)
+    return tuple(specs)
 
 
 @dataclasses.dataclass
@@ -59,34 +142,30 @@ class Rollout:
       advantage: set by hcjax.rl.advantages (None until then).
     """
 
-    prompt_ids: np.ndarray
-    response_ids: np.ndarray
-    logprobs: np.ndarray
-    n_kept: np.ndarray
-    threshold_logit: np.ndarray
-    loss_mask: np.ndarray
-    versions: np.ndarray
+    prompt_ids: np.ndarray = array_field(np.int32)
+    response_ids: np.ndarray = array_field(np.int32)
+    logprobs: np.ndarray = array_field(np.float32, per_token=True)
+    n_kept: np.ndarray = array_field(np.int32, per_token=True)
+    threshold_logit: np.ndarray = array_field(np.float32, per_token=True)
+    loss_mask: np.ndarray = array_field(np.bool_, per_token=True)
+    versions: np.ndarray = array_field(np.int32, per_token=True)
     finish_reason: str
-    routing: np.ndarray | None = None
+    routing: np.ndarray | None = array_field(np.int32, optional=True)
     temperature: float = 1.0
     group_id: str | int = 0
-    reward: float | None = None
-    reward_components: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    advantage: float | None = None
+    reward: float | None = graded_field(None)
+    reward_components: Mapping[str, float] = graded_field(kind="mapping", default_factory=dict)
+    advantage: float | None = graded_field(None)
 
     def __post_init__(self) -> None:
-        self.prompt_ids = np.asarray(self.prompt_ids, np.int32)
-        self.response_ids = np.asarray(self.response_ids, np.int32)
-        self.logprobs = np.asarray(self.logprobs, np.float32)
-        self.n_kept = np.asarray(self.n_kept, np.int32)
-        self.threshold_logit = np.asarray(self.threshold_logit, np.float32)
-        self.loss_mask = np.asarray(self.loss_mask, bool)
-        self.versions = np.asarray(self.versions, np.int32)
-        if self.routing is not None:
-            self.routing = np.asarray(self.routing, np.int32)
-            if self.routing.size == 0 and self.routing.ndim != 3:
-                # An empty record (no MoE layer) loses its shape on the way through JSON ([]).
-                self.routing = self.routing.reshape(0, self.input_len, 0)
+        for spec in record_schema(type(self)):
+            value = getattr(self, spec.name)
+            if spec.kind == "array" and value is not None:
+                setattr(self, spec.name, np.asarray(value, spec.dtype))
+        if self.routing is not None and self.routing.size == 0 and self.routing.ndim != 3:
+            # Store lines written before arrays kept their shape hold an empty record (no MoE
+            # layer) as [], which lost its [0, P + R - 1, 0] shape.
+            self.routing = self.routing.reshape(0, self.input_len, 0)
         self.validate()
 
     @property
@@ -111,10 +190,12 @@ class Rollout:
                 f"response_ids shape {self.response_ids.shape} must be [R] with R >= 1"
             )
         r = self.response_len
-        for name in ("logprobs", "n_kept", "threshold_logit", "loss_mask", "versions"):
-            shape = getattr(self, name).shape
-            if shape != (r,):
-                raise ValueError(f"{name} shape {shape} must be [R]=({r},) like response_ids")
+        for spec in record_schema(type(self)):
+            value = getattr(self, spec.name)
+            if spec.per_token and value is not None and value.shape != (r,):
+                raise ValueError(
+                    f"{spec.name} shape {value.shape} must be [R]=({r},) like response_ids"
+                )
         if np.any(self.n_kept < 0):
             raise ValueError(f"n_kept has negative entries {self.n_kept[self.n_kept < 0][:4]}")
         if self.finish_reason not in FINISH_REASONS:
@@ -132,6 +213,99 @@ class Rollout:
     def aborted(self) -> bool:
         """Infrastructure failures: never scored, kept out of group statistics and the loss."""
         return self.finish_reason in ("aborted", "error")
+
+
+ROLLOUT_SCHEMA = record_schema(Rollout)
+
+
+def rollout_arrays(
+    r: Rollout, specs: tuple[FieldSpec, ...] | None = None
+) -> dict[str, np.ndarray]:
+    """The array fields of `r` that are set (None ones left out), in schema order; `specs`
+    defaults to the full schema of type(r)."""
+    specs = record_schema(type(r)) if specs is None else specs
+    out = {}
+    for spec in specs:
+        value = getattr(r, spec.name)
+        if spec.kind == "array" and value is not None:
+            out[spec.name] = np.asarray(value, spec.dtype)
+    return out
+
+
+def rollout_scalars(r: Rollout, specs: tuple[FieldSpec, ...] | None = None) -> dict[str, Any]:
+    """The non-array fields of `r` as JSON-able values (tuples as lists, numpy scalars as Python
+    ones, mappings as {str: float}); `specs` defaults to the full schema of type(r)."""
+    specs = record_schema(type(r)) if specs is None else specs
+    out: dict[str, Any] = {}
+    for spec in specs:
+        value = getattr(r, spec.name)
+        if spec.kind == "array":
+            continue
+        if spec.kind == "tuple":
+            value = [_plain(v) for v in value]
+        elif spec.kind == "mapping":
+            value = {str(k): float(v) for k, v in value.items()}
+        else:
+            value = _plain(value)
+        out[spec.name] = value
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def rollout_from_parts(
+    scalars: Mapping[str, Any],
+    arrays: Mapping[str, Any],
+    cls: type[Rollout] = Rollout,
+    *,
+    specs: tuple[FieldSpec, ...] | None = None,
+    strict: bool = True,
+) -> Rollout:
+    """Build a `cls` from its non-array fields (`scalars`, as rollout_scalars wrote them) and its
+    array fields (`arrays`, absent or None for unset optional ones): the inverse of
+    rollout_scalars + rollout_arrays. `specs` (default: the full schema of cls) are the fields
+    expected; any other field of cls keeps its default. With `strict`, every expected non-array
+    field must be present; otherwise one with a default may be missing (a line written before
+    the field existed). A name outside `specs` is always an error, as is a missing required
+    array. ValueError names the field; cls's own validation runs last.
+    """
+    specs = record_schema(cls) if specs is None else specs
+    by_name = {s.name: s for s in specs}
+    if not isinstance(scalars, Mapping):
+        raise ValueError(f"record fields are a {type(scalars).__name__}, not an object")
+    want = {s.name for s in specs if s.kind != "array" and (strict or not s.has_default)}
+    missing = sorted(want - set(scalars))
+    unknown = sorted(map(str, set(scalars) - {s.name for s in specs if s.kind != "array"}))
+    if missing or unknown:
+        raise ValueError(f"missing fields {missing}, unknown fields {unknown}")
+    unknown = sorted(map(str, set(arrays) - {s.name for s in specs if s.kind == "array"}))
+    if unknown:
+        raise ValueError(f"unknown arrays {unknown}")
+    kwargs: dict[str, Any] = {}
+    for name, value in scalars.items():
+        spec = by_name[name]
+        if spec.kind == "tuple":
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{name}={value!r:.80} is not a list")
+            value = tuple(value)
+        elif spec.kind == "mapping":
+            if not isinstance(value, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, numbers.Real) for k, v in value.items()
+            ):
+                raise ValueError(f"{name}={value!r:.80} is not an object of numbers")
+            value = dict(value)
+        kwargs[name] = value
+    for spec in specs:
+        if spec.kind != "array":
+            continue
+        value = arrays.get(spec.name)
+        if value is None and not spec.optional:
+            raise ValueError(f"no array {spec.name!r}")
+        if value is not None:
+            kwargs[spec.name] = value
+    return cls(**kwargs)
 
 
 def support_mask_from_record(logits_v: jax.Array, n_kept: jax.Array) -> jax.Array:

@@ -15,8 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from hcjax.rl.records import Rollout
-from hcjax.rl.workers import Grade, GroupResult, Task
+from hcjax.rewards.types import Grade
+from hcjax.rl.records import (
+    ROLLOUT_SCHEMA,
+    Rollout,
+    record_schema,
+    rollout_arrays,
+    rollout_from_parts,
+    rollout_scalars,
+)
+from hcjax.rl.workers import GroupResult, Task
 from hcjax.rollout.request import SampledRollout
 
 __all__ = [
@@ -31,41 +39,69 @@ __all__ = [
 ]
 
 GROUPS_FILE = "groups.jsonl"
-_ARRAYS = ("prompt_ids", "response_ids", "logprobs", "n_kept", "threshold_logit", "loss_mask",
-           "versions")
+# Fields a subclass adds to the base Rollout schema (SampledRollout's sampling metadata) are
+# nested under this key; its presence is what makes the reader build a SampledRollout.
+_SUBCLASS_KEY = "sampled"
 
 
 def rollout_to_json(r: Rollout) -> dict[str, Any]:
-    """A JSON-able dict of every field of a Rollout (or SampledRollout)."""
-    out: dict[str, Any] = {name: np.asarray(getattr(r, name)).tolist() for name in _ARRAYS}
-    out["routing"] = None if r.routing is None else np.asarray(r.routing).tolist()
-    out.update(finish_reason=r.finish_reason, temperature=float(r.temperature),
-               group_id=r.group_id, reward=r.reward,
-               reward_components={k: float(v) for k, v in r.reward_components.items()},
-               advantage=r.advantage)
-    if isinstance(r, SampledRollout):
-        out["sampled"] = {
-            "raw_logprobs": None if r.raw_logprobs is None else r.raw_logprobs.tolist(),
-            "seed": int(r.seed), "sample_index": int(r.sample_index), "top_p": float(r.top_p),
-            "max_tokens": int(r.max_tokens), "stop_tokens": list(r.stop_tokens),
-            "partial": bool(r.partial),
-        }
+    """A JSON-able dict of every field of a Rollout (or SampledRollout), from its schema.
+
+    Arrays are {"dtype", "shape", "data" (flat, C order)} so that empty ones keep their shape;
+    unset optional arrays are null.
+    """
+    arrays, scalars = rollout_arrays(r), rollout_scalars(r)
+    fields = {}
+    for spec in record_schema(type(r)):
+        if spec.kind != "array":
+            fields[spec.name] = scalars[spec.name]
+        elif spec.name in arrays:
+            fields[spec.name] = _array_to_json(arrays[spec.name])
+        else:
+            fields[spec.name] = None
+    base = {spec.name for spec in ROLLOUT_SCHEMA}
+    out = {name: v for name, v in fields.items() if name in base}
+    extra = {name: v for name, v in fields.items() if name not in base}
+    if extra:
+        out[_SUBCLASS_KEY] = extra
     return out
 
 
-def rollout_from_json(d: Mapping[str, Any]) -> Rollout:
-    """Inverse of rollout_to_json (a SampledRollout when the sampling metadata was stored)."""
-    kwargs = {name: np.asarray(d[name]) for name in _ARRAYS}
-    kwargs["routing"] = None if d.get("routing") is None else np.asarray(d["routing"], np.int32)
-    kwargs.update(finish_reason=d["finish_reason"], temperature=d["temperature"],
-                  group_id=d["group_id"], reward=d["reward"],
-                  reward_components=dict(d["reward_components"]), advantage=d["advantage"])
-    sampled = d.get("sampled")
-    if sampled is None:
-        return Rollout(**kwargs)
-    extra = dict(sampled)
-    extra["stop_tokens"] = tuple(extra["stop_tokens"])
-    return SampledRollout(**kwargs, **extra)
+def rollout_from_json(d: Mapping[str, Any], cls: type[Rollout] | None = None) -> Rollout:
+    """Inverse of rollout_to_json: a `cls`, by default a SampledRollout when the sampling
+    metadata was stored and a Rollout otherwise.
+
+    Also reads lines written before arrays carried their shape (arrays as nested lists; an empty
+    routing record as [], which Rollout reshapes to [0, P + R - 1, 0]), and lines that lack a
+    field added to the schema since (it takes its default).
+    """
+    fields = {k: v for k, v in d.items() if k != _SUBCLASS_KEY}
+    fields.update(d.get(_SUBCLASS_KEY) or {})
+    if cls is None:
+        cls = SampledRollout if _SUBCLASS_KEY in d else Rollout
+    scalars, arrays = {}, {}
+    for spec in record_schema(cls):
+        if spec.name not in fields:
+            continue
+        value = fields.pop(spec.name)
+        if spec.kind == "array":
+            arrays[spec.name] = None if value is None else _array_from_json(value, spec.name)
+        else:
+            scalars[spec.name] = value
+    scalars.update(fields)  # names outside cls's schema: rollout_from_parts names them
+    return rollout_from_parts(scalars, arrays, cls, strict=False)
+
+
+def _array_to_json(a: np.ndarray) -> dict[str, Any]:
+    return {"dtype": a.dtype.name, "shape": list(a.shape), "data": a.ravel().tolist()}
+
+
+def _array_from_json(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, Mapping):
+        return np.asarray(value["data"], np.dtype(value["dtype"])).reshape(value["shape"])
+    if isinstance(value, list):  # the earlier format: nested lists, shape implied
+        return np.asarray(value)
+    raise ValueError(f"stored array {name}={value!r:.80} is neither an array object nor a list")
 
 
 @dataclasses.dataclass

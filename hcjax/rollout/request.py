@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hcjax.rl.records import Rollout
+from hcjax.rl.records import Rollout, array_field, tuple_field
 
 __all__ = ["GenerateRequest", "SampledRollout", "TokenEvent", "request_from_dict"]
 
@@ -26,14 +26,17 @@ class SampledRollout(Rollout):
     `partial` is True when the request's `token_budget` ran out before a stop token or
     `max_tokens` (finish_reason is then "length"); pass the record to
     `GenerateRequest.continuation` to continue it later without regenerating its tokens.
+    Its fields extend the Rollout record schema (hcjax.rl.records), so the wire and store
+    formats carry them too.
     """
 
-    raw_logprobs: np.ndarray | None = None  # f32 [R], model log-prob at temperature 1
+    # f32 [R], model log-prob at temperature 1
+    raw_logprobs: np.ndarray | None = array_field(np.float32, per_token=True, optional=True)
     seed: int = 0
     sample_index: int = 0
     top_p: float = 1.0
     max_tokens: int = 0
-    stop_tokens: tuple[int, ...] = ()
+    stop_tokens: tuple[int, ...] = tuple_field(())
     partial: bool = False
 
     def __post_init__(self) -> None:
@@ -49,12 +52,7 @@ class SampledRollout(Rollout):
             raise ValueError(f"partial={self.partial!r:.80} must be a boolean")
         if not isinstance(self.finish_reason, str):
             raise ValueError(f"finish_reason={self.finish_reason!r:.80} must be a string")
-        super().__post_init__()
-        if self.raw_logprobs is not None:
-            self.raw_logprobs = np.asarray(self.raw_logprobs, np.float32)
-            if self.raw_logprobs.shape != (self.response_len,):
-                raise ValueError(f"raw_logprobs shape {self.raw_logprobs.shape} must be "
-                                 f"[R]=({self.response_len},) like response_ids")
+        super().__post_init__()  # casts and checks raw_logprobs with the other [R] arrays
 
     @property
     def tokens(self) -> np.ndarray:
@@ -64,17 +62,22 @@ class SampledRollout(Rollout):
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
-    """One generated token of one sample, as streamed while the sample is being generated."""
+    """One generated token of one sample, as streamed while the sample is being generated.
 
-    sample_index: int
-    token: int
-    logprob: float
-    raw_logprob: float
-    n_kept: int
-    threshold_logit: float
-    routing: np.ndarray  # [num_moe_layers, k] experts chosen when the token was fed
-    position: int
-    version: int
+    A batch of events travels as one array per field (wire.events_to_arrays), of the dtype that
+    the field's `array_field` gives.
+    """
+
+    sample_index: int = array_field(np.int32)
+    token: int = array_field(np.int32)
+    logprob: float = array_field(np.float32)
+    raw_logprob: float = array_field(np.float32)
+    n_kept: int = array_field(np.int32)
+    threshold_logit: float = array_field(np.float32)
+    # [num_moe_layers, k] experts chosen when the token was fed
+    routing: np.ndarray = array_field(np.int32)
+    position: int = array_field(np.int32)
+    version: int = array_field(np.int32)
 
 
 _FIELDS = (

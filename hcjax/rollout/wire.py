@@ -2,7 +2,8 @@
 
 A message is b"HCJ1", a little-endian uint32 header length, the UTF-8 JSON header
 {"meta": {...}, "arrays": [[name, dtype, shape], ...]}, then each array's C-order bytes in that
-order. Records and token batches are flattened into named arrays with these helpers.
+order. Records and token batches are flattened into named arrays with these helpers; a record's
+fields come from its schema (hcjax.rl.records.record_schema), never from a list kept here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from hcjax.rl.records import record_schema, rollout_arrays, rollout_from_parts, rollout_scalars
 from hcjax.rollout.request import SampledRollout, TokenEvent
 
 __all__ = [
@@ -104,83 +106,53 @@ def _array_spec(spec: Any) -> tuple[str, str, list[int]]:
     return name, dtype, shape
 
 
-_RECORD_ARRAYS = (
-    "prompt_ids response_ids logprobs n_kept threshold_logit loss_mask versions routing "
-    "raw_logprobs"
-).split()
-_RECORD_SCALARS = (
-    "finish_reason temperature group_id seed sample_index top_p max_tokens stop_tokens partial"
-).split()
-
-
 def record_to_wire(rec: SampledRollout, prefix: str) -> tuple[dict, dict[str, np.ndarray]]:
-    meta = {name: getattr(rec, name) for name in _RECORD_SCALARS}
-    meta["stop_tokens"] = list(rec.stop_tokens)
-    arrays = {
-        f"{prefix}.{name}": getattr(rec, name)
-        for name in _RECORD_ARRAYS
-        if getattr(rec, name) is not None
-    }
-    return meta, arrays
+    """(meta, arrays) of one record: its non-array fields in `meta`, its arrays named
+    `{prefix}.{field}`. Every field of the record's schema (hcjax.rl.records) that the rollout
+    service carries; graded fields (reward, advantage) are never on the wire."""
+    specs = record_schema(type(rec), wire=True)
+    arrays = {f"{prefix}.{name}": arr for name, arr in rollout_arrays(rec, specs).items()}
+    return rollout_scalars(rec, specs), arrays
 
 
-_RECORD_DTYPES = {
-    "prompt_ids": "int32", "response_ids": "int32", "logprobs": "float32", "n_kept": "int32",
-    "threshold_logit": "float32", "loss_mask": "bool", "versions": "int32", "routing": "int32",
-    "raw_logprobs": "float32",
-}
-_OPTIONAL_ARRAYS = {"routing", "raw_logprobs"}
+def record_from_wire(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], prefix: str,
+                     cls: type[SampledRollout] = SampledRollout) -> SampledRollout:
+    """The record `prefix` of a message; ValueError naming the field when anything is off.
 
-
-def record_from_wire(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                     prefix: str) -> SampledRollout:
-    """The record `prefix` of a message; ValueError naming the field when anything is off."""
+    Strict, as the peer may be hostile: every wire field of the schema must be in `meta` and
+    nothing else, and each array must already have its schema dtype (no silent casts).
+    """
     if not isinstance(meta, Mapping):
         raise ValueError(f"record {prefix} is a {type(meta).__name__}, not an object")
-    missing = sorted(set(_RECORD_SCALARS) - set(meta))
-    unknown = sorted(set(meta) - set(_RECORD_SCALARS))
-    if missing or unknown:
-        raise ValueError(f"record {prefix}: missing fields {missing}, unknown fields {unknown}")
-    fields = {}
-    for name in _RECORD_ARRAYS:
-        arr = arrays.get(f"{prefix}.{name}")
-        if arr is None and name not in _OPTIONAL_ARRAYS:
-            raise ValueError(f"record {prefix} has no array {name!r}")
-        if arr is not None and arr.dtype.name != _RECORD_DTYPES[name]:
-            raise ValueError(f"record {prefix}: {name} has dtype {arr.dtype.name}, expected "
-                             f"{_RECORD_DTYPES[name]}")
-        fields[name] = arr
-    scalars = {name: meta[name] for name in _RECORD_SCALARS}
-    if not isinstance(scalars["stop_tokens"], list):
-        raise ValueError(f"record {prefix}: stop_tokens={scalars['stop_tokens']!r:.80} is not "
-                         "a list")
-    scalars["stop_tokens"] = tuple(scalars["stop_tokens"])
-    return SampledRollout(**fields, **scalars)
-
-
-_EVENT_FIELDS = (
-    ("sample_index", np.int32), ("token", np.int32), ("logprob", np.float32),
-    ("raw_logprob", np.float32), ("n_kept", np.int32), ("threshold_logit", np.float32),
-    ("position", np.int32), ("version", np.int32),
-)
+    specs = record_schema(cls, wire=True)
+    own = {}
+    for spec in specs:
+        arr = arrays.get(f"{prefix}.{spec.name}") if spec.kind == "array" else None
+        if arr is not None:
+            if arr.dtype != spec.dtype:
+                raise ValueError(f"record {prefix}: {spec.name} has dtype {arr.dtype.name}, "
+                                 f"expected {spec.dtype.name}")
+            own[spec.name] = arr
+    try:
+        return rollout_from_parts(meta, own, cls, specs=specs)
+    except ValueError as e:
+        raise ValueError(f"record {prefix}: {e}") from None
 
 
 def events_to_arrays(events: Sequence[TokenEvent]) -> dict[str, np.ndarray]:
-    out = {
-        f"t.{name}": np.asarray([getattr(e, name) for e in events], dtype)
-        for name, dtype in _EVENT_FIELDS
+    """One array `t.{field}` per TokenEvent field (its schema dtype), stacked over `events`."""
+    return {
+        f"t.{spec.name}": np.asarray([getattr(e, spec.name) for e in events], spec.dtype)
+        for spec in record_schema(TokenEvent)
     }
-    if events:
-        out["t.routing"] = np.stack([np.asarray(e.routing, np.int32) for e in events])
-    return out
 
 
 def events_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[TokenEvent]:
     n = len(arrays.get("t.token", ()))
+    if not n:
+        return []
+    columns = [(spec.name, arrays[f"t.{spec.name}"]) for spec in record_schema(TokenEvent)]
     return [
-        TokenEvent(
-            **{name: arrays[f"t.{name}"][i].item() for name, _ in _EVENT_FIELDS},
-            routing=arrays["t.routing"][i],
-        )
+        TokenEvent(**{name: col[i].item() if col.ndim == 1 else col[i] for name, col in columns})
         for i in range(n)
     ]
