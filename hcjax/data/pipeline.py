@@ -18,7 +18,7 @@ from hcjax.data.tasks import ArithmeticSuite, Problem
 from hcjax.data.template import encode_conversation, encode_prompt_response
 from hcjax.data.tokenizer import Tokenizer, load_tokenizer
 
-SOURCES = ("arithmetic", "problems_jsonl", "chat_jsonl")
+SOURCES = ("arithmetic", "problems_jsonl", "chat_jsonl", "suite")
 
 
 @gin.configurable
@@ -28,12 +28,15 @@ class DataConfig:
 
     source: "arithmetic" (the synthetic suite, configured by gin on `ArithmeticSuite`),
     "problems_jsonl" ({"prompt", "answer"[, "thought"]} per line) or "chat_jsonl"
-    ({"messages": [...]} per line) read from `path`.
+    ({"messages": [...]} per line) read from `path`, or "suite": the reference responses of a
+    task suite's training problems (`suite`, e.g. a hcjax.tasks.MixtureSuite, so a base learns
+    every format it will climb; a suite may encode its own documents with `sft_document`).
     num_epochs: None repeats forever (each epoch reshuffled).
     """
 
     source: str = "arithmetic"
     path: str | None = None
+    suite: Any = None
     tokenizer: str = "byte"
     row_len: int = 128
     num_open_bins: int = 8
@@ -45,7 +48,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"source={self.source!r} is not one of {SOURCES}")
-        if self.source != "arithmetic" and not self.path:
+        if self.source == "suite" and self.suite is None:
+            raise ValueError("source='suite' needs DataConfig.suite (a task suite)")
+        if self.source not in ("arithmetic", "suite") and not self.path:
             raise ValueError(f"source={self.source!r} needs a path to a JSONL file")
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f"overlong={self.overlong!r} is not one of {OVERLONG_MODES}")
@@ -65,6 +70,19 @@ def _chat_doc(messages: list[dict[str, str]], tok: Tokenizer) -> dict[str, np.nd
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 
 
+def _suite_doc(suite: Any, problem: Any, tok: Tokenizer) -> dict[str, np.ndarray]:
+    """A suite problem's reference conversation; the owning suite's `sft_document` when it has
+    one (multi-turn formats whose observations must not be trained)."""
+    component = getattr(suite, "component", None)
+    owner = component(problem) if component is not None else suite
+    encode = getattr(owner, "sft_document", None)
+    if encode is not None:
+        ids, mask = encode(problem, tok)
+    else:
+        ids, mask = encode_conversation(problem.conversation(), tok)
+    return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
+
+
 def build_documents(
     cfg: DataConfig, tok: Tokenizer | None = None, shard_index: int = 0, num_shards: int = 1
 ) -> grain.MapDataset:
@@ -77,6 +95,10 @@ def build_documents(
         suite = ArithmeticSuite()
         ds = grain.MapDataset.range(cfg.num_train_problems).map(suite.train_problem)
         docs = ds.map(lambda p: _problem_doc(p, tok))
+    elif cfg.source == "suite":
+        suite = cfg.suite
+        ds = grain.MapDataset.range(cfg.num_train_problems).map(suite.train_problem)
+        docs = ds.map(lambda p: _suite_doc(suite, p, tok))
     elif cfg.source == "problems_jsonl":
         docs = grain.MapDataset.source(read_problems(cfg.path)).map(lambda p: _problem_doc(p, tok))
     else:

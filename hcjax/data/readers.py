@@ -11,7 +11,7 @@ from hcjax.data.tasks import Problem
 from hcjax.data.template import ROLE_MARKERS
 
 
-def _read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
+def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
     rows = []
@@ -40,7 +40,7 @@ def read_problems(
     """Problems from a JSONL file with one {"prompt": ..., "answer": ...} object per line
     (optional "id" and "thought")."""
     out = []
-    for n, obj in _read_jsonl(path):
+    for n, obj in read_jsonl(path):
         for key in (prompt_key, answer_key):
             if not isinstance(obj.get(key), str):
                 raise ValueError(f"{path}:{n}: field {key!r} is missing or not a string")
@@ -55,7 +55,7 @@ def read_problems(
 def read_conversations(path: str, key: str = "messages") -> list[list[dict[str, str]]]:
     """Conversations from a JSONL file with one {"messages": [{"role", "content"}, ...]} per line."""
     out = []
-    for n, obj in _read_jsonl(path):
+    for n, obj in read_jsonl(path):
         msgs = obj.get(key)
         if not isinstance(msgs, list) or not msgs:
             raise ValueError(f"{path}:{n}: field {key!r} is missing or not a non-empty list")

@@ -99,9 +99,16 @@ def encode_prompt_response(
 def prompt_ids(prompt: str, tok: T.Tokenizer) -> list[int]:
     """Ids a sampler starts from: the user turn followed by the assistant marker (with an
     `HFTokenizer`: its chat template with the generation prompt)."""
+    return messages_prompt_ids([{"role": "user", "content": prompt}], tok)
+
+
+def messages_prompt_ids(messages: Sequence[Mapping[str, str]], tok: T.Tokenizer) -> list[int]:
+    """Ids a sampler starts from for a conversation so far (system / user / earlier turns),
+    ending with the generation prompt: our assistant marker, or an `HFTokenizer`'s chat
+    template with `add_generation_prompt`."""
     if isinstance(tok, HFTokenizer):
-        return tok.apply_chat_template([{"role": "user", "content": prompt}])
-    ids, _ = encode_chat([{"role": "user", "content": prompt}], tok, add_eos=False)
+        return tok.apply_chat_template([dict(m) for m in messages])
+    ids, _ = encode_chat(messages, tok, add_eos=False)
     return ids + [tok.special_id(T.ASSISTANT)]
 
 
