@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Multi-process climb on one machine (127.0.0.1): K inference processes (python -m hcjax.climb
-# --role inference, each a rollout server with gRPC Rollout + Weights services) and one learner /
-# controller process that reaches them through the router and pushes weights to them.
+# Multi-process climb on one machine (127.0.0.1): K inference processes (python -m hcjax.serve,
+# each a rollout server with gRPC Rollout + Weights services) and one learner / controller process
+# (python -m hcjax.climb) that reaches them through the router and pushes weights to them.
 #
 #   launch/local.sh [--dry_run] [--num_inference K] [--base_port P] [--devices_per_process D]
-#                   [--output_dir DIR] [-- extra flags for every process, e.g. --gin_param ...]
+#                   [--output_dir DIR] [-- extra flags, e.g. --gin_param ...]
+#
+# Extra flags all go to the learner; the gin ones (--gin_file, --gin_param) go to the inference
+# processes too, so that they build the learner's model. Engine sizes of each inference process:
+# $MAX_PREFILL_LENGTH (default 32), $MAX_CONCURRENT_DECODES (default 128) and, when set,
+# $MAX_TARGET_LENGTH (default: the model's max_seq_len).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +19,9 @@ BASE_PORT=50151
 DEVICES=1
 OUTPUT_DIR=runs/climb_local
 PY=${PYTHON:-.venv/bin/python}
+MAX_PREFILL_LENGTH=${MAX_PREFILL_LENGTH:-32}
+MAX_CONCURRENT_DECODES=${MAX_CONCURRENT_DECODES:-128}
+MAX_TARGET_LENGTH=${MAX_TARGET_LENGTH:-}
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -32,13 +40,27 @@ fi
 
 EXTRA_Q=""
 if (( ${#EXTRA[@]} )); then EXTRA_Q=$(printf ' %q' "${EXTRA[@]}"); fi
+# The gin flags among EXTRA, for the inference processes; without a --gin_file, the climb's
+# default (hcjax.climb's climb_tiny.gin) rather than hcjax.serve's.
+GIN_Q=""
+GIN_FILE=" --gin_file climb_tiny.gin"
+for ((j = 0; j < ${#EXTRA[@]}; j++)); do
+  case "${EXTRA[$j]}" in
+    --gin_file | --gin_file=*) GIN_FILE="" ;;&
+    --gin_file | --gin_param) GIN_Q+=$(printf ' %q %q' "${EXTRA[$j]}" "${EXTRA[$((j + 1))]:-}"); ((++j)) ;;
+    --gin_file=* | --gin_param=*) GIN_Q+=$(printf ' %q' "${EXTRA[$j]}") ;;
+  esac
+done
+GIN_Q="$GIN_FILE$GIN_Q"
+SIZES="--max_prefill_length $MAX_PREFILL_LENGTH --max_concurrent_decodes $MAX_CONCURRENT_DECODES"
+if [[ -n "$MAX_TARGET_LENGTH" ]]; then SIZES+=" --max_target_length $MAX_TARGET_LENGTH"; fi
 ENV="XLA_FLAGS=--xla_force_host_platform_device_count=$DEVICES JAX_PLATFORMS=cpu"
 ADDRESSES=()
 COMMANDS=()
 for ((i = 0; i < NUM_INFERENCE; i++)); do
   PORT=$((BASE_PORT + i))
   ADDRESSES+=("--inference_address" "127.0.0.1:$PORT")
-  COMMANDS+=("env $ENV $PY -m hcjax.climb --role inference --host 127.0.0.1 --port $PORT$EXTRA_Q")
+  COMMANDS+=("env $ENV $PY -m hcjax.serve --host 127.0.0.1 --port $PORT $SIZES$GIN_Q")
 done
 LEARNER="env $ENV $PY -m hcjax.climb --output_dir $OUTPUT_DIR ${ADDRESSES[*]}$EXTRA_Q"
 
