@@ -174,7 +174,16 @@ _CONFIGURABLE_MODULES = [
     "hcjax.profiling",
     "hcjax.rl.controller",
     "hcjax.rl.multihost",
-    "hcjax.climb",
+    "hcjax.rl.sampling",
+    "hcjax.rl.sources",
+    "hcjax.rl.placement",
+    "hcjax.rl.climber",
+    "hcjax.rewards.spec",
+    "hcjax.tasks.arithmetic",
+    "hcjax.tasks.mixture",
+    "hcjax.tasks.code",
+    "hcjax.tasks.dataset",
+    "hcjax.tasks.tool_use",
     "hcjax.plan",
 ]
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from hcjax.climb import ClimbConfig, _load_base_params
 from hcjax.model import ModelConfig
 from hcjax.profiling import trace_files
+from hcjax.rl.climber import ClimbConfig, load_base_model
 from hcjax.rl.store import main as store_main
 from hcjax.rl.store import read_groups
 from hcjax.sharding import MeshConfig, make_mesh
@@ -216,8 +217,10 @@ def test_self_distillation_then_climb_from_the_distilled_model(first_run, tmp_pa
     # The climb starts from the distilled run exactly as from a base (--base_checkpoint).
     cfg = ModelConfig(**TINY_MODEL)
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, expert=1, num_devices=1))
-    model, params = _load_base_params(str(sft_dir), cfg, mesh)
-    base_model, base_params = _load_base_params(str(out / "base"), cfg, mesh)
+    model = load_base_model(str(sft_dir), cfg, mesh)
+    params = nnx.state(model, nnx.Param)
+    base_model = load_base_model(str(out / "base"), cfg, mesh)
+    base_params = nnx.state(base_model, nnx.Param)
     diff = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(base_params), strict=True)]
     assert max(diff) > 0  # two SFT steps moved the weights away from the base's

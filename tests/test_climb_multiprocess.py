@@ -1,6 +1,6 @@
 """The multi-process climb's weight sync (hcjax.rl.weight_sync): the gRPC control channel and the
 plan transfer in one process (handshake checks, dropped replicas, all-failed errors), then the
-real placement on 127.0.0.1 — two `--role inference` processes and a learner process."""
+real placement on 127.0.0.1 — two `python -m hcjax.serve` processes and a learner process."""
 
 import json
 import os
@@ -158,7 +158,7 @@ def test_layout_checks_name_the_bad_values():
         describe_layout({"x": jax.device_put(np.zeros(2), jax.devices()[0])})
 
 
-# The real placement: python -m hcjax.climb --role inference (x2) + the learner process ----------
+# The real placement: python -m hcjax.serve (x2) + the learner process -----------------------------
 
 
 SFT_CONFIGURABLES = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
@@ -184,8 +184,10 @@ def gin_args(bindings):
 
 def start_inference(devices):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hcjax.climb", "--role", "inference", "--port", "0",
-         *gin_args(tiny_params())],
+        [sys.executable, "-m", "hcjax.serve", "--port", "0", "--gin_file", "climb_tiny.gin",
+         "--max_prefill_length", "32", "--max_target_length", "52",
+         "--max_concurrent_decodes", "16", "--version", "-1", "--max_queue", "4096",
+         "--max_request_mb", "1024", *gin_args(tiny_params())],
         cwd=REPO, env=climb_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     return proc
@@ -324,7 +326,7 @@ def test_learner_over_two_processes_climbs_with_a_remote_replica(tmp_path):
              "--coordinator_address", coordinator, "--num_processes", "2",
              "--process_id", str(i), "--inference_address", address,
              *gin_args([*tiny_params(), "ClimbConfig.num_steps = 3",
-                        "ClimbConfig.learner_devices = 2", "LearnerConfig.mask_truncated = False"])],
+                        "Placement.learner_mesh = {'num_devices': 2}", "LearnerConfig.mask_truncated = False"])],
             cwd=REPO, env=climb_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True) for i in range(2)]
         results = [p.communicate(timeout=400) for p in learners]

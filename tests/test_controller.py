@@ -8,16 +8,10 @@ import threading
 import numpy as np
 import pytest
 
-from hcjax.rl.controller import (
-    Controller,
-    ControllerConfig,
-    PrioritizedSource,
-    SequentialSource,
-    oldest_version,
-    staleness,
-)
+from hcjax.rl.controller import Controller, ControllerConfig, oldest_version, staleness
 from hcjax.rl.records import Rollout
 from hcjax.rl.sampling import EarlyExit
+from hcjax.rl.sources import PrioritizedSource, SequentialSource
 from hcjax.rl.store import (
     RolloutStore,
     distillation_conversations,
@@ -272,7 +266,7 @@ def test_stale_rollouts_are_dropped_and_counted():
     stop = threading.Event()
     seen = []
 
-    def on_group(group, accepted):
+    def on_group(group, accepted, step, version):
         seen.append((group.kept, accepted))
         if len(seen) > 20:
             stop.set()
@@ -344,7 +338,7 @@ def test_store_resume_loses_no_accepted_group(tmp_path):
     server = FakeServer()
     store = RolloutStore(str(tmp_path), decode=lambda ids: " ".join(map(str, ids)))
 
-    def on_group(group, accepted):
+    def on_group(group, accepted, step, version):
         store.append(group, accepted=accepted, step=ctl.step, version=ctl.version)
 
     ctl, learner, _ = make(cfg, server, on_group=on_group)
@@ -434,7 +428,7 @@ def test_multi_turn_rollouts_glue_policy_turns_and_observations():
 
     def grade(ids):
         ok = CharTok().decode(ids).endswith("answer 42")
-        return Grade(float(ok), ok)
+        return Grade(float(ok), correct=ok)
 
     server = ToolPolicyServer()
     task = Task("agent", CharTok().encode("Q?"), grade, tools=tools, tokenizer=CharTok())

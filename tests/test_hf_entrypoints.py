@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hcjax.climb import arithmetic_task, longest_prompt
 from hcjax.config import hf_checkpoint_folder
 from hcjax.data.tasks import ArithmeticSuite, Problem
 from hcjax.data.template import (
@@ -96,13 +95,21 @@ def test_hf_answer_and_grading(qwen3_tok):
 
 @needs_fixtures
 def test_climb_prompt_limit_is_measured_and_enforced(qwen3_tok):
-    suite = ArithmeticSuite(kinds=("add", "mul"), max_digits=3, num_heldout=8)
-    limit = longest_prompt(suite, qwen3_tok, scan=50)
-    worst = prompt_ids("999+999=", qwen3_tok)
-    assert limit >= len(worst)
-    assert len(arithmetic_task(0, suite, qwen3_tok, limit).prompt_ids) <= limit
+    from hcjax.rl.sources import TaskBuilder
+    from hcjax.tasks import ArithmeticTasks
+
+    suite = ArithmeticTasks(suite=ArithmeticSuite(kinds=("add", "mul"), max_digits=3,
+                                                  num_heldout=8))
+    limit = TaskBuilder(suite, qwen3_tok).longest_prompt(scan=50)
+    assert limit == max(len(prompt_ids(p.prompt, qwen3_tok))
+                        for p in [*suite.heldout(), *(suite.train_problem(i) for i in range(50))])
+    builder = TaskBuilder(suite, qwen3_tok, max_prompt_len=limit)
+    task = builder.task(suite.train_problem(0))
+    assert len(task.prompt_ids) <= limit
+    # The prompt is the Hugging Face chat template's, ending with its generation prompt.
+    assert list(task.prompt_ids) == prompt_ids(suite.train_problem(0).prompt, qwen3_tok)
     with pytest.raises(ValueError, match=r"-token prompt; the engine's max prefill length is 4"):
-        arithmetic_task(0, suite, qwen3_tok, 4)
+        TaskBuilder(suite, qwen3_tok, max_prompt_len=4).task(suite.train_problem(0))
 
 
 # Flags ------------------------------------------------------------------------------------------
@@ -226,7 +233,8 @@ def test_climb_from_hf_moe_checkpoint(tmp_path):
         "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
         "ClimbConfig.max_tokens = 8", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 8",
         "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
-        "ClimbConfig.max_minutes = None", "ClimbConfig.sampler = 'sequential'",
+        "ClimbConfig.max_minutes = None", "SourceConfig.sampler = 'sequential'",
+        "ArithmeticTasks.extraction = 'flexible'",
         "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
         "ControllerConfig.max_inflight = None", "ControllerConfig.sync_every = 2",
         "LearnerConfig.seq_len = 64",

@@ -81,11 +81,11 @@ def _save_base(base_dir: str) -> None:
 
 
 def _climb_learner(base_dir: str, mesh) -> Learner:
-    """The learner as hcjax.climb.run_climb builds it: the base's params restored onto `mesh`
+    """The learner as hcjax.rl.climber.Climb builds it: the base's params restored onto `mesh`
     (hcjax.distill.sft.load_params via Checkpointer.restore_subtree), then `Learner`."""
-    from hcjax.climb import _load_base_params
+    from hcjax.rl.climber import load_base_model
 
-    model, _ = _load_base_params(base_dir, CFG, mesh)
+    model = load_base_model(base_dir, CFG, mesh)
     return Learner(model, LCFG, mesh)
 
 

@@ -37,7 +37,7 @@ def _mode_figures(summary: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     from hcjax import config
-    from hcjax.climb import _pretrain_base, run_climb
+    from hcjax.rl.climber import pretrain_base, run_climb
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     config.add_gin_flags(parser, ["climb_tiny.gin"])
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     gin_files = args.gin_file or ["climb_tiny.gin"]
     config.bind(gin_files, args.gin_param)
     out = args.output_dir or tempfile.mkdtemp(prefix="bench_climb_")
-    base = args.base_checkpoint or _pretrain_base(out)
+    base = args.base_checkpoint or pretrain_base(out)
     results = {}
     for mode in args.modes.split(","):
         config.bind(gin_files, args.gin_param)

@@ -9,6 +9,8 @@ second dimension, so every micro-batch is spread over all data-parallel devices.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Sequence
 
 import jax
@@ -17,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax.rl.records import Rollout
 
-__all__ = ["BATCH_AXES", "LearnerBatch", "pack_rollouts", "to_device", "usable_rollouts"]
+__all__ = ["BATCH_AXES", "BucketedLearner", "LearnerBatch", "pack_rollouts", "to_device", "usable_rollouts"]
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -218,3 +220,34 @@ def to_device(batch: LearnerBatch, mesh: Mesh, batch_axes: Sequence[str] = BATCH
 
     return LearnerBatch(**{f.name: put(f.name, getattr(batch, f.name))
                            for f in dataclasses.fields(batch)})
+
+
+class BucketedLearner:
+    """A learner (hcjax.rl.learner.Learner or the multi-process DistributedLearner) behind the
+    controller's `train(rollouts)`: rows are padded to a power of two (a multiple of the
+    micro-batch x data-parallel step), so only a handful of batch shapes is ever compiled."""
+
+    def __init__(self, learner) -> None:
+        self.learner = learner
+        self.step_seconds: list[float] = []
+
+    def rows_for(self, rollouts: Sequence[Rollout]) -> int:
+        cfg = self.learner.cfg
+        probe = pack_rollouts(rollouts, seq_len=cfg.seq_len, with_routing=False,
+                              mask_truncated=cfg.mask_truncated)
+        step = cfg.micro_batches * self.learner.data_parallel_size
+        rows = max(step, 2 ** math.ceil(math.log2(max(1, probe.tokens.shape[1]))))
+        return -(-rows // step) * step
+
+    def train(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        cfg = self.learner.cfg
+        usable = usable_rollouts(rollouts, mask_truncated=cfg.mask_truncated)
+        if not usable:
+            return {"skipped": 1.0}
+        rows = self.rows_for(usable)
+        t0 = time.perf_counter()
+        metrics = self.learner.step(self.learner.make_batch(usable, num_rows=rows))
+        self.step_seconds.append(time.perf_counter() - t0)
+        metrics["rows"] = float(rows)
+        metrics["train_rollouts"] = float(len(usable))
+        return metrics

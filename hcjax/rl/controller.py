@@ -18,7 +18,6 @@ from concurrent import futures
 from typing import Any, Protocol
 
 import gin
-import numpy as np
 
 from hcjax.rl.records import Rollout
 from hcjax.rl.workers import GroupResult, ProblemWorker, Task, WorkerStats
@@ -27,8 +26,6 @@ __all__ = [
     "Controller",
     "ControllerConfig",
     "Learner",
-    "PrioritizedSource",
-    "SequentialSource",
     "StepReport",
     "TaskSource",
     "oldest_version",
@@ -126,8 +123,9 @@ class Controller:
     """Drives problems -> groups -> batches -> learner steps -> weight pushes.
 
     learner.train(rollouts) runs one step; publish(version) makes the learner's current weights
-    the inference side's `version` (blocking until served). on_group(group) sees every finished
-    group (e.g. the rollout store); on_step(report) runs after each step (metrics, eval,
+    the inference side's `version` (blocking until served). on_group(group, accepted, step,
+    version) sees every finished group with the controller's step and version (e.g. the rollout
+    store); on_step(report) runs after each step (metrics, eval,
     checkpoints) and may return True to stop.
     """
 
@@ -139,7 +137,7 @@ class Controller:
         learner: Learner,
         publish: Callable[[int], None],
         *,
-        on_group: Callable[[GroupResult, bool], None] | None = None,
+        on_group: Callable[[GroupResult, bool, int, int], None] | None = None,
         on_step: Callable[[StepReport], bool | None] | None = None,
         stats: WorkerStats | None = None,
     ) -> None:
@@ -204,7 +202,7 @@ class Controller:
             self.counters["stale_groups_dropped"] += 1
             self.counters["stale_rollouts_dropped"] += len(group.valid)
         if self.on_group is not None:
-            self.on_group(group, fresh)
+            self.on_group(group, fresh, self.step, self.version)
         if fresh:
             self.buffer.append(group)
             self.accepted_total += 1
@@ -311,114 +309,3 @@ class Controller:
             "rollout_utilisation": self.generation_busy_seconds / wall,
             "publish_seconds": self.publish_seconds,
         }
-
-
-class SequentialSource:
-    """Problems in index order from `make(index)`; the state is the next index, plus per-task pass
-    rates for logging (a stand-in for the prioritised samplers of hcjax.rl.sampling)."""
-
-    def __init__(self, make: Callable[[int], Task], start: int = 0) -> None:
-        self.make = make
-        self.next_index = start
-        self.recent_pass_rates: collections.deque[float] = collections.deque(maxlen=256)
-
-    def next_task(self) -> Task:
-        task = self.make(self.next_index)
-        self.next_index += 1
-        return task
-
-    def update(self, group: GroupResult) -> None:
-        self.recent_pass_rates.append(group.pass_rate)
-
-    def state_dict(self) -> dict:
-        return {"next_index": self.next_index}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.next_index = int(state["next_index"])
-
-    def mean_pass_rate(self) -> float:
-        return float(np.mean(self.recent_pass_rates)) if self.recent_pass_rates else 0.0
-
-
-PRIORITY_RULES = ("kimi", "learnability")
-
-
-class PrioritizedSource:
-    """Prioritised sampling over problem *categories*, for task streams where every problem is
-    new (so per-problem success rates never exist).
-
-    Each draw picks a category with probability ∝ max(w(s_c), floor), where s_c is the mean pass
-    rate of the category's last `window` groups, then takes that category's next problem:
-    `make(category, cursor)` returns (task, next cursor). Rules:
-      "kimi"          w = 1 − s (RECIPE §5); unseen categories count as s = 0.
-      "learnability"  w = s·(1 − s), the variance of a rollout's reward: proportional to how
-                      much GRPO signal a group carries (none when every answer is right or every
-                      answer is wrong); unseen categories get the maximum, 1/4.
-    `floor` keeps solved (and unsolvable) categories sampled now and then, so a change is seen.
-    The state (cursors, recent rates, RNG) is checkpointed with the controller's.
-    """
-
-    def __init__(self, categories: Sequence[str], make: Callable[[str, int], tuple[Task, int]],
-                 category_of: Callable[[Task], str], *, window: int = 64, floor: float = 0.05,
-                 rule: str = "kimi", seed: int = 0) -> None:
-        if rule not in PRIORITY_RULES:
-            raise ValueError(f"rule={rule!r} is not one of {PRIORITY_RULES}")
-        self.rule = rule
-        if not categories:
-            raise ValueError("PrioritizedSource needs at least one category")
-        if len(set(categories)) != len(categories):
-            raise ValueError(f"categories={list(categories)} has duplicates")
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
-        if not 0.0 < floor <= 1.0:
-            raise ValueError(f"floor={floor} must be in (0, 1]")
-        self.categories = list(categories)
-        self.make, self.category_of = make, category_of
-        self.window, self.floor = window, floor
-        self.cursors = {c: 0 for c in self.categories}
-        self.rates: dict[str, collections.deque[float]] = {
-            c: collections.deque(maxlen=window) for c in self.categories}
-        self.rng = np.random.default_rng(seed)
-
-    def success_rate(self, category: str) -> float:
-        rates = self.rates[category]
-        return float(np.mean(rates)) if rates else 0.0
-
-    def weight(self, category: str) -> float:
-        if self.rule == "learnability":
-            if not self.rates[category]:
-                return 0.25
-            s = self.success_rate(category)
-            return max(s * (1.0 - s), self.floor)
-        return max(1.0 - self.success_rate(category), self.floor)
-
-    def probabilities(self) -> dict[str, float]:
-        w = np.array([self.weight(c) for c in self.categories])
-        return dict(zip(self.categories, (w / w.sum()).tolist(), strict=True))
-
-    def next_task(self) -> Task:
-        probs = self.probabilities()
-        category = self.categories[int(self.rng.choice(len(self.categories),
-                                                       p=list(probs.values())))]
-        task, self.cursors[category] = self.make(category, self.cursors[category])
-        return task
-
-    def update(self, group: GroupResult) -> None:
-        category = self.category_of(group.task)
-        if category not in self.rates:
-            raise ValueError(f"group {group.task.id!r} has unknown category {category!r}")
-        self.rates[category].append(group.pass_rate)
-
-    def state_dict(self) -> dict:
-        return {"cursors": dict(self.cursors),
-                "rates": {c: list(r) for c, r in self.rates.items()},
-                "rng": self.rng.bit_generator.state}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if set(state["cursors"]) != set(self.categories):
-            raise ValueError(f"checkpointed categories {sorted(state['cursors'])} differ from "
-                             f"this run's {sorted(self.categories)}")
-        self.cursors = {c: int(v) for c, v in state["cursors"].items()}
-        for c, r in state["rates"].items():
-            self.rates[c] = collections.deque(map(float, r), maxlen=self.window)
-        self.rng.bit_generator.state = state["rng"]

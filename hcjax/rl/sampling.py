@@ -4,10 +4,14 @@ over an over-sampled pool (§6).  Pure Python, no JAX: these run on problem work
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-import random
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import gin
+import numpy as np
 
 
 def _check_window(name: str, window: tuple[float, float]) -> None:
@@ -55,6 +59,7 @@ class EarlyExit:
         return self.keep_after_full(results), results
 
 
+@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LengthCurriculum:
     """Max rollout length doubles from `start` to `end` (8K -> 128K), one stage per entry of
@@ -100,30 +105,83 @@ class LengthCurriculum:
         return 0.0 if self.max_length(step) >= self.no_penalty_from else self.w_len
 
 
-class PrioritizedSampler:
-    """Kimi k1.5: problems drawn with probability proportional to (1 - success rate), within a
-    curriculum pool that grows from the easiest `initial_fraction` of problems to all of them as
-    `progress` goes 0 -> 1.  Unseen problems count as success rate 0 (highest priority)."""
+PRIORITY_RULES = ("kimi", "learnability")
 
-    def __init__(self, difficulty: Mapping[Hashable, float], *, initial_fraction: float = 1.0,
-                 seed: int = 0) -> None:
+
+class PrioritizedSampler:
+    """Prioritised sampling over keys (problems, or categories of problems), the one
+    implementation behind every prioritised source of the climb.
+
+    Each draw picks a key of the curriculum pool with probability ∝ max(w(s), floor), s the key's
+    success rate. Rules:
+      "kimi"          w = 1 − s (Kimi k1.5, RECIPE §5); unseen keys count as s = 0.
+      "learnability"  w = s·(1 − s), the variance of a response's reward: proportional to how
+                      much GRPO signal a group carries; unseen keys get the maximum, 1/4.
+    s is over every attempt (window=None) or the mean pass rate of the key's last `window`
+    groups (task streams where every problem is new, so only categories recur). The curriculum
+    pool grows from the easiest `initial_fraction` of keys (by `difficulty`) to all of them as
+    `progress` goes 0 -> 1. When every weight is 0 (all solved, floor 0) the draw is uniform.
+    """
+
+    def __init__(self, difficulty: Mapping[Hashable, float] | Sequence[Hashable], *,
+                 rule: str = "kimi", window: int | None = None, floor: float = 0.0,
+                 initial_fraction: float = 1.0, seed: int = 0) -> None:
         if not difficulty:
-            raise ValueError("difficulty={} has no problems")
+            raise ValueError(f"difficulty={difficulty!r} has no keys")
+        if rule not in PRIORITY_RULES:
+            raise ValueError(f"rule={rule!r} is not one of {PRIORITY_RULES}")
         if not 0.0 < initial_fraction <= 1.0:
             raise ValueError(f"initial_fraction={initial_fraction} is not in (0, 1]")
-        self.order = sorted(difficulty, key=lambda k: (difficulty[k], str(k)))  # easy first
+        if window is not None and window < 1:
+            raise ValueError(f"window={window} must be >= 1 or None")
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"floor={floor} must be in [0, 1]")
+        if isinstance(difficulty, Mapping):
+            self.order = sorted(difficulty, key=lambda k: (difficulty[k], str(k)))  # easy first
+        else:
+            self.order = list(difficulty)
+            if len(set(self.order)) != len(self.order):
+                raise ValueError(f"keys={self.order} has duplicates")
+        self.rule, self.window, self.floor = rule, window, floor
         self.initial_fraction = initial_fraction
-        self.successes: dict[Hashable, int] = {}
-        self.attempts: dict[Hashable, int] = {}
-        self.rng = random.Random(seed)
+        self._sums: dict[Hashable, list[float]] = {}  # window=None: [successes, attempts]
+        self._rates: dict[Hashable, collections.deque[float]] = {}
+        self.rng = np.random.default_rng(seed)
 
-    def update(self, problem: Hashable, correct: Sequence[bool]) -> None:
-        self.successes[problem] = self.successes.get(problem, 0) + sum(map(bool, correct))
-        self.attempts[problem] = self.attempts.get(problem, 0) + len(correct)
+    def update(self, key: Hashable, correct: Sequence[bool]) -> None:
+        """Record one group's results for `key`."""
+        self.observe(key, float(sum(map(bool, correct))), len(correct))
 
-    def success_rate(self, problem: Hashable) -> float:
-        n = self.attempts.get(problem, 0)
-        return self.successes.get(problem, 0) / n if n else 0.0
+    def observe(self, key: Hashable, successes: float, attempts: int) -> None:
+        if key not in self.order:
+            raise ValueError(f"unknown key {key!r}; the sampler draws from {self.order[:8]}")
+        if attempts < 1:
+            return
+        if self.window is None:
+            s = self._sums.setdefault(key, [0.0, 0.0])
+            s[0] += successes
+            s[1] += attempts
+        else:
+            self._rates.setdefault(key, collections.deque(maxlen=self.window)).append(
+                successes / attempts)
+
+    def seen(self, key: Hashable) -> bool:
+        return key in self._sums or key in self._rates
+
+    def success_rate(self, key: Hashable) -> float:
+        if self.window is None:
+            s, n = self._sums.get(key, (0.0, 0.0))
+            return s / n if n else 0.0
+        rates = self._rates.get(key)
+        return float(np.mean(rates)) if rates else 0.0
+
+    def weight(self, key: Hashable) -> float:
+        s = self.success_rate(key)
+        if self.rule == "learnability":
+            w = s * (1.0 - s) if self.seen(key) else 0.25
+        else:
+            w = 1.0 - s
+        return max(w, self.floor)
 
     def pool(self, progress: float) -> list[Hashable]:
         if not 0.0 <= progress <= 1.0:
@@ -133,15 +191,33 @@ class PrioritizedSampler:
 
     def probabilities(self, progress: float = 1.0) -> dict[Hashable, float]:
         pool = self.pool(progress)
-        weights = [1.0 - self.success_rate(p) for p in pool]
+        weights = [self.weight(p) for p in pool]
         total = sum(weights)
-        if total == 0:  # every problem in the pool is solved: fall back to uniform
+        if total == 0:
             return {p: 1.0 / len(pool) for p in pool}
-        return {p: w / total for p, w in zip(pool, weights)}
+        return {p: w / total for p, w in zip(pool, weights, strict=True)}
 
     def sample(self, n: int, progress: float = 1.0) -> list[Hashable]:
         probs = self.probabilities(progress)
-        return self.rng.choices(list(probs), weights=list(probs.values()), k=n)
+        keys = list(probs)
+        picks = self.rng.choice(len(keys), size=n, p=np.asarray(list(probs.values())))
+        return [keys[int(i)] for i in picks]
+
+    def state_dict(self) -> dict:
+        """JSON-able state (keys as strings: categories and problem ids are strings)."""
+        return {"sums": {str(k): v for k, v in self._sums.items()},
+                "rates": {str(k): list(v) for k, v in self._rates.items()},
+                "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        by_name = {str(k): k for k in self.order}
+        unknown = sorted((set(state["sums"]) | set(state["rates"])) - set(by_name))
+        if unknown:
+            raise ValueError(f"checkpointed keys {unknown} are not among this sampler's")
+        self._sums = {by_name[k]: [float(a), float(b)] for k, (a, b) in state["sums"].items()}
+        self._rates = {by_name[k]: collections.deque(map(float, v), maxlen=self.window)
+                       for k, v in state["rates"].items()}
+        self.rng.bit_generator.state = state["rng"]
 
 
 @dataclasses.dataclass(frozen=True)

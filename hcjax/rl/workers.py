@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hcjax.rewards.types import Grade
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.records import Rollout
 from hcjax.rl.sampling import EarlyExit
@@ -38,15 +39,6 @@ class InferenceClient(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class Grade:
-    """A graded response: the scalar reward, whether it solved the task, and the reward's parts."""
-
-    reward: float
-    correct: bool
-    components: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
 class Task:
     """One problem as the workers see it: its id, the prompt token ids and a grader of response
     token ids. `meta` is carried through untouched (e.g. the problem text, for the rollout store)."""
@@ -60,6 +52,9 @@ class Task:
     tools: Callable[[Any], Any] | None = None
     tokenizer: Any = None
     budget: Any = None
+    # Group reward shaping (hcjax.rewards.spec through hcjax.rl.sources): graded rollouts of a
+    # kept group -> the same rollouts with composed rewards, before advantages. None: as graded.
+    shaping: Callable[[list[Rollout]], list[Rollout]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -166,6 +161,11 @@ class RolloutWorker:
         self.timeout = timeout
         self.stats = stats or WorkerStats()
         self.partials = partials or PartialRegistry()
+
+    def set_sampling(self, **changes: Any) -> None:
+        """Requests made from now on use these sampling settings (e.g. the entropy lever's
+        temperature, the length curriculum's max_tokens); in-flight requests keep theirs."""
+        self.sampling = dataclasses.replace(self.sampling, **changes)
 
     def _request(self, task: Task, n: int, seed: int | None) -> GenerateRequest:
         s = self.sampling
@@ -294,6 +294,9 @@ class RolloutWorker:
         if record.aborted:
             return dataclasses.replace(record, reward=None, group_id=task.id)
         g = task.grade(record.response_ids.tolist())
+        if g.aborted:  # the grader could not judge (e.g. a sandbox failure): not a wrong answer
+            return dataclasses.replace(record, reward=None, finish_reason="aborted",
+                                       group_id=task.id)
         components = dict(g.components)
         components["correct"] = float(g.correct)
         return dataclasses.replace(record, reward=float(g.reward), reward_components=components,
@@ -394,4 +397,6 @@ class ProblemWorker:
             self.stats.add(full_dropped=1)
             return GroupResult(task, rollouts, False, rate, "full")
         self.stats.add(kept=1)
+        if task.shaping is not None:
+            rollouts = task.shaping(rollouts)
         return GroupResult(task, assign_advantages(rollouts, self.advantage), True, rate, "full")

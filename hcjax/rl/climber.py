@@ -1,0 +1,620 @@
+"""The climb as a library object (RECIPE §1, §3, §4): `Climb(output_dir, ...)` builds every part
+from gin — the task suite and its rewards (ClimbConfig), the placement (Placement), the learner
+(LearnerConfig), the controller (ControllerConfig), the problem source (SourceConfig) — and
+`run()` climbs and returns the summary. Each part lives in the module that owns it; this file
+only wires them and keeps the climb's history (evaluations, checkpoints, metrics)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gin
+import numpy as np
+
+from hcjax.rl.controller import Controller, ControllerConfig, StepReport
+from hcjax.rl.entropy import TemperatureController
+from hcjax.rl.sampling import EarlyExit, LengthCurriculum
+from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
+from hcjax.rl.workers import (
+    GroupResult,
+    PartialRegistry,
+    ProblemWorker,
+    RolloutWorker,
+    SamplingConfig,
+    WorkerStats,
+)
+
+__all__ = ["Climb", "ClimbConfig", "ClimbResult", "load_base_model", "pretrain_base", "run_climb"]
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ClimbConfig:
+    """The climb's own settings; the placement (Placement), learner (LearnerConfig), controller
+    (ControllerConfig), problem source (SourceConfig), model (ModelConfig) and base pre-training
+    (SFTConfig) have their own.
+
+    suite: the TaskSuite to climb (None: ArithmeticTasks(), the synthetic suite of the tiny
+      default); rewards: per suite name, its group reward shaping (hcjax.rewards.spec.RewardSpec).
+    max_minutes: stop climbing after this much wall time (None: run all num_steps).
+    early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
+    max_tokens: response tokens per model turn; length_curriculum (hcjax.rl.sampling
+      .LengthCurriculum) replaces it by a growing budget per stage of learner steps.
+    temperature: the sampling temperature (the start value when it is controlled).
+    temperature_delta / temperature_range: δ and bounds of the sampling-temperature lever
+      (hcjax.rl.entropy.TemperatureController); 0 keeps the temperature fixed.
+    max_prompt_len: the engine's max prefill length for single-turn prompts; None: the suite's
+      longest templated prompt (at least 32). max_prefill_length: for multi-turn episodes, whose
+      later turns carry the earlier ones (None: prompt + the episode budget's turns).
+    """
+
+    suite: Any = None
+    rewards: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    num_steps: int = 60
+    max_minutes: float | None = None
+    group: int = 8
+    early_group: int = 4
+    early_window: tuple[float, float] = (0.05, 0.95)
+    full_window: tuple[float, float] = (0.05, 0.95)
+    advantage: str = "mean_std"
+    max_tokens: int = 24
+    length_curriculum: LengthCurriculum | None = None
+    temperature: float = 1.0
+    temperature_delta: float = 0.0
+    temperature_range: tuple[float, float] = (0.5, 2.0)
+    top_p: float = 0.97
+    token_budget: int | None = None
+    max_retries: int = 3
+    eval_every: int = 10
+    eval_problems: int = 200
+    max_concurrent_decodes: int = 64
+    checkpoint_every: int = 10
+    profile_start: int = -1
+    profile_stop: int = -1
+    seed: int = 0
+    max_prompt_len: int | None = None
+    max_prefill_length: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "group", "early_group", "max_tokens", "eval_every",
+                     "max_concurrent_decodes", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClimbConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.early_group > self.group:
+            raise ValueError(f"ClimbConfig.early_group={self.early_group} exceeds "
+                             f"group={self.group}")
+        if len(self.temperature_range) != 2:
+            raise ValueError(f"ClimbConfig.temperature_range={self.temperature_range} must be "
+                             "(low, high)")
+        if self.temperature_delta > 0 and not (
+                0 < self.temperature_range[0] <= self.temperature <= self.temperature_range[1]):
+            raise ValueError(f"ClimbConfig.temperature={self.temperature} must lie in "
+                             f"temperature_range={self.temperature_range} (low > 0) when "
+                             f"temperature_delta={self.temperature_delta} > 0")
+        if self.temperature_delta < 0:
+            raise ValueError(f"ClimbConfig.temperature_delta={self.temperature_delta} must be >= 0")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"ClimbConfig.max_minutes={self.max_minutes} must be > 0 or None")
+        for name in ("max_prompt_len", "max_prefill_length"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"ClimbConfig.{name}={getattr(self, name)} must be >= 1 or None")
+        if not isinstance(self.rewards, Mapping):
+            raise ValueError(f"ClimbConfig.rewards={self.rewards!r} must map suite names to "
+                             "RewardSpecs")
+
+    def early_exit(self) -> EarlyExit:
+        return EarlyExit(self.early_group, self.group, tuple(self.early_window),
+                         tuple(self.full_window))
+
+    def make_suite(self) -> Any:
+        from hcjax.tasks import ArithmeticTasks, check_suite
+
+        suite = self.suite if self.suite is not None else ArithmeticTasks()
+        check_suite(suite, "ClimbConfig.suite")
+        return suite
+
+    def longest_response(self) -> int:
+        """The most response tokens one model turn may take over the whole climb."""
+        if self.length_curriculum is None:
+            return self.max_tokens
+        return self.length_curriculum.end
+
+    def max_tokens_at(self, step: int) -> int:
+        if self.length_curriculum is None:
+            return self.max_tokens
+        return self.length_curriculum.max_length(step)
+
+
+@dataclasses.dataclass
+class ClimbResult:
+    output_dir: str
+    summary: dict[str, Any]
+
+
+def load_base_model(base_dir: str, model_cfg, mesh):
+    """The model with the params of the latest checkpoint of an hcjax.sft run, on `mesh`."""
+    from flax import nnx
+
+    from hcjax.distill.sft import load_params
+    from hcjax.model import create_sharded
+
+    model = create_sharded(model_cfg, mesh)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    # load_params checks the run's ModelConfig (implementation switches may differ) and places
+    # each leaf like the target.
+    nnx.replace_by_pure_dict(params, load_params(base_dir, model_cfg, nnx.to_pure_dict(params)))
+    nnx.update(model, params)
+    return model
+
+
+def pretrain_base(output_dir: str) -> str:
+    """Pre-train the tiny base with hcjax.sft into OUTPUT_DIR/base (resumes a previous run)."""
+    from hcjax.distill.sft import run_sft
+
+    base_dir = os.path.join(output_dir, "base")
+    run_sft(base_dir, progress=False, eval_problems=0)
+    return base_dir
+
+
+def _shaping_for(rewards: Mapping[str, Any], max_tokens: Any, step: Any, decode: Any):
+    """suite -> the group shaping callable of its RewardSpec (None when it has none): the
+    graded rollouts of a kept group -> the same with the spec's composed rewards (RECIPE §3)."""
+    from hcjax.rewards.types import Grade
+
+    def for_suite(suite: Any):
+        spec = rewards.get(getattr(suite, "name", ""))
+        if spec is None:
+            return None
+
+        def shape(rollouts: list) -> list:
+            valid = [r for r in rollouts if not r.aborted]
+            grades = [Grade(float(r.reward), correct=r.reward_components.get("correct", 0) > 0,
+                            components=dict(r.reward_components)) for r in valid]
+            lengths = [int(r.loss_mask.sum()) for r in valid]
+            texts = ([decode(r.response_ids[r.loss_mask].tolist()) for r in valid]
+                     if spec.language_weight > 0 else None)
+            shaped = iter(spec.group_rewards(grades, lengths, max_length=max_tokens(),
+                                             step=step(), texts=texts))
+            out = []
+            for r in rollouts:
+                if r.aborted:
+                    out.append(r)
+                    continue
+                g = next(shaped)
+                out.append(dataclasses.replace(r, reward=float(g.reward),
+                                               reward_components=dict(g.components)))
+            return out
+
+        return shape
+
+    return for_suite
+
+
+class Climb:
+    """One climb in `output_dir` (resumed when it holds checkpoints).
+
+    base_checkpoint: an hcjax.sft run (default: pre-train the tiny base into OUTPUT_DIR/base);
+    hf_checkpoint: a Hugging Face folder as the base instead (its model, tokenizer and chat
+    template); inference_addresses: remote `python -m hcjax.serve` replicas (overrides
+    Placement.inference_addresses); mode overrides ControllerConfig.mode; stop_at_gain: stop once
+    held-out pass@1 is this much above the base's (bench.climb)."""
+
+    def __init__(self, output_dir: str, *, base_checkpoint: str | None = None,
+                 hf_checkpoint: str | None = None, inference_addresses: Sequence[str] = (),
+                 mode: str | None = None, progress: bool = True,
+                 stop_at_gain: float | None = None) -> None:
+        import jax
+
+        from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
+        from hcjax.model import ModelConfig
+        from hcjax.rl.learner import Learner, LearnerConfig
+        from hcjax.rl.placement import Placement
+        from hcjax.rl.sources import SourceConfig, TaskBuilder
+
+        if hf_checkpoint is not None and base_checkpoint is not None:
+            raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
+                             f"{base_checkpoint!r}: the climb starts from one base, give one")
+        self.t_start = time.perf_counter()
+        self.output_dir = os.path.abspath(output_dir)
+        os.makedirs(self.output_dir, exist_ok=True)
+        self.progress, self.stop_at_gain = progress, stop_at_gain
+        self.cfg = cfg = ClimbConfig()
+        self.ctl_cfg = ControllerConfig()
+        if mode is not None:
+            self.ctl_cfg = dataclasses.replace(self.ctl_cfg, mode=mode)
+        self.learner_cfg = LearnerConfig()
+        model_cfg = ModelConfig()
+        placement = Placement()
+        if inference_addresses:
+            placement = dataclasses.replace(placement,
+                                            inference_addresses=tuple(inference_addresses))
+        self.suite = cfg.make_suite()
+        unknown = sorted(set(cfg.rewards) - self._suite_names())
+        if unknown:
+            raise ValueError(f"ClimbConfig.rewards names suites {unknown}; the climb's suites "
+                             f"are {sorted(self._suite_names())}")
+
+        # Placement first: a mesh the devices cannot form fails here, before any compile.
+        self.processes = jax.process_count()
+        if self.processes > 1 and not placement.inference_addresses:
+            raise ValueError(
+                f"a learner over {self.processes} processes needs remote inference "
+                "(Placement.inference_addresses or --inference_address): the in-process engine "
+                "cannot hold parameters that span every process")
+        if self.processes > 1 and base_checkpoint is None:
+            raise ValueError(
+                f"a learner over {self.processes} processes needs --base_checkpoint: pre-train "
+                "the base first with `python -m hcjax.sft` (every process would pre-train its own)")
+        self.placement = placement.resolve(jax.devices())
+
+        self.tok = self._tokenizer(hf_checkpoint)
+        from hcjax.data.template import stop_ids
+
+        self.stops = tuple(stop_ids(self.tok))
+        self.step_now = 0
+        shaping = _shaping_for(cfg.rewards, lambda: self.rollout_worker.sampling.max_tokens,
+                               lambda: self.step_now, self.tok.decode)
+        self.builder = TaskBuilder(self.suite, self.tok, shaping=shaping)
+        # A quarter more than the longest prompt seen in a scan of the suite: a later problem
+        # may tokenize a little longer (a longer one is an error naming it).
+        longest = self.builder.longest_prompt()
+        self.max_prompt_len = cfg.max_prompt_len or max(32, longest + longest // 4)
+        self.builder.max_prompt_len = self.max_prompt_len
+
+        # The base model on the learner mesh.
+        t_base = time.perf_counter()
+        ckpt_meta: dict[str, Any] = {}
+        learner_mesh = self.placement.learner_mesh
+        if hf_checkpoint is not None:
+            from hcjax.distill.sft import hf_source_meta, load_hf_model
+
+            model, model_cfg = load_hf_model(hf_checkpoint, learner_mesh)
+            ckpt_meta = hf_source_meta(hf_checkpoint, self.output_dir)
+            if self.tok.vocab_size > model_cfg.vocab_size:
+                raise ValueError(f"the tokenizer of {hf_checkpoint!r} has {self.tok.vocab_size} "
+                                 f"ids; the model's vocab_size is {model_cfg.vocab_size}")
+        else:
+            model = load_base_model(base_checkpoint or pretrain_base(self.output_dir), model_cfg,
+                                    learner_mesh)
+        self.model_cfg = model_cfg
+        self.base_seconds = time.perf_counter() - t_base
+        learner = Learner(model, self.learner_cfg, learner_mesh)
+        self.learner = learner
+        # Several learner processes: process 0 sends every learner call to the others, which
+        # run them in the same order (hcjax.rl.multihost); the leader then touches the learner
+        # mesh only through `dist`.
+        self.dist = None
+        if self.processes > 1:
+            from hcjax.rl.multihost import DistributedLearner
+
+            self.dist = DistributedLearner(learner)
+        from hcjax.rl.batch import BucketedLearner
+
+        self.bucketed = BucketedLearner(self.dist or learner)
+        self.ckpt = Checkpointer(os.path.join(self.output_dir, "checkpoints"),
+                                 CheckpointConfig(save_every=cfg.checkpoint_every, keep=2),
+                                 {"model_config": jsonable(model_cfg), **ckpt_meta})
+        self.is_follower = self.dist is not None and not self.dist.is_leader
+        if self.is_follower:
+            return
+        self.inference = self._inference(model)
+
+        self.stats = WorkerStats()
+        self.partials = PartialRegistry()
+        self.sampling = SamplingConfig(max_tokens=cfg.max_tokens_at(0),
+                                       temperature=cfg.temperature, top_p=cfg.top_p,
+                                       stop_tokens=self.stops, token_budget=cfg.token_budget)
+        self.rollout_worker = RolloutWorker(self.inference, self.sampling,
+                                            max_retries=cfg.max_retries, stats=self.stats,
+                                            partials=self.partials)
+        worker = ProblemWorker(self.rollout_worker, cfg.early_exit(), advantage=cfg.advantage,
+                               stats=self.stats)
+        self.temperature = TemperatureController(
+            self.learner_cfg.entropy.target, cfg.temperature_delta, *cfg.temperature_range,
+            temperature=cfg.temperature) if cfg.temperature_delta > 0 else None
+        from hcjax.rl.sources import make_source
+
+        self.source = make_source(self.builder, SourceConfig())
+        self.store = RolloutStore(os.path.join(self.output_dir, "rollouts"),
+                                  decode=self.tok.decode)
+        self.controller = Controller(self.ctl_cfg, self.source, worker, self.bucketed,
+                                     self.inference.publish, on_group=self._on_group,
+                                     on_step=self._on_step, stats=self.stats)
+        from hcjax.rl.evaluate import HeldoutEval
+
+        self.evaluator = HeldoutEval(self.inference, self.builder,
+                                     list(self.suite.heldout())[: cfg.eval_problems],
+                                     self.sampling, max_retries=cfg.max_retries)
+        self.history: dict[str, Any] = {"eval": [], "wall_offset": 0.0, "base_pass_at_1": None}
+        self.resumed_from: int | None = None
+        self.saved_step: int | None = None
+        self.deadline: float | None = None
+        self.t_climb = time.perf_counter()
+        self.last_step_time = time.perf_counter()
+
+    # Construction helpers ----------------------------------------------------------------------
+    def _suite_names(self) -> set[str]:
+        names = {self.suite.name}
+        names.update(s.name for s in getattr(self.suite, "suites", ()))
+        return names
+
+    @staticmethod
+    def _tokenizer(hf_checkpoint: str | None):
+        from hcjax.data.tokenizer import ByteTokenizer, load_tokenizer
+
+        return ByteTokenizer() if hf_checkpoint is None else load_tokenizer(hf_checkpoint)
+
+    def _prefill_length(self) -> int:
+        """Longest prefill: the prompt, or for tool episodes the prompt plus earlier turns."""
+        cfg = self.cfg
+        if cfg.max_prefill_length is not None:
+            return cfg.max_prefill_length
+        tools = any(self.suite.tools(p) is not None for p in list(self.suite.heldout())[:64])
+        if not tools:
+            return self.max_prompt_len
+        from hcjax.envs.react import Budget
+
+        steps = min((getattr(s, "budget", None) or Budget()).max_steps
+                    for s in [self.suite, *getattr(self.suite, "suites", ())]
+                    if getattr(s, "budget", None) is not None) if any(
+            getattr(s, "budget", None) is not None
+            for s in [self.suite, *getattr(self.suite, "suites", ())]) else 4
+        # Each earlier turn adds at most a response and its observation (<= a response + 32).
+        return self.max_prompt_len + steps * (2 * cfg.longest_response() + 32)
+
+    def _inference(self, model):
+        from hcjax.rl.inference import LocalInference, RemoteInference
+
+        params = (self.dist.local_params if self.dist is not None
+                  else (lambda: self.learner.state.params))
+        if self.placement.remote:
+            return RemoteInference(self.placement.inference_addresses, params)
+        prefill = self._prefill_length()
+        target = min(self.model_cfg.max_seq_len, prefill + self.cfg.longest_response() + 8)
+        if prefill >= target:
+            raise ValueError(
+                f"prompts of up to {prefill} tokens plus {self.cfg.longest_response()} response "
+                f"tokens do not fit the model's max_seq_len={self.model_cfg.max_seq_len} (set "
+                "ClimbConfig.max_prefill_length / max_tokens)")
+        return LocalInference(self.learner.model(), self.placement.inference_meshes, params,
+                              max_concurrent_decodes=self.cfg.max_concurrent_decodes,
+                              max_prefill_length=prefill, max_target_length=target)
+
+    # State ------------------------------------------------------------------------------------
+    def _climb_wall(self) -> float:
+        return float(self.history.get("wall_offset", 0.0)) + time.perf_counter() - self.t_climb
+
+    def _restore(self) -> None:
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return
+        if self.dist is not None:  # every learner process restores its shards
+            data = self.dist.restore(self.ckpt, latest)
+        else:
+            state, data = self.ckpt.restore(latest, self.learner.state)
+            self.learner.state = state
+        pending = [g.to_group() for g in read_groups(
+            self.store.path, accepted_only=True,
+            start=int(data["controller"]["accepted_consumed"]))]
+        self.controller.load_state_dict(data["controller"], pending)
+        for task_id, records in data.get("partials", {}).items():
+            self.partials.put(task_id, [rollout_from_json(r) for r in records])
+        self.history = data["history"]
+        self.resumed_from = latest if self.dist is not None else self.ckpt.restored_step
+        self.saved_step = self.resumed_from
+        if self.temperature is not None and "temperature" in data:
+            self.temperature.load_state_dict(data["temperature"])
+            self.rollout_worker.set_sampling(temperature=self.temperature.temperature)
+        self._follow_curriculum(self.controller.step)
+
+    def _save(self, step: int, force: bool = False) -> None:
+        if self.saved_step == step:  # already on disk (a step is saved at most once)
+            return
+        data = {"controller": self.controller.state_dict(),
+                "partials": {k: [rollout_to_json(r) for r in v]
+                             for k, v in self.partials.snapshot().items()},
+                "history": dict(self.history, wall_offset=self._climb_wall())}
+        if self.temperature is not None:
+            data["temperature"] = self.temperature.state_dict()
+        started = (self.dist.save(self.ckpt, step, data, force=force) if self.dist is not None
+                   else self.ckpt.save(step, self.learner.state, data, force=force))
+        if started:
+            self.saved_step = step
+
+    def _follow_curriculum(self, step: int) -> None:
+        """The length curriculum's response budget and the source's curriculum at `step`."""
+        self.step_now = step
+        self.source.advance(step)
+        max_tokens = self.cfg.max_tokens_at(step)
+        if max_tokens != self.rollout_worker.sampling.max_tokens:
+            self.rollout_worker.set_sampling(max_tokens=max_tokens)
+            self.evaluator.set_max_tokens(max_tokens)
+        self.sampling = self.rollout_worker.sampling
+
+    # Callbacks of the controller --------------------------------------------------------------
+    def _on_group(self, group: GroupResult, accepted: bool, step: int, version: int) -> None:
+        self.store.append(group, accepted=accepted, step=step, version=version)
+
+    def _evaluate(self, step: int, version: int) -> dict[str, Any]:
+        result = self.evaluator.evaluate()
+        entry = {"step": step, "wall": self._climb_wall(), "pass_at_1": result["pass_at_1"],
+                 "version": version, "by_category": result["by_category"],
+                 "by_suite": result["by_suite"],
+                 "extraction": result["extraction"]}
+        self.history["eval"].append(entry)
+        self.history.setdefault("category_sizes", result["category_sizes"])
+        return result
+
+    def _on_step(self, report: StepReport) -> bool:
+        from hcjax.rl.report import step_record
+
+        now = time.perf_counter()
+        record = step_record(report, self.learner_cfg.entropy.target, self.stats,
+                             self.controller.counters, now - self.last_step_time,
+                             self._climb_wall())
+        self.last_step_time = now
+        if self.temperature is not None:
+            # The next samples use the new temperature (every rollout records the temperature
+            # it was sampled at, which the learner uses). A step with no trained token has no Ĥ.
+            if np.isfinite(record["entropy"]):
+                self.rollout_worker.set_sampling(
+                    temperature=self.temperature.update(record["entropy"]))
+            record["temperature"] = self.temperature.temperature
+        self._follow_curriculum(report.step)
+        record["max_tokens"] = self.rollout_worker.sampling.max_tokens
+        for age in report.staleness:
+            hist = self.history.setdefault("staleness_hist", {})
+            hist[str(age)] = hist.get(str(age), 0) + 1
+        stop = False
+        if report.step % self.cfg.eval_every == 0 or report.step >= self.cfg.num_steps:
+            result = self._evaluate(report.step, report.version)
+            record["heldout_pass_at_1"] = result["pass_at_1"]
+            record["eval_version"] = float(report.version)
+            for c, v in [*result["by_category"].items(), *result["by_suite"].items()]:
+                record[f"heldout_pass_at_1/{c}"] = v
+            gain = self.stop_at_gain
+            if gain is not None and result["pass_at_1"] >= self.history["base_pass_at_1"] + gain:
+                self.history["reached_gain_at_wall"] = self._climb_wall()
+                stop = True
+        self.writer.write(report.step, {k: v for k, v in record.items()
+                                        if not isinstance(v, float) or np.isfinite(v)})
+        self.tracer.after_step(report.step, None)
+        self.tracer.before_step(report.step + 1)
+        if self.progress:
+            shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()
+                     if k in ("reward_mean", "heldout_pass_at_1", "entropy", "k", "temperature",
+                              "staleness_mean", "rollouts_per_s", "wall")}
+            print(json.dumps({"step": report.step, **shown}), flush=True)
+        self._save(report.step, force=stop)
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            stop = True
+        return stop
+
+    # Run --------------------------------------------------------------------------------------
+    def run(self) -> ClimbResult:
+        if self.is_follower:
+            return self._follow()
+        from hcjax.metrics import MetricsWriter
+        from hcjax.profiling import StepTracer
+
+        cfg = self.cfg
+        try:
+            self._restore()
+            # Serve the learner's current weights as the controller's version.
+            self.inference.start(self.controller.version)
+            self.writer = MetricsWriter(self.output_dir)
+            self.tracer = StepTracer(os.path.join(self.output_dir, "profile"),
+                                     cfg.profile_start, cfg.profile_stop)
+            self.t_climb = time.perf_counter()
+            if self.history.get("base_pass_at_1") is None:
+                result = self._evaluate(0, self.controller.version)
+                self.history["base_pass_at_1"] = result["pass_at_1"]
+                self.history["eval"][-1]["wall"] = 0.0
+                self.writer.write(0, {"heldout_pass_at_1": result["pass_at_1"],
+                                      **{f"heldout_pass_at_1/{c}": v
+                                         for c, v in result["by_category"].items()}})
+            if self.progress:
+                print(json.dumps({"event": "base", "base_pass_at_1": self.history["base_pass_at_1"],
+                                  "resumed_from": self.resumed_from}), flush=True)
+            if cfg.max_minutes is not None:
+                self.deadline = self.t_climb + 60 * cfg.max_minutes
+            self.last_step_time = time.perf_counter()
+            self.tracer.before_step(self.controller.step + 1)
+            self.controller.run(cfg.num_steps)
+            # The last pushed version may lag the learner: serve the final weights for the
+            # final evaluation.
+            final_version = self.controller.version + 1
+            self.inference.publish(final_version)
+            self.controller.version = final_version
+            final = self._evaluate(self.controller.step, final_version)
+            self.writer.write(self.controller.step, {"heldout_pass_at_1_final": final["pass_at_1"]})
+            self._save(self.controller.step, force=True)
+        except BaseException as err:
+            if self.dist is not None:  # the followers raise this instead of waiting
+                self.dist.abort(f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            self.close()
+        return self._finish(final)
+
+    def close(self) -> None:
+        if self.dist is not None:  # before ckpt.close(): the followers close theirs after `stop`
+            self.dist.stop()
+        for name in ("tracer", "writer"):
+            if hasattr(self, name):
+                getattr(self, name).close()
+        self.ckpt.close()
+        self.store.close()
+        self.inference.close()
+
+    def _finish(self, final: dict[str, Any]) -> ClimbResult:
+        from hcjax.rl.report import entropy_within, mean_metric, write_report
+
+        history = self.history
+        metrics = os.path.join(self.output_dir, "metrics.jsonl")
+        target = self.learner_cfg.entropy.target
+        evals = history["eval"]
+        sizes = history.get("category_sizes", {})
+        categories = {c: {"base": evals[0]["by_category"].get(c, float("nan")),
+                          "final": v, "problems": sizes.get(c)}
+                      for c, v in final["by_category"].items()} if evals else {}
+        suites = {s: {"base": evals[0].get("by_suite", {}).get(s, float("nan")), "final": v}
+                  for s, v in final["by_suite"].items()} if evals else {}
+        summary = {
+            "suite": self.suite.name,
+            "base_pass_at_1": history["base_pass_at_1"],
+            "final_pass_at_1": final["pass_at_1"],
+            "improvement": final["pass_at_1"] - history["base_pass_at_1"],
+            "categories": categories,
+            "suites": suites,
+            "extraction": final["extraction"],
+            "steps": self.controller.step,
+            "wall_seconds": time.perf_counter() - self.t_start,
+            "climb_wall_seconds": self._climb_wall(),
+            "base_pretrain_seconds": self.base_seconds,
+            "resumed_from": self.resumed_from,
+            "mode": self.ctl_cfg.mode,
+            "placement": "multi_process" if self.placement.remote else "single_process",
+            "placement_detail": self.placement.describe(),
+            "learner_processes": self.processes,
+            "rollouts": self.stats.rollouts,
+            "stale_rollouts_dropped": self.controller.counters["stale_rollouts_dropped"],
+            "accepted_groups_consumed": self.controller.accepted_consumed,
+            "buffered_groups": len(self.controller.buffer),
+            "logp_gap_mean": mean_metric(metrics, "logp_gap_mean"),
+            "entropy_within_25pct": entropy_within(metrics, target),
+            "entropy_within_25pct_smoothed_10": entropy_within(metrics, target, smooth=10),
+            "worker_stats": self.stats.as_dict(),
+            "evals": evals,
+            "reached_gain_at_wall": history.get("reached_gain_at_wall"),
+            "staleness_hist": history.get("staleness_hist", {}),
+            **self.controller.utilisation(),
+        }
+        with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        write_report(self.output_dir, summary, target)
+        return ClimbResult(self.output_dir, summary)
+
+    def _follow(self) -> ClimbResult:
+        """A follower learner process (jax.process_index() > 0): run the leader's learner
+        commands (train, gather, save, restore) until it stops; see hcjax.rl.multihost."""
+        import jax
+
+        try:
+            steps = self.dist.follow(self.ckpt)
+        finally:
+            self.ckpt.close()
+        return ClimbResult(self.output_dir, {"role": "follower",
+                                             "process_index": jax.process_index(),
+                                             "learner_steps": steps,
+                                             "wall_seconds": time.perf_counter() - self.t_start})
+
+
+def run_climb(output_dir: str, **options: Any) -> ClimbResult:
+    """Build a Climb from the bound gin configuration and run it (options: see Climb)."""
+    return Climb(output_dir, **options).run()

@@ -1,0 +1,98 @@
+"""The climb's inference side behind one interface (`generate`, `publish`, `start`, `close`):
+in-process replicas (an Engine + continuous-batching RolloutServer per inference mesh, fed the
+learner's weights through a TransferPlan each) or remote `python -m hcjax.serve` processes (the
+Router for requests, reshard plans over gRPC for weights). Training and evaluation share it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["LocalInference", "RemoteInference"]
+
+
+class LocalInference:
+    """Replicas on this process's inference meshes. `params()` is the learner's current params
+    tree; `publish(version)` moves it to every replica (the plan's copies run once per push)."""
+
+    def __init__(self, model: Any, meshes: Sequence[Any], params: Callable[[], Any], *,
+                 max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
+                 max_queue: int = 4096) -> None:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from hcjax.model import shard_state
+        from hcjax.rollout import Engine, RolloutServer
+        from hcjax.transfer import VersionedWeights, make_plan
+
+        self._params = params
+        self._lock = threading.Lock()
+        graphdef, state = nnx.split(model)
+        self.replicas: list[dict[str, Any]] = []
+        for mesh in meshes:
+            replica_model = nnx.merge(graphdef, shard_state(jax.tree.map(jnp.copy, state), mesh))
+            engine = Engine(replica_model, mesh=mesh,
+                            max_concurrent_decodes=max_concurrent_decodes,
+                            max_prefill_length=max_prefill_length,
+                            max_target_length=max_target_length)
+            plan = make_plan(params(), jax.tree.map(lambda x: x.sharding, engine.load_params()))
+            self.replicas.append({"engine": engine, "plan": plan, "inflight": 0,
+                                  "served": VersionedWeights(None, -1),
+                                  "server": RolloutServer(engine, max_queue=max_queue)})
+
+    @property
+    def engines(self) -> list[Any]:
+        return [r["engine"] for r in self.replicas]
+
+    def publish(self, version: int) -> None:
+        for r in self.replicas:
+            tree = r["served"].update(lambda r=r: r["plan"].execute(self._params()), version)
+            r["server"].update_weights(tree, version)
+
+    def start(self, version: int) -> None:
+        """Serve the learner's current weights as `version`, then accept requests."""
+        self.publish(version)
+        for r in self.replicas:
+            r["server"].start()
+
+    def generate(self, request, timeout: float | None = None) -> list:
+        with self._lock:  # the least loaded replica takes the request
+            r = min(self.replicas, key=lambda x: x["inflight"])
+            r["inflight"] += 1
+        try:
+            return r["server"].generate(request, timeout=timeout)
+        finally:
+            with self._lock:
+                r["inflight"] -= 1
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r["server"].stop()
+
+
+class RemoteInference:
+    """Remote replicas: requests through the Router, weights by reshard plans to every live
+    replica (hcjax.rl.weight_sync.WeightPublisher); a replica whose transfer fails is taken out
+    of the router."""
+
+    def __init__(self, addresses: Sequence[str], params: Callable[[], Any]) -> None:
+        from hcjax.rl.weight_sync import WeightPublisher
+        from hcjax.rollout.router import Router
+
+        self.router = Router(list(addresses), max_inflight_per_replica=256)
+        self.publisher = WeightPublisher(params, list(addresses),
+                                         on_dead=self.router.remove_replica)
+
+    def publish(self, version: int) -> None:
+        self.publisher(version)
+
+    def start(self, version: int) -> None:
+        self.publish(version)
+
+    def generate(self, request, timeout: float | None = None) -> list:
+        return self.router.generate(request, timeout=timeout)
+
+    def close(self) -> None:
+        self.router.close()

@@ -1,0 +1,195 @@
+"""The climb's report: report.md with PNG plots (reward, held-out pass@1 overall and per
+category, entropy against its target band, k / temperature, lengths, staleness, train-inference
+log-prob gap) written from metrics.jsonl and the run's summary."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["entropy_within", "mean_metric", "step_record", "write_report"]
+
+
+def mean_metric(path: str, key: str) -> float:
+    from hcjax.metrics import read_metrics
+
+    _, ys = _series(read_metrics(path), key)
+    return float(np.mean(ys)) if ys else float("nan")
+
+
+def entropy_within(path: str, target: float, warmup_fraction: float = 0.25,
+                    smooth: int = 1) -> float:
+    """Fraction of steps after warm-up (the first quarter) whose Ĥ is within ±25% of H*; with
+    `smooth` > 1, Ĥ is first averaged over the last `smooth` steps (one step's estimate comes from
+    a few hundred tokens and is noisy by itself)."""
+    from hcjax.metrics import read_metrics
+
+    _, ys = _series(read_metrics(path), "entropy")
+    if smooth > 1 and ys:
+        csum = np.cumsum([0.0, *ys])
+        ys = [(csum[i + 1] - csum[max(0, i + 1 - smooth)]) / min(i + 1, smooth)
+              for i in range(len(ys))]
+    warm = ys[int(len(ys) * warmup_fraction):]
+    if not warm:
+        return float("nan")
+    return float(np.mean([abs(e - target) <= 0.25 * target for e in warm]))
+
+
+def _series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]:
+    pts = [(r[x], r[key]) for r in records
+           if key in r and x in r and np.isfinite(float(r[key]))]
+    return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
+
+
+def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
+    """report.md with PNG plots of the climb (reward, pass@1, entropy, k, lengths, staleness,
+    train-inference log-prob gap) from metrics.jsonl and the summary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hcjax.metrics import read_metrics
+
+    records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
+    evals = summary.get("evals", [])
+    plots: list[tuple[str, str]] = []
+
+    def figure(name: str, title: str, draw) -> None:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        draw(ax)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(output_dir, name), dpi=90)
+        plt.close(fig)
+        plots.append((name, title))
+
+    def reward_vs(x: str, xlabel: str):
+        def draw(ax):
+            xs, ys = _series(records, "reward_mean", x)
+            ax.plot(xs, ys, label="train reward (mean)")
+            ax.plot([e[x if x == "step" else "wall"] for e in evals],
+                    [e["pass_at_1"] for e in evals], "o-", label="held-out pass@1")
+            ax.set_xlabel(xlabel)
+        return draw
+
+    figure("reward_vs_step.png", "reward and held-out pass@1 vs step", reward_vs("step", "step"))
+    by_category = sorted({c for e in evals for c in e.get("by_category", {})})
+    if len(by_category) > 1:
+        def per_category(ax):
+            for c in by_category:
+                pts = [(e["step"], e["by_category"][c]) for e in evals
+                       if c in e.get("by_category", {})]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=c)
+            ax.set_xlabel("step")
+
+        figure("pass_at_1_by_category.png", "held-out pass@1 by category", per_category)
+    figure("reward_vs_wall.png", "reward and held-out pass@1 vs wall time",
+           reward_vs("wall", "climb wall time (s)"))
+
+    def entropy(ax):
+        xs, ys = _series(records, "entropy")
+        ax.plot(xs, ys, label="entropy estimate")
+        if xs:
+            ax.axhline(entropy_target, color="k", ls="--", label="target H*")
+            ax.fill_between(xs, 0.75 * entropy_target, 1.25 * entropy_target, alpha=0.15,
+                            label="H* +-25%")
+        ax.set_xlabel("step")
+
+    figure("entropy.png", "entropy vs target", entropy)
+    levers = [("k", "k.png", "upper-clip offset k")]
+    if _series(records, "temperature")[0]:
+        levers.append(("temperature", "temperature.png", "sampling temperature (entropy lever)"))
+    for key, name, title in [*levers,
+                             ("response_len_mean", "lengths.png", "mean response length"),
+                             ("logp_gap_mean", "logp_gap.png",
+                              "train-inference log-prob gap (mean |diff|)")]:
+        def draw(ax, key=key):
+            xs, ys = _series(records, key)
+            ax.plot(xs, ys, label=key)
+            ax.set_xlabel("step")
+
+        figure(name, title, draw)
+
+    def hist(ax):
+        h = summary.get("staleness_hist", {})
+        ages = sorted(int(a) for a in h)
+        ax.bar(ages, [h[str(a)] for a in ages])
+        ax.set_xlabel("versions behind at training time")
+        ax.set_ylabel("rollouts")
+
+    figure("staleness.png", "staleness of trained rollouts", hist)
+    keys = ("base_pass_at_1", "final_pass_at_1", "improvement", "steps", "wall_seconds",
+            "climb_wall_seconds", "base_pretrain_seconds", "mode", "placement", "rollouts",
+            "stale_rollouts_dropped", "learner_utilisation", "rollout_utilisation")
+    within = summary.get("entropy_within_25pct", float("nan"))
+    gaps = _series(records, "logp_gap_mean")[1]
+    lines = ["# hcjax climb report", "", "| figure | value |", "|---|---|"]
+    for k in keys:
+        v = summary.get(k)
+        lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
+    lines.append(f"| entropy within +-25% of H*={entropy_target} after warm-up (fraction of "
+                 f"steps) | {within:.3g} |")
+    smoothed = summary.get("entropy_within_25pct_smoothed_10", float("nan"))
+    lines.append(f"| same, Ĥ averaged over 10 steps | {smoothed:.3g} |")
+    lines.append(f"| mean train-inference log-prob gap | "
+                 f"{(float(np.mean(gaps)) if gaps else float('nan')):.3g} |")
+    lines += ["", "## Held-out pass@1", "", "| step | wall (s) | pass@1 |", "|---|---|---|"]
+    lines += [f"| {e['step']} | {e['wall']:.1f} | {e['pass_at_1']:.3f} |" for e in evals]
+    categories = summary.get("categories") or {}
+    if categories:
+        lines += ["", "## Held-out pass@1 by category", "", "| category | problems | base | final |",
+                  "|---|---|---|---|"]
+        lines += [f"| {c} | {v.get('problems', '')} | {v['base']:.3f} | {v['final']:.3f} |"
+                  for c, v in sorted(categories.items())]
+    extraction = summary.get("extraction") or {}
+    if extraction:
+        lines += ["", "## Answer extraction (held-out, final)", "", "| extraction | pass@1 |",
+                  "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in sorted(extraction.items())]
+    lines += [""] + [f"![{title}]({name})" for name, title in plots]
+    text = "\n".join(lines) + "\n"
+    path = os.path.join(output_dir, "report.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def step_record(report, entropy_target: float, stats, counters, step_seconds: float,
+                wall: float) -> dict:
+    """The metrics line of one learner step: the batch's rewards and lengths, the learner's
+    diagnostics, staleness, throughput and the controller's drop counters."""
+    m = report.metrics
+    rewards = [r.reward for g in report.groups for r in g.valid]
+    lengths = [r.response_len for g in report.groups for r in g.valid]
+    record = {
+        "reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+        "response_len_mean": float(np.mean(lengths)) if lengths else float("nan"),
+        "entropy": m.get("entropy", float("nan")),
+        "entropy_target": entropy_target,
+        "k": m.get("k", float("nan")),
+        "logp_gap_mean": m.get("logp_gap_mean", float("nan")),
+        "logp_gap_max": m.get("logp_gap_max", float("nan")),
+        "loss": m.get("loss", float("nan")),
+        "grad_norm": m.get("grad_norm", float("nan")),
+        "staleness_mean": float(np.mean(report.staleness)) if report.staleness else 0.0,
+        "staleness_max": float(np.max(report.staleness)) if report.staleness else 0.0,
+        "version": report.version,
+        "step_seconds": step_seconds,
+        "wall": wall,
+        "rollouts_per_s": stats.rollouts / max(wall, 1e-9),
+        "stale_rollouts_dropped": counters["stale_rollouts_dropped"],
+        "early_dropped": stats.early_dropped,
+        "full_dropped": stats.full_dropped,
+        "failures": stats.failures,
+    }
+    # The learner's own diagnostics (clip fractions, ratio statistics, support misses, LB).
+    for key in ("clip_low_frac", "clip_high_frac", "clip_outer_frac", "ratio_mean", "ratio_max",
+                "support_miss_frac", "load_balance_loss", "policy_loss"):
+        if key in m:
+            record[key] = m[key]
+    return record

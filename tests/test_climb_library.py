@@ -1,0 +1,298 @@
+"""The climb as a library: task suites and mixtures behind `TaskBuilder` and the problem sources,
+held-out evaluation through the inference client, reward shaping per suite, `Placement` errors
+(also from `python -m hcjax.climb`, before anything compiles), the custom suite of README's
+"write your own task", and a climb over a dataset suite that is killed and resumed."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hcjax.data.template import prompt_ids
+from hcjax.data.tokenizer import ByteTokenizer
+from hcjax.rewards.spec import RewardSpec
+from hcjax.rewards.types import Grade
+from hcjax.rl.evaluate import HeldoutEval
+from hcjax.rl.placement import Placement
+from hcjax.rl.sampling import EarlyExit
+from hcjax.rl.sources import PrioritizedSource, SourceConfig, TaskBuilder, make_source
+from hcjax.rl.workers import ProblemWorker, RolloutWorker, SamplingConfig
+from hcjax.rollout.request import SampledRollout
+from hcjax.tasks import ArithmeticTasks, CodeSuite, MixtureSuite, TaskProblem, ToolUseSuite
+from hcjax.tasks.base import SuiteBase
+
+REPO = Path(__file__).resolve().parent.parent
+TOK = ByteTokenizer()
+
+
+class OracleClient:
+    """Answers each prompt with a scripted response text: `answer(prompt_text)`."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.requests = []
+
+    def generate(self, request, timeout=None):
+        self.requests.append(request)
+        text = TOK.decode(list(request.prompt))
+        out = []
+        for i in range(request.n):
+            ids = TOK.encode(self.answer(text, i)) + [request.stop_tokens[0]]
+            n = len(ids)
+            out.append(SampledRollout(
+                prompt_ids=np.asarray(request.prompt), response_ids=np.asarray(ids),
+                logprobs=np.full(n, -0.1), n_kept=np.ones(n), threshold_logit=np.zeros(n),
+                loss_mask=np.ones(n, bool), versions=np.zeros(n), finish_reason="stop",
+                sample_index=i, max_tokens=request.max_tokens, stop_tokens=request.stop_tokens))
+        return out
+
+
+def arithmetic_answer(text, i=0):
+    a, op, b = re.search(r"(\d+)([+\-*])(\d+)=", text).groups()
+    value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    return f"<think></think><answer>{value + (i % 2)}</answer>"  # odd samples are wrong
+
+
+# Suites, mixtures, sources --------------------------------------------------------------------
+
+
+def test_arithmetic_tasks_grade_strict_and_flexible():
+    suite = ArithmeticTasks()
+    p = suite.heldout()[0]
+    right = suite.grade(p, f"<think>x</think><answer>{p.reference}</answer>")
+    assert right.correct and right.components == {"strict": 1.0, "flexible": 1.0}
+    loose = suite.grade(p, f"<think>x</think>so {p.reference}")
+    assert not loose.correct and loose.components == {"strict": 0.0, "flexible": 1.0}
+    assert ArithmeticTasks(extraction="flexible").grade(p, f"<think>x</think>{p.reference}").correct
+    with pytest.raises(ValueError, match="extraction='loose'"):
+        ArithmeticTasks(extraction="loose")
+
+
+def test_mixture_prefixes_dispatches_and_weights():
+    mix = MixtureSuite(suites=(ArithmeticTasks(), CodeSuite(num_heldout=4),
+                               ToolUseSuite(num_heldout=4)), weights=(2.0, 1.0, 1.0))
+    drawn = [mix.train_problem(i) for i in range(600)]
+    share = np.mean([p.meta["suite"] == "arithmetic" for p in drawn])
+    assert abs(share - 0.5) < 0.08
+    assert {p.id.split("/")[0] for p in drawn} == {"arithmetic", "code", "tool_use"}
+    assert all(p.category.startswith(p.meta["suite"] + "/") for p in drawn)
+    # Grading and tools go to the owning suite with the problem as that suite made it.
+    arith = next(p for p in drawn if p.meta["suite"] == "arithmetic")
+    assert mix.grade(arith, f"<answer>{arith.reference}</answer>").correct
+    tool = next(p for p in drawn if p.meta["suite"] == "tool_use")
+    assert mix.tools(tool) is not None and mix.tools(arith) is None
+    assert mix.component(tool).name == "tool_use"
+    held = mix.heldout()
+    assert len(held) == len(ArithmeticTasks().heldout()) + 8
+    assert set(mix.categories()) >= {p.category for p in drawn[:50]}
+    cat = "code/" + CodeSuite().categories()[0]
+    p, cursor = mix.next_in_category(cat, 0)
+    assert p.category == cat and cursor >= 1
+    with pytest.raises(ValueError, match="must be distinct"):
+        MixtureSuite(suites=(ArithmeticTasks(), ArithmeticTasks()))
+    with pytest.raises(ValueError, match="weights"):
+        MixtureSuite(suites=(ArithmeticTasks(),), weights=(1.0, 2.0))
+    with pytest.raises(TypeError, match="is not a TaskSuite"):
+        MixtureSuite(suites=(object(),))
+
+
+def test_task_builder_uses_the_template_and_limits_prompts():
+    suite = ArithmeticTasks()
+    p = suite.train_problem(3)
+    task = TaskBuilder(suite, TOK).task(p)
+    assert list(task.prompt_ids) == prompt_ids(p.prompt, TOK)
+    assert task.meta["category"] == p.category and task.tools is None
+    answer = TOK.encode(f"<think></think><answer>{p.reference}</answer>")
+    assert task.grade(answer).correct
+    with pytest.raises(ValueError, match=r"-token prompt; the engine's max prefill length is 3"):
+        TaskBuilder(suite, TOK, max_prompt_len=3).task(p)
+    tool_task = TaskBuilder(ToolUseSuite(), TOK).task(ToolUseSuite().train_problem(0))
+    assert tool_task.tools is not None and tool_task.tokenizer is TOK
+    assert tool_task.budget == ToolUseSuite().budget
+
+
+def test_prioritized_source_over_a_mixture_with_a_curriculum():
+    mix = MixtureSuite(suites=(ArithmeticTasks(), CodeSuite(num_heldout=4)))
+    builder = TaskBuilder(mix, TOK)
+    src = make_source(builder, SourceConfig(sampler="prioritized", curriculum_fraction=0.25,
+                                            curriculum_steps=10))
+    assert isinstance(src, PrioritizedSource)
+    first = src.categories[: max(1, int(np.ceil(0.25 * len(src.categories))))]
+    early = {src.next_task().meta["category"] for _ in range(40)}
+    assert early <= set(first)  # the pool starts with the first quarter of the categories
+    src.advance(10)
+    late = {src.next_task().meta["category"] for _ in range(400)}
+    assert late - set(first)  # and grows to all of them
+    state = json.loads(json.dumps(src.state_dict()))
+    copy = make_source(builder, SourceConfig(sampler="prioritized", curriculum_fraction=0.25,
+                                             curriculum_steps=10))
+    copy.load_state_dict(state)
+    assert [copy.next_task().id for _ in range(10)] == [src.next_task().id for _ in range(10)]
+    with pytest.raises(ValueError, match="SourceConfig.sampler='random'"):
+        SourceConfig(sampler="random")
+
+
+# Evaluation and rewards through the workers ---------------------------------------------------
+
+
+def test_heldout_eval_goes_through_the_client_per_category():
+    suite = ArithmeticTasks()
+    problems = list(suite.heldout())[:24]
+    client = OracleClient(arithmetic_answer)
+    sampling = SamplingConfig(max_tokens=16, stop_tokens=(TOK.special_id("<|end|>"),))
+    result = HeldoutEval(client, TaskBuilder(suite, TOK), problems, sampling).evaluate()
+    assert result["pass_at_1"] == 1.0 and result["problems"] == 24  # greedy sample 0 is right
+    assert set(result["by_category"]) == {p.category for p in problems}
+    assert result["extraction"] == {"strict": 1.0, "flexible": 1.0}
+    assert all(r.temperature == 0.0 and r.n == 1 for r in client.requests)
+
+
+def test_reward_spec_shapes_a_group_before_advantages():
+    from hcjax.rl.climber import _shaping_for
+
+    suite = ArithmeticTasks()
+    spec = RewardSpec(length="kimi", length_weight=1.0)
+    shaping = _shaping_for({"arithmetic": spec}, lambda: 16, lambda: 0, TOK.decode)
+    builder = TaskBuilder(suite, TOK, shaping=shaping)
+    client = OracleClient(lambda text, i: arithmetic_answer(text, i) + " " * (i % 3))
+    worker = ProblemWorker(RolloutWorker(client, SamplingConfig(
+        max_tokens=32, stop_tokens=(TOK.special_id("<|end|>"),))), EarlyExit(2, 6, (0, 1), (0, 1)))
+    group = worker.run(builder.task(suite.train_problem(0)), seed=1)
+    assert group.kept
+    lengths = [int(r.loss_mask.sum()) for r in group.rollouts]
+    correct = [r.reward_components["correct"] > 0 for r in group.rollouts]
+    lo, hi = min(lengths), max(lengths)
+    for r, n, ok in zip(group.rollouts, lengths, correct, strict=True):
+        lam = 0.5 - (n - lo) / (hi - lo)
+        term = lam if ok else min(0.0, lam)  # Kimi: wrong answers get no length bonus
+        assert r.reward == pytest.approx(float(ok) + term)
+        assert r.reward_components["len_kimi"] == pytest.approx(term)
+    assert abs(sum(r.advantage for r in group.rollouts)) < 1e-6
+
+
+# Placement -----------------------------------------------------------------------------------
+
+
+def test_placement_resolves_and_names_bad_bindings():
+    devices = jax.devices()
+    p = Placement(learner_mesh={"fsdp": 2, "num_devices": 2},
+                  inference_meshes=[{"device_offset": 2, "num_devices": 2},
+                                    {"tensor": 2, "fsdp": 1, "device_offset": 4,
+                                     "num_devices": 2}]).resolve(devices)
+    assert dict(p.learner_mesh.shape)["fsdp"] == 2 and len(p.inference_meshes) == 2
+    assert p.describe()["inference"][1]["devices"] == [4, 5]
+    with pytest.raises(ValueError, match=r"Placement.learner_mesh=.*cannot be formed from the "
+                                         r"8 devices"):
+        Placement(learner_mesh={"num_devices": 64}).resolve(devices)
+    with pytest.raises(ValueError, match=r"Placement.inference_meshes\[0\] uses device 0"):
+        Placement(inference_meshes=[{"num_devices": 1}]).resolve(devices)
+    with pytest.raises(ValueError, match="unknown keys \\['gpus'\\]"):
+        Placement(learner_mesh={"gpus": 2}).resolve(devices)
+    with pytest.raises(ValueError, match="expected host:port"):
+        Placement(inference_addresses=["nowhere"]).resolve(devices)
+    remote = Placement(inference_addresses=["127.0.0.1:5000"]).resolve(devices)
+    assert remote.remote and remote.inference_meshes == ()
+
+
+def test_climb_with_an_impossible_mesh_fails_before_compiling(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hcjax.climb", "--output_dir", str(tmp_path),
+         "--gin_param", "Placement.learner_mesh = {'fsdp': 4, 'num_devices': 4}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Placement.learner_mesh=MeshConfig(" in proc.stderr
+    assert "cannot be formed from the 2 devices present" in proc.stderr
+    assert not (tmp_path / "base").exists()  # nothing was pre-trained or compiled
+    assert time.time() - t0 < 100
+
+
+# README: write your own task ------------------------------------------------------------------
+
+
+def readme_suite_source() -> str:
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"## Write your own task\n.*?```python\n(.*?)```", text, re.DOTALL)
+    assert match, "README has no 'Write your own task' section with a python block"
+    return match.group(1)
+
+
+def test_readme_custom_suite_runs_through_the_climb_seams():
+    source = readme_suite_source()
+    assert len(source.strip().splitlines()) <= 25
+    namespace: dict = {}
+    exec(compile(source, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    suite = namespace["Reverse"]()
+    p = suite.train_problem(5)
+    assert isinstance(p, TaskProblem) and p not in suite.heldout()
+    assert suite.grade(p, f"<answer>{p.reference}</answer>").correct
+    assert not suite.grade(p, "<answer>nope</answer>").correct
+    task = TaskBuilder(suite, TOK).task(p)
+    src = make_source(TaskBuilder(suite, TOK), SourceConfig(sampler="prioritized"))
+    assert src.next_task().meta["category"] in suite.categories()
+    assert task.grade(TOK.encode(f"<answer>{p.reference}</answer>")).correct
+    assert isinstance(suite, SuiteBase) and isinstance(suite.grade(p, ""), Grade)
+
+
+# A dataset suite climbed, killed and resumed ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_dataset_suite_climb_resumes_after_kill(tmp_path):
+    from tests.test_climb import TINY, env
+
+    data = tmp_path / "sums.jsonl"
+    rng = np.random.default_rng(0)
+    with open(data, "w") as f:
+        for i in range(300):
+            a, b = (int(x) for x in rng.integers(0, 5, 2))
+            f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b), "id": i}) + "\n")
+    params = [*TINY, "ClimbConfig.suite = @DatasetSuite()", f"DatasetSuite.path = '{data}'",
+              "DatasetSuite.convention = 'plain'", "DatasetSuite.prompt_template = '{question}'",
+              "DatasetSuite.num_heldout = 8", "DatasetSuite.extraction = 'flexible'"]
+
+    def command(out, steps, *extra):
+        args = [sys.executable, "-m", "hcjax.climb", "--output_dir", str(out), "--quiet"]
+        for b in [*params, f"ClimbConfig.num_steps = {steps}"]:
+            args += ["--gin_param", b]
+        return args + list(extra)
+
+    out = tmp_path / "climb"
+    proc = subprocess.Popen(command(out, 200), cwd=REPO, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpts = out / "checkpoints"
+    deadline = time.time() + 400
+    try:
+        while time.time() < deadline:
+            done = [int(p.name) for p in ckpts.glob("*") if p.name.isdigit()] \
+                if ckpts.is_dir() else []
+            if done and max(done) >= 2:
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.5)
+        else:
+            pytest.fail("the climb wrote no checkpoint past step 2 in 400 s")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    run = subprocess.run(command(out, max(done) + 2), cwd=REPO, env=env(), capture_output=True,
+                         text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["suite"] == "dataset" and s["resumed_from"] >= 2 and s["steps"] == max(done) + 2
+    assert set(s["extraction"]) == {"strict", "flexible"}
+    from hcjax.rl.store import read_groups
+
+    accepted = read_groups(str(out / "rollouts"), accepted_only=True)
+    assert len(accepted) == s["accepted_groups_consumed"] + s["buffered_groups"]
+    assert s["categories"] and all(0.0 <= v["final"] <= 1.0 for v in s["categories"].values())
