@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hcjax.rl.controller import Controller, ControllerConfig, oldest_version, staleness
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 from hcjax.rl.sampling import EarlyExit
 from hcjax.rl.sources import PrioritizedSource, SequentialSource
 from hcjax.rl.store import (

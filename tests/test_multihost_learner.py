@@ -29,7 +29,7 @@ from hcjax.rl.multihost import (
     batch_shardings,
     global_batch,
 )
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
 from tests.test_rl_learner import CFG, _random_rollouts
 

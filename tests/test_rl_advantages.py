@@ -6,7 +6,7 @@ import pytest
 
 from hcjax.rl.advantages import assign_advantages, group_advantages, mean_only_advantages
 from hcjax.rl.entropy import EntropyController, TemperatureController, update_k
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 
 
 def test_mean_std_hand_values():

@@ -15,7 +15,7 @@ from hcjax.rl.batch import pack_rollouts, to_device
 from hcjax.rl.entropy import EntropyController, update_k
 from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.losses import LossConfig
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
 
 CFG = ModelConfig(

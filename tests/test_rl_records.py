@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hcjax.rl.records import Rollout, mask_logits_to_support, support_mask_from_record
+from hcjax.rollout.records import Rollout, mask_logits_to_support, support_mask_from_record
 from hcjax.rollout.sampling import sample, sampling_keys
 
 

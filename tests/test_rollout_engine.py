@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hcjax.rl.records import support_mask_from_record
+from hcjax.rollout.records import support_mask_from_record
 from hcjax.rollout import (
     Engine,
     GenerateRequest,

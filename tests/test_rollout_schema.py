@@ -1,4 +1,4 @@
-"""The Rollout record schema (hcjax.rl.records) is the one field list: the gRPC wire format and the
+"""The Rollout record schema (hcjax.rollout.records) is the one field list: the gRPC wire format and the
 JSON rollout store are derived from it, round-trip every field, pick up a new field with no other
 edit, and still read store lines written before arrays carried their shape."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hcjax.rl import store
-from hcjax.rl.records import (
+from hcjax.rollout.records import (
     ROLLOUT_SCHEMA,
     Rollout,
     array_field,

@@ -21,7 +21,7 @@ from flax import nnx
 from hcjax.model import ModelConfig, Transformer
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.learner import Learner, LearnerConfig
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
 
 # The tiny CPU model of configs/tiny_cpu.gin, and a larger one that still fits CPU memory.

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 
 __all__ = [
     "ADVANTAGES",

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 
 __all__ = ["BATCH_AXES", "BucketedLearner", "LearnerBatch", "pack_rollouts", "to_device", "usable_rollouts"]
 

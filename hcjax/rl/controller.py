@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import gin
 
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 from hcjax.rl.workers import GroupResult, ProblemWorker, Task, WorkerStats
 
 __all__ = [

@@ -25,7 +25,7 @@ from hcjax.rl import batch as batch_lib
 from hcjax.rl.batch import LearnerBatch
 from hcjax.rl.entropy import EntropyController, update_k
 from hcjax.rl.losses import LossConfig, combine_metrics
-from hcjax.rl.records import Rollout, support_mask_from_record
+from hcjax.rollout.records import Rollout, support_mask_from_record
 from hcjax.sharding import optimizer_state_on_mesh, replicated_scalar
 
 __all__ = [

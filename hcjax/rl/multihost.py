@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax.rl import batch as batch_lib
 from hcjax.rl.batch import LearnerBatch
-from hcjax.rl.records import Rollout
+from hcjax.rollout.records import Rollout
 
 __all__ = [
     "Command",

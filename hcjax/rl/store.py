@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from hcjax.rewards.types import Grade
-from hcjax.rl.records import (
+from hcjax.rollout.records import (
     ROLLOUT_SCHEMA,
     Rollout,
     record_schema,

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hcjax.rl.records import Rollout, array_field, tuple_field
+from hcjax.rollout.records import Rollout, array_field, tuple_field
 
 __all__ = ["GenerateRequest", "SampledRollout", "TokenEvent", "request_from_dict"]
 
@@ -26,7 +26,7 @@ class SampledRollout(Rollout):
     `partial` is True when the request's `token_budget` ran out before a stop token or
     `max_tokens` (finish_reason is then "length"); pass the record to
     `GenerateRequest.continuation` to continue it later without regenerating its tokens.
-    Its fields extend the Rollout record schema (hcjax.rl.records), so the wire and store
+    Its fields extend the Rollout record schema (hcjax.rollout.records), so the wire and store
     formats carry them too.
     """
 

@@ -19,7 +19,7 @@ __all__ = ["SampleOutput", "sample", "sampling_keys"]
 class SampleOutput:
     """Per row: the drawn token and what the learner needs to recompute its distribution.
 
-    `n_kept` and `threshold_logit` form the top-p support record (hcjax.rl.records): the kept set
+    `n_kept` and `threshold_logit` form the top-p support record (hcjax.rollout.records): the kept set
     is the n_kept tokens with the largest temperature-scaled logit, ties broken by lower token id,
     and `threshold_logit` is the temperature-scaled logit of the last kept token.
     """

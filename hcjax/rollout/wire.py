@@ -3,7 +3,7 @@
 A message is b"HCJ1", a little-endian uint32 header length, the UTF-8 JSON header
 {"meta": {...}, "arrays": [[name, dtype, shape], ...]}, then each array's C-order bytes in that
 order. Records and token batches are flattened into named arrays with these helpers; a record's
-fields come from its schema (hcjax.rl.records.record_schema), never from a list kept here.
+fields come from its schema (hcjax.rollout.records.record_schema), never from a list kept here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hcjax.rl.records import record_schema, rollout_arrays, rollout_from_parts, rollout_scalars
+from hcjax.rollout.records import record_schema, rollout_arrays, rollout_from_parts, rollout_scalars
 from hcjax.rollout.request import SampledRollout, TokenEvent
 
 __all__ = [
@@ -108,7 +108,7 @@ def _array_spec(spec: Any) -> tuple[str, str, list[int]]:
 
 def record_to_wire(rec: SampledRollout, prefix: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, arrays) of one record: its non-array fields in `meta`, its arrays named
-    `{prefix}.{field}`. Every field of the record's schema (hcjax.rl.records) that the rollout
+    `{prefix}.{field}`. Every field of the record's schema (hcjax.rollout.records) that the rollout
     service carries; graded fields (reward, advantage) are never on the wire."""
     specs = record_schema(type(rec), wire=True)
     arrays = {f"{prefix}.{name}": arr for name, arr in rollout_arrays(rec, specs).items()}
