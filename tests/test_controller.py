@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from hcjax.rl.controller import Controller, ControllerConfig, oldest_version, staleness
-from hcjax.rollout.records import Rollout
 from hcjax.rl.sampling import EarlyExit
 from hcjax.rl.sources import PrioritizedSource, SequentialSource
 from hcjax.rl.store import (
@@ -31,6 +30,7 @@ from hcjax.rl.workers import (
     Task,
     WorkerStats,
 )
+from hcjax.rollout.records import Rollout
 from hcjax.rollout.request import SampledRollout
 
 STOP, RIGHT, WRONG, FILL = 0, 1, 2, 3

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hcjax.rollout.records import support_mask_from_record
 from hcjax.rollout import (
     Engine,
     GenerateRequest,
@@ -18,6 +17,7 @@ from hcjax.rollout import (
     ServerStopped,
     generate,
 )
+from hcjax.rollout.records import support_mask_from_record
 from hcjax.rollout.request import request_from_dict
 from hcjax.rollout.testing import perturbed, tiny_model
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from hcjax.rl import store
+from hcjax.rl.store import rollout_from_json, rollout_to_json
+from hcjax.rollout import wire
 from hcjax.rollout.records import (
     ROLLOUT_SCHEMA,
     Rollout,
@@ -20,8 +22,6 @@ from hcjax.rollout.records import (
     rollout_from_parts,
     rollout_scalars,
 )
-from hcjax.rl.store import rollout_from_json, rollout_to_json
-from hcjax.rollout import wire
 from hcjax.rollout.request import SampledRollout, TokenEvent
 
 P, R = 2, 3

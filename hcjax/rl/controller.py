@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import gin
 
-from hcjax.rollout.records import Rollout
 from hcjax.rl.workers import GroupResult, ProblemWorker, Task, WorkerStats
+from hcjax.rollout.records import Rollout
 
 __all__ = [
     "Controller",

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from hcjax.rewards.types import Grade
+from hcjax.rl.workers import GroupResult, Task
 from hcjax.rollout.records import (
     ROLLOUT_SCHEMA,
     Rollout,
@@ -24,7 +25,6 @@ from hcjax.rollout.records import (
     rollout_from_parts,
     rollout_scalars,
 )
-from hcjax.rl.workers import GroupResult, Task
 from hcjax.rollout.request import SampledRollout
 
 __all__ = [

@@ -14,8 +14,8 @@ import numpy as np
 
 from hcjax.rewards.types import Grade
 from hcjax.rl.advantages import assign_advantages
-from hcjax.rollout.records import Rollout
 from hcjax.rl.sampling import EarlyExit
+from hcjax.rollout.records import Rollout
 from hcjax.rollout.request import GenerateRequest, SampledRollout
 
 __all__ = [
