@@ -296,3 +296,55 @@ def test_dataset_suite_climb_resumes_after_kill(tmp_path):
     accepted = read_groups(str(out / "rollouts"), accepted_only=True)
     assert len(accepted) == s["accepted_groups_consumed"] + s["buffered_groups"]
     assert s["categories"] and all(0.0 <= v["final"] <= 1.0 for v in s["categories"].values())
+
+
+def test_length_curriculum_sets_the_response_budget_by_step():
+    from hcjax.rl.climber import ClimbConfig
+    from hcjax.rl.sampling import LengthCurriculum
+
+    cfg = ClimbConfig(max_tokens=8, length_curriculum=LengthCurriculum(
+        stage_steps=(3, 3), start=16, end=64))
+    assert [cfg.max_tokens_at(s) for s in (0, 2, 3, 5, 6, 100)] == [16, 16, 32, 32, 64, 64]
+    assert cfg.longest_response() == 64  # the engine is sized for the last stage
+    assert ClimbConfig(max_tokens=8).max_tokens_at(50) == 8
+
+
+@pytest.mark.slow
+def test_gsm8k_config_climbs_a_fixture_checkpoint(tmp_path):
+    """configs/climb_gsm8k.gin as shipped (the bundled sample file, the GSM8K convention, the
+    checkpoint's chat template) on the fixture-sized Qwen3-MoE, with small sizes."""
+    from tests.hf_fixtures import fixture
+    from tests.test_climb import env
+
+    out = tmp_path / "gsm8k"
+    small = [
+        "ClimbConfig.num_steps = 2", "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
+        "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
+        "ClimbConfig.max_tokens = 8", "ClimbConfig.eval_every = 1",
+        "ClimbConfig.eval_problems = 4", "ClimbConfig.max_concurrent_decodes = 8",
+        "ClimbConfig.max_prompt_len = 240", "ClimbConfig.checkpoint_every = 1",
+        "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
+        "ControllerConfig.sync_every = 1", "LearnerConfig.seq_len = 256",
+        "LearnerConfig.mask_truncated = False", "ModelConfig.dtype = 'float32'",
+    ]
+    cmd = [sys.executable, "-m", "hcjax.climb", "--hf_checkpoint", fixture("qwen3_moe"),
+           "--gin_file", "climb_gsm8k.gin", "--output_dir", str(out), "--quiet"]
+    for b in small:
+        cmd += ["--gin_param", b]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["suite"] == "gsm8k" and s["steps"] == 2
+    assert set(s["extraction"]) == {"strict", "flexible"}
+    from hcjax.data.tokenizer import load_tokenizer
+    from hcjax.rl.store import read_groups
+
+    tok = load_tokenizer(fixture("qwen3_moe"))
+    group = read_groups(str(out / "rollouts"))[0]
+    question = next(json.loads(line)["question"]
+                    for line in (REPO / "configs/data/gsm8k_sample.jsonl").read_text().splitlines()
+                    if json.loads(line)["question"][:40] in tok.decode(
+                        group.rollouts[0].prompt_ids.tolist()))
+    assert question  # the prompt is the sample file's question in the folder's chat template
+    assert tok.decode(group.rollouts[0].prompt_ids.tolist()).startswith(
+        tok.render_chat_template([{"role": "user", "content": "x"}])[:10])
