@@ -4,11 +4,18 @@
 hcjax checkpoint (OUT/checkpoints, the layout `--base_checkpoint` and `load_params` read), plus
 OUT/model.gin (the model's `ModelConfig` bindings) and OUT/hf/ (the source's config, generation
 config and tokenizer files, for the way back). --to_hf SRC: the params of the latest checkpoint of
-an hcjax run (convert, sft or climb) written as an HF folder transformers loads.
+an hcjax run (convert, sft or climb) written as an HF folder transformers loads, with the
+tokenizer the run used: the HF source's files (--hf_source, else SRC/hf) when the run started from
+an HF model; otherwise the run was trained with the byte tokenizer (DataConfig.tokenizer = "byte",
+the default) and its Hugging Face form is written (`hcjax.data.byte_hf`: tokenizer.json,
+tokenizer_config.json, chat_template.jinja rendering our chat template, generation_config.json
+stopping on <eos> and <|end|>). A run trained on another tokenizer folder must name it with
+--hf_source.
 
 Examples:
   python -m hcjax.convert --from_hf ~/models/Qwen3-30B-A3B --output_dir runs/qwen3_30b
   python -m hcjax.convert --to_hf runs/climb --hf_source ~/models/Qwen3-30B-A3B --output_dir out/hf
+  python -m hcjax.convert --to_hf runs/tiny_base --output_dir out/tiny_hf   # byte tokenizer
 """
 
 from __future__ import annotations
@@ -129,6 +136,8 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
     base = meta.get("hf_config")
     if hf_source is not None:
         base = hf.read_hf_config(hf_source)
+    else:
+        base = _byte_tokenizer_base(cfg, base, src)
     graphdef, abstract = abstract_model(cfg)
     target = nnx.to_pure_dict(nnx.State(abstract).filter(nnx.Param))
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -158,6 +167,10 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
     bar.close()
     if hf_source is not None:
         copy_side_files(hf_source, output_dir, skip=("config.json",))
+    else:
+        from hcjax.data.byte_hf import write_byte_tokenizer
+
+        write_byte_tokenizer(output_dir)
     return {
         "direction": "to_hf",
         "source": os.path.abspath(src),
@@ -168,6 +181,28 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
         "files": sorted(f for f in os.listdir(output_dir) if f != "convert_logs"),
         "total_seconds": time.perf_counter() - t0,
     }
+
+
+def _byte_tokenizer_base(cfg, hf_config: dict | None, src: str) -> dict:
+    """config.json keys of a run with no HF source, which was trained with the byte tokenizer:
+    its token ids. Refuses a run that started from an HF model (its tokenizer is not ours) or
+    whose vocabulary cannot hold the byte tokenizer's ids."""
+    from hcjax.data.byte_hf import BYTE_TOKEN_IDS
+    from hcjax.data.tokenizer import ByteTokenizer
+
+    if hf_config is not None:
+        raise ValueError(
+            f"--to_hf {src!r}: the run started from a Hugging Face model "
+            f"({hf_config.get('model_type')!r}) but neither --hf_source nor {src}/hf is there to "
+            "carry its tokenizer over; pass --hf_source"
+        )
+    if cfg.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(
+            f"--to_hf {src!r}: the run has no HF source, so its tokenizer is the byte tokenizer "
+            f"({ByteTokenizer.vocab_size} ids), but ModelConfig.vocab_size={cfg.vocab_size}; "
+            "pass --hf_source with the tokenizer it was trained on"
+        )
+    return dict(BYTE_TOKEN_IDS)
 
 
 def copy_side_files(src: str, dst: str, skip: Sequence[str] = ()) -> list[str]:

@@ -256,9 +256,11 @@ def test_climb_from_hf_moe_checkpoint(tmp_path):
     assert summary["logp_gap_mean"] < 1e-3
     # Prompts were the chat template's, grading decoded with the HF tokenizer.
     tok = load_tokenizer(str(folder))
-    group = json.loads((out / "rollouts" / "groups.jsonl").read_text().split("\n")[0])
-    prompt = group["meta"]["prompt"]
-    assert group["rollouts"][0]["prompt_ids"] == prompt_ids(prompt, tok)
+    from hcjax.rl.store import read_groups
+
+    group = read_groups(str(out / "rollouts"))[0]
+    prompt = group.meta["prompt"]
+    assert group.rollouts[0].prompt_ids.tolist() == prompt_ids(prompt, tok)
     # The HF source is recorded: in the checkpoints' meta and as OUT/hf for the export.
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(out / "hf"))
     mngr = ocp.CheckpointManager(out / "checkpoints",
