@@ -214,7 +214,7 @@ class Climb:
         from hcjax.model import ModelConfig
         from hcjax.rl.learner import Learner, LearnerConfig
         from hcjax.rl.placement import Placement
-        from hcjax.rl.sources import SourceConfig, TaskBuilder
+        from hcjax.rl.sources import SourceConfig, TaskBuilder, longest_prompt
 
         if hf_checkpoint is not None and base_checkpoint is not None:
             raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
@@ -259,12 +259,12 @@ class Climb:
         self.step_now = 0
         shaping = _shaping_for(cfg.rewards, lambda: self.rollout_worker.sampling.max_tokens,
                                lambda: self.step_now, self.tok.decode)
-        self.builder = TaskBuilder(self.suite, self.tok, shaping=shaping)
         # A quarter more than the longest prompt seen in a scan of the suite: a later problem
         # may tokenize a little longer (a longer one is an error naming it).
-        longest = self.builder.longest_prompt()
+        longest = longest_prompt(self.suite, self.tok)
         self.max_prompt_len = cfg.max_prompt_len or max(32, longest + longest // 4)
-        self.builder.max_prompt_len = self.max_prompt_len
+        self.builder = TaskBuilder(self.suite, self.tok, max_prompt_len=self.max_prompt_len,
+                                   shaping=shaping)
 
         # The base model on the learner mesh.
         t_base = time.perf_counter()
@@ -370,8 +370,7 @@ class Climb:
     def _inference(self, model):
         from hcjax.rl.inference import LocalInference, RemoteInference
 
-        params = (self.dist.local_params if self.dist is not None
-                  else (lambda: self.learner.state.params))
+        params = self.dist.local_params if self.dist is not None else self.learner.params
         if self.placement.remote:
             return RemoteInference(self.placement.inference_addresses, params)
         prefill = self._prefill_length()
@@ -393,11 +392,8 @@ class Climb:
         latest = self.ckpt.latest_step()
         if latest is None:
             return
-        if self.dist is not None:  # every learner process restores its shards
-            data = self.dist.restore(self.ckpt, latest)
-        else:
-            state, data = self.ckpt.restore(latest, self.learner.state)
-            self.learner.state = state
+        # Several learner processes: every one restores its shards (hcjax.rl.multihost).
+        data = (self.dist or self.learner).restore(self.ckpt, latest)
         pending = [g.to_group() for g in read_groups(
             self.store.path, accepted_only=True,
             start=int(data["controller"]["accepted_consumed"]))]
@@ -421,9 +417,7 @@ class Climb:
                 "history": dict(self.history, wall_offset=self._climb_wall())}
         if self.temperature is not None:
             data["temperature"] = self.temperature.state_dict()
-        started = (self.dist.save(self.ckpt, step, data, force=force) if self.dist is not None
-                   else self.ckpt.save(step, self.learner.state, data, force=force))
-        if started:
+        if (self.dist or self.learner).save(self.ckpt, step, data, force=force):
             self.saved_step = step
 
     def _follow_curriculum(self, step: int) -> None:
@@ -528,9 +522,7 @@ class Climb:
             self.controller.run(cfg.num_steps)
             # The last pushed version may lag the learner: serve the final weights for the
             # final evaluation.
-            final_version = self.controller.version + 1
-            self.inference.publish(final_version)
-            self.controller.version = final_version
+            final_version = self.controller.push_final()
             final = self._evaluate(self.controller.step, final_version)
             self.writer.write(self.controller.step, {"heldout_pass_at_1_final": final["pass_at_1"]})
             self._save(self.controller.step, force=True)

@@ -241,6 +241,13 @@ class Controller:
         stop = self.on_step(report) if self.on_step is not None else False
         return bool(stop)
 
+    def push_final(self) -> int:
+        """Publish the learner's current weights as a new version (the last push may lag the
+        learner by up to `push_every - 1` steps); returns that version."""
+        self.version += 1
+        self.publish(self.version)
+        return self.version
+
     def run(self, num_steps: int, stop: threading.Event | None = None) -> None:
         """Run until `num_steps` gradient steps in total have been taken (or `stop` is set)."""
         cfg = self.cfg

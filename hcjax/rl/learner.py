@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import gin
 import jax
@@ -316,3 +317,18 @@ class Learner:
     def model(self) -> Transformer:
         """The current model (sharing the learner's parameter arrays)."""
         return nnx.merge(self.graphdef, self.state.params)
+
+    def params(self) -> Any:
+        """The current parameter tree (what a weight push sends to inference)."""
+        return self.state.params
+
+    def restore(self, checkpointer, step: int) -> dict[str, Any]:
+        """Restore `step` (or, if it is corrupt, the newest good step before it: see
+        `checkpointer.restored_step`) into the learner state; returns the data state."""
+        self.state, data = checkpointer.restore(step, self.state)
+        return data
+
+    def save(self, checkpointer, step: int, data_state: dict[str, Any] | None = None,
+             force: bool = False) -> bool:
+        """`checkpointer.save(step, state, data_state, force)`; True when a save started."""
+        return checkpointer.save(step, self.state, data_state, force=force)

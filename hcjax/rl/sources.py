@@ -18,7 +18,8 @@ from hcjax.rewards.types import Grade
 from hcjax.rl.sampling import PRIORITY_RULES, PrioritizedSampler
 from hcjax.rl.workers import GroupResult, Task
 
-__all__ = ["PrioritizedSource", "SequentialSource", "SourceConfig", "TaskBuilder", "make_source"]
+__all__ = ["PrioritizedSource", "SequentialSource", "SourceConfig", "TaskBuilder", "longest_prompt",
+           "make_source"]
 
 SAMPLERS = ("sequential", "prioritized")
 
@@ -102,10 +103,14 @@ class TaskBuilder:
                     shaping=self.shaping(owner) if self.shaping is not None else None)
 
     def longest_prompt(self, scan: int = 2000) -> int:
-        """Tokens of the longest templated prompt among the held-out problems and the first
-        `scan` training problems."""
-        problems = [*self.suite.heldout(), *(self.suite.train_problem(i) for i in range(scan))]
-        return max(len(messages_prompt_ids(p.messages, self.tok)) for p in problems)
+        return longest_prompt(self.suite, self.tok, scan)
+
+
+def longest_prompt(suite: Any, tok: Any, scan: int = 2000) -> int:
+    """Tokens of the longest templated prompt among a suite's held-out problems and its first
+    `scan` training problems."""
+    problems = [*suite.heldout(), *(suite.train_problem(i) for i in range(scan))]
+    return max(len(messages_prompt_ids(p.messages, tok)) for p in problems)
 
 
 def _jsonable(value: Any) -> Any:
