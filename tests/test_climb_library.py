@@ -348,3 +348,19 @@ def test_gsm8k_config_climbs_a_fixture_checkpoint(tmp_path):
     assert question  # the prompt is the sample file's question in the folder's chat template
     assert tok.decode(group.rollouts[0].prompt_ids.tolist()).startswith(
         tok.render_chat_template([{"role": "user", "content": "x"}])[:10])
+
+
+def test_readme_custom_suite_binds_from_a_gin_file(tmp_path):
+    """README's recipe: the suite in a module on PYTHONPATH, `import my_tasks` in a gin file."""
+    (tmp_path / "my_tasks.py").write_text(readme_suite_source())
+    (tmp_path / "reverse.gin").write_text(
+        "include 'climb_tiny.gin'\nimport my_tasks\nClimbConfig.suite = @Reverse()\n")
+    code = ("from hcjax import config\n"
+            f"config.bind([{str(tmp_path / 'reverse.gin')!r}], [])\n"
+            "from hcjax.rl.climber import ClimbConfig\n"
+            "print(ClimbConfig().make_suite().train_problem(1).messages[0]['content'])\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("reverse ")
