@@ -364,3 +364,18 @@ def test_readme_custom_suite_binds_from_a_gin_file(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("reverse ")
+
+
+def test_subset_suite_keeps_categories_without_held_out_problems():
+    from hcjax.tasks import SubsetSuite
+
+    code = CodeSuite(max_digits=2, num_heldout=40)
+    easy = SubsetSuite(suite=code, categories_kept=["affine:1d", "mod:1d"], name="easy")
+    drawn = [easy.train_problem(i) for i in range(60)]
+    assert {p.category for p in drawn} <= {"affine:1d", "mod:1d"}
+    held = {p.prompt for p in code.heldout()}
+    assert not held & {p.prompt for p in drawn}  # the parent's stream: no held-out problem
+    assert easy.train_problem(7) == drawn[7]  # deterministic
+    assert {p.category for p in easy.heldout()} <= {"affine:1d", "mod:1d"}
+    with pytest.raises(ValueError, match="categories_kept"):
+        SubsetSuite(suite=code, categories_kept=["affine:9d"])

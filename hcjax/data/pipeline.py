@@ -76,10 +76,8 @@ def _suite_doc(suite: Any, problem: Any, tok: Tokenizer) -> dict[str, np.ndarray
     component = getattr(suite, "component", None)
     owner = component(problem) if component is not None else suite
     encode = getattr(owner, "sft_document", None)
-    if encode is not None:
-        ids, mask = encode(problem, tok)
-    else:
-        ids, mask = encode_conversation(problem.conversation(), tok)
+    doc = encode(problem, tok) if encode is not None else None
+    ids, mask = doc if doc is not None else encode_conversation(problem.conversation(), tok)
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 
 

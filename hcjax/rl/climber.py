@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -152,12 +154,13 @@ def load_base_model(base_dir: str, model_cfg, mesh):
     return model
 
 
-def pretrain_base(output_dir: str) -> str:
-    """Pre-train the tiny base with hcjax.sft into OUTPUT_DIR/base (resumes a previous run)."""
+def pretrain_base(output_dir: str, progress: bool = False) -> str:
+    """Pre-train the tiny base with hcjax.sft into OUTPUT_DIR/base (resumes a previous run);
+    progress: show its step bar with ETA."""
     from hcjax.distill.sft import run_sft
 
     base_dir = os.path.join(output_dir, "base")
-    run_sft(base_dir, progress=False, eval_problems=0)
+    run_sft(base_dir, progress=progress, eval_problems=0)
     return base_dir
 
 
@@ -202,12 +205,14 @@ class Climb:
     hf_checkpoint: a Hugging Face folder as the base instead (its model, tokenizer and chat
     template); inference_addresses: remote `python -m hcjax.serve` replicas (overrides
     Placement.inference_addresses); mode overrides ControllerConfig.mode; stop_at_gain: stop once
-    held-out pass@1 is this much above the base's (bench.climb)."""
+    held-out pass@1 is this much above the base's (bench.climb). progress: show the climb as
+    log_format says (hcjax.display: "auto" is a live panel on a terminal, JSON lines otherwise);
+    False shows nothing but notes."""
 
     def __init__(self, output_dir: str, *, base_checkpoint: str | None = None,
                  hf_checkpoint: str | None = None, inference_addresses: Sequence[str] = (),
                  mode: str | None = None, progress: bool = True,
-                 stop_at_gain: float | None = None) -> None:
+                 stop_at_gain: float | None = None, log_format: str = "auto") -> None:
         import jax
 
         from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
@@ -228,6 +233,12 @@ class Climb:
         if mode is not None:
             self.ctl_cfg = dataclasses.replace(self.ctl_cfg, mode=mode)
         self.learner_cfg = LearnerConfig()
+        from hcjax.display import ClimbDisplay, resolve_format
+
+        self.display = ClimbDisplay(resolve_format(log_format) if progress else "off",
+                                    num_steps=cfg.num_steps, max_minutes=cfg.max_minutes,
+                                    entropy_target=self.learner_cfg.entropy.target)
+        self.interrupted = False
         model_cfg = ModelConfig()
         placement = Placement()
         if inference_addresses:
@@ -279,8 +290,12 @@ class Climb:
                 raise ValueError(f"the tokenizer of {hf_checkpoint!r} has {self.tok.vocab_size} "
                                  f"ids; the model's vocab_size is {model_cfg.vocab_size}")
         else:
-            model = load_base_model(base_checkpoint or pretrain_base(self.output_dir), model_cfg,
-                                    learner_mesh)
+            if base_checkpoint is None and self.display.live:
+                self.display.note(f"pre-training the tiny base into {self.output_dir}/base "
+                                  "(Ctrl-C aborts it; running the same command again resumes it)")
+            model = load_base_model(
+                base_checkpoint or pretrain_base(self.output_dir, progress=self.display.live),
+                model_cfg, learner_mesh)
         self.model_cfg = model_cfg
         self.base_seconds = time.perf_counter() - t_base
         learner = Learner(model, self.learner_cfg, learner_mesh)
@@ -435,7 +450,8 @@ class Climb:
         self.store.append(group, accepted=accepted, step=step, version=version)
 
     def _evaluate(self, step: int, version: int) -> dict[str, Any]:
-        result = self.evaluator.evaluate()
+        with self.display.during("evaluating"):
+            result = self.evaluator.evaluate()
         entry = {"step": step, "wall": self._climb_wall(), "pass_at_1": result["pass_at_1"],
                  "version": version, "by_category": result["by_category"],
                  "by_suite": result["by_suite"],
@@ -464,9 +480,12 @@ class Climb:
         for age in report.staleness:
             hist = self.history.setdefault("staleness_hist", {})
             hist[str(age)] = hist.get(str(age), 0) + 1
-        stop = False
+        stop = self.interrupted  # Ctrl-C: this step is the last (see _on_sigint)
         if report.step % self.cfg.eval_every == 0 or report.step >= self.cfg.num_steps:
             result = self._evaluate(report.step, report.version)
+            self.display.evaluated(report.step, result["pass_at_1"],
+                                   result["by_suite"] if len(result["by_suite"]) > 1
+                                   else result["by_category"])
             record["heldout_pass_at_1"] = result["pass_at_1"]
             record["eval_version"] = float(report.version)
             for c, v in [*result["by_category"].items(), *result["by_suite"].items()]:
@@ -479,11 +498,7 @@ class Climb:
                                         if not isinstance(v, float) or np.isfinite(v)})
         self.tracer.after_step(report.step, None)
         self.tracer.before_step(report.step + 1)
-        if self.progress:
-            shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()
-                     if k in ("reward_mean", "heldout_pass_at_1", "entropy", "k", "temperature",
-                              "staleness_mean", "rollouts_per_s", "wall")}
-            print(json.dumps({"step": report.step, **shown}), flush=True)
+        self.display.step(report.step, record, self._utilisation())
         self._save(report.step, force=stop)
         if self.deadline is not None and time.perf_counter() > self.deadline:
             stop = True
@@ -510,8 +525,9 @@ class Climb:
                 self.history["base_pass_at_1"] = result["pass_at_1"]
                 self.history["eval"][-1]["wall"] = 0.0
                 self.writer.write(0, {"heldout_pass_at_1": result["pass_at_1"],
-                                      **{f"heldout_pass_at_1/{c}": v
-                                         for c, v in result["by_category"].items()}})
+                                      **{f"heldout_pass_at_1/{c}": v for c, v in
+                                         [*result["by_category"].items(),
+                                          *result["by_suite"].items()]}})
             if self.progress:
                 print(json.dumps({"event": "base", "base_pass_at_1": self.history["base_pass_at_1"],
                                   "resumed_from": self.resumed_from}), flush=True)

@@ -6,8 +6,8 @@ from hcjax.tasks.arithmetic import ArithmeticTasks
 from hcjax.tasks.base import SuiteBase, TaskProblem, TaskSuite, check_suite
 from hcjax.tasks.code import CodeSuite
 from hcjax.tasks.dataset import DatasetSuite
-from hcjax.tasks.mixture import MixtureSuite
+from hcjax.tasks.mixture import MixtureSuite, SubsetSuite
 from hcjax.tasks.tool_use import ToolUseSuite
 
 __all__ = ["ArithmeticTasks", "CodeSuite", "DatasetSuite", "MixtureSuite", "SuiteBase",
-           "TaskProblem", "TaskSuite", "ToolUseSuite", "check_suite"]
+           "SubsetSuite", "TaskProblem", "TaskSuite", "ToolUseSuite", "check_suite"]

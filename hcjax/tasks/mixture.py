@@ -98,3 +98,57 @@ class MixtureSuite(SuiteBase):
     def component(self, problem: TaskProblem) -> Any:
         """The suite a problem belongs to (for per-suite rewards and budgets)."""
         return self.owner(problem)[0]
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SubsetSuite(SuiteBase):
+    """The training problems of `suite` in some of its categories only (e.g. the easy half a
+    base is pre-trained on), drawn from that suite's own training stream, so they never include
+    its held-out problems. Its held-out split is the parent's, restricted the same way."""
+
+    suite: Any = None
+    categories_kept: Sequence[str] = ()
+    name: str = "subset"
+
+    def __post_init__(self) -> None:
+        check_suite(self.suite, "SubsetSuite.suite")
+        kept = tuple(self.categories_kept)
+        unknown = sorted(set(kept) - set(self.suite.categories()))
+        if not kept or unknown:
+            raise ValueError(f"SubsetSuite.categories_kept={list(kept)} must be a non-empty "
+                             f"subset of {list(self.suite.categories())}")
+        object.__setattr__(self, "categories_kept", kept)
+        object.__setattr__(self, "_found", [])  # parent indices of kept problems, in order
+        object.__setattr__(self, "_scanned", [0])
+
+    def train_problem(self, index: int) -> TaskProblem:
+        if index < 0:
+            raise ValueError(f"index={index} must be >= 0")
+        found, scanned = self._found, self._scanned
+        while len(found) <= index:
+            if scanned[0] - (found[-1] if found else 0) > 100_000:
+                raise ValueError(f"suite {self.suite.name!r} yields no problem of "
+                                 f"{list(self.categories_kept)}")
+            if self.suite.train_problem(scanned[0]).category in self.categories_kept:
+                found.append(scanned[0])
+            scanned[0] += 1
+        return self.suite.train_problem(found[index])
+
+    def heldout(self) -> Sequence[TaskProblem]:
+        return [p for p in self.suite.heldout() if p.category in self.categories_kept]
+
+    def categories(self) -> Sequence[str]:
+        return list(self.categories_kept)
+
+    def grade(self, problem: TaskProblem, response: str) -> Grade:
+        return self.suite.grade(problem, response)
+
+    def tools(self, problem: TaskProblem) -> Any:
+        return self.suite.tools(problem)
+
+    def sft_document(self, problem: TaskProblem, tok: Any) -> Any:
+        encode = getattr(self.suite, "sft_document", None)
+        if encode is None:
+            return None
+        return encode(problem, tok)
