@@ -13,7 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from hcjax.rewards.types import Grade
 
-__all__ = ["SuiteBase", "TaskProblem", "TaskSuite", "check_suite", "user_prompt"]
+__all__ = ["SeededSplits", "SuiteBase", "TaskProblem", "TaskSuite", "check_suite",
+           "user_prompt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,41 @@ class SuiteBase:
 
     def train_problem(self, index: int) -> TaskProblem:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class SeededSplits(SuiteBase):
+    """Synthetic suites with a fixed held-out split: problem `index` of a split is drawn from
+    a generator seeded by (split, index, attempt) in `_problem`; the training stream redraws
+    (attempt + 1) any problem whose `_key` is held out. Subclasses set `num_heldout`."""
+
+    num_heldout: int = 0
+
+    def _problem(self, split: str, index: int, attempt: int = 0) -> TaskProblem:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _key(self, problem: TaskProblem) -> Any:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def heldout(self) -> Sequence[TaskProblem]:
+        cached = self.__dict__.get("_heldout")
+        if cached is None:
+            cached = [self._problem("heldout", i) for i in range(self.num_heldout)]
+            object.__setattr__(self, "_heldout", cached)
+            object.__setattr__(self, "_heldout_keys", frozenset(map(self._key, cached)))
+        return cached
+
+    def train_problem(self, index: int) -> TaskProblem:
+        if index < 0:
+            raise ValueError(f"index={index} must be >= 0")
+        self.heldout()
+        held = self.__dict__["_heldout_keys"]
+        for attempt in range(1000):
+            p = self._problem("train", index, attempt)
+            if self._key(p) not in held:
+                return p
+        raise ValueError(f"{type(self).__name__}: could not draw a training problem outside the "
+                         f"held-out set for index={index}; the configuration leaves too few "
+                         "distinct problems")
 
 
 def check_suite(suite: Any, what: str = "suite") -> None:

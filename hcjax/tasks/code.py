@@ -25,7 +25,7 @@ import numpy as np
 
 from hcjax.rewards import code as code_reward
 from hcjax.rewards.types import Grade
-from hcjax.tasks.base import SuiteBase, TaskProblem
+from hcjax.tasks.base import SeededSplits, TaskProblem
 
 KINDS = ("affine", "poly2", "mod")
 _SPLIT_CODES = {"train": 0, "heldout": 1}
@@ -66,7 +66,7 @@ def reference_program(expr: str) -> str:
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class CodeSuite(SuiteBase):
+class CodeSuite(SeededSplits):
     """Write `f(x)` from a one-line spec; graded by `num_tests` hidden integer inputs.
 
     kinds: which function families to draw ("affine": ax+b, "poly2": ax^2+bx+c, "mod":
@@ -153,27 +153,8 @@ class CodeSuite(SuiteBase):
         return self._make(kind, d, coefs, f"{kind}-{split}-{index}", rng)
 
     # TaskSuite ----------------------------------------------------------------------------
-    def heldout(self) -> Sequence[TaskProblem]:
-        cached = self.__dict__.get("_heldout")
-        if cached is None:
-            cached = [self._problem("heldout", i) for i in range(self.num_heldout)]
-            object.__setattr__(self, "_heldout", cached)
-            object.__setattr__(self, "_heldout_keys",
-                               frozenset((p.meta["kind"], p.meta["coefficients"]) for p in cached))
-        return cached
-
-    def train_problem(self, index: int) -> TaskProblem:
-        if index < 0:
-            raise ValueError(f"index={index} must be >= 0")
-        self.heldout()
-        held = self.__dict__["_heldout_keys"]
-        for attempt in range(1000):
-            p = self._problem("train", index, attempt)
-            if (p.meta["kind"], p.meta["coefficients"]) not in held:
-                return p
-        raise ValueError(f"could not draw a training problem outside the held-out set for "
-                         f"index={index}; digits {self.min_digits}..{self.max_digits} leave too "
-                         "few functions")
+    def _key(self, problem: TaskProblem) -> tuple:
+        return (problem.meta["kind"], problem.meta["coefficients"])
 
     def categories(self) -> Sequence[str]:
         return [f"{k}:{d}d" for k in self.kinds

@@ -48,7 +48,7 @@ from hcjax.envs.tools import (
     parse_tool_calls,
 )
 from hcjax.rewards.types import Grade
-from hcjax.tasks.base import SuiteBase, TaskProblem
+from hcjax.tasks.base import SeededSplits, TaskProblem
 
 _SPLIT_CODES = {"train": 0, "heldout": 1}
 MAX_EXPR_CHARS = 64
@@ -137,7 +137,7 @@ def sft_example(problem: TaskProblem, tok: T.Tokenizer) -> tuple[list[int], list
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
-class ToolUseSuite(SuiteBase):
+class ToolUseSuite(SeededSplits):
     """Products like "calc 123*45", solved by calling `calc` and answering `<answer>N</answer>`.
 
     min_digits / max_digits: the first factor's digit count, drawn uniformly (the knob);
@@ -189,27 +189,8 @@ class ToolUseSuite(SuiteBase):
             messages=({"role": "user", "content": f"calc {expr}"},), reference=answer,
             target=target, meta={"a": a, "b": b})
 
-    def heldout(self) -> Sequence[TaskProblem]:
-        cached = self.__dict__.get("_heldout")
-        if cached is None:
-            cached = [self._problem("heldout", i) for i in range(self.num_heldout)]
-            object.__setattr__(self, "_heldout", cached)
-            object.__setattr__(self, "_heldout_keys",
-                               frozenset((p.meta["a"], p.meta["b"]) for p in cached))
-        return cached
-
-    def train_problem(self, index: int) -> TaskProblem:
-        if index < 0:
-            raise ValueError(f"index={index} must be >= 0")
-        self.heldout()
-        held = self.__dict__["_heldout_keys"]
-        for attempt in range(1000):
-            p = self._problem("train", index, attempt)
-            if (p.meta["a"], p.meta["b"]) not in held:
-                return p
-        raise ValueError(f"could not draw a training problem outside the held-out set for "
-                         f"index={index}; digits {self.min_digits}..{self.max_digits} x "
-                         f"{self.other_digits} leave too few products")
+    def _key(self, problem: TaskProblem) -> tuple:
+        return (problem.meta["a"], problem.meta["b"])
 
     def categories(self) -> Sequence[str]:
         return [f"mul:{d}x{self.other_digits}"
