@@ -1,7 +1,6 @@
 """The launch scripts' --dry_run: what each would start, and that every printed hcjax.climb and
 hcjax.serve command line is accepted by that entry point's own flag parser."""
 
-import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -91,53 +90,175 @@ def test_local_rejects_bad_arguments(args, message):
     assert out.returncode == 2 and message in out.stderr
 
 
-def test_tpu_pod_dry_run_runs_every_host():
-    out = run("tpu_pod.sh", "--dry_run", "--tpu", "pod", "--zone", "us-x", "--num_hosts", "4",
-              "--learner_hosts", "1", "--", "--mode", "on_policy")
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    workers = [int(line.split("--worker=")[1].split()[0]) for line in lines]
-    assert sorted(workers) == [0, 1, 2, 3]
-    for line in lines:
-        inner = line.split('--command="', 1)[1].rsplit('"', 1)[0]
-        # Addresses are looked up when the command runs: stand in a placeholder for $(...).
-        inner = re.sub(r"\$\(gcloud .*?\)'\)", "HOST", inner)
-        if "--worker=0" in line:
-            ns = parse(climb_args(inner.split("&&", 1)[1]))
-            assert ns.mode == "on_policy"
-            assert ns.num_processes == 1 and ns.process_id == 0
-            assert line.count("--inference_address") == 3
-            assert "--coordinator_address" in line
+def remote_script(line: str) -> tuple[str, str, int, str]:
+    """(role, TPU, worker, the script run there) of a tpu_pod.sh --dry_run line."""
+    role, rest = line.split(": ", 1)
+    words = shlex.split(rest)
+    assert words[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"], line
+    worker = int(next(w for w in words if w.startswith("--worker=")).split("=")[1])
+    command = next(w for w in words if w.startswith("--command="))[len("--command="):]
+    return role, words[5], worker, command
+
+
+def steps(script: str) -> list[str]:
+    """The top-level && steps of a process's script (braced groups kept whole)."""
+    out, depth, current = [], 0, []
+    for word in script.split(" "):
+        depth += word.count("{") - word.count("}") if word in ("{", "}", "};") else 0
+        if word == "&&" and depth == 0:
+            out.append(" ".join(current))
+            current = []
         else:
-            # Weights are pulled from the learner host only.
-            assert inner.split("&&", 1)[1].split()[0] == "HCJAX_TRUSTED_PEERS=HOST"
-            server = parse_serve(inner)
-            assert server.extra.host == "0.0.0.0" and server.extra.port == 50151
-            assert server.gin_files == ["climb_tiny.gin"] and server.gin_params == []
-            check_sizes(server.extra)
+            current.append(word)
+    return [*out, " ".join(current)]
+
+
+def env_and_args(step: str, module: str) -> tuple[dict, list[str]]:
+    words = shlex.split(step)
+    env = {}
+    if words[0] == "env":
+        words = words[1:]
+        while "=" in words[0]:
+            k, v = words.pop(0).split("=", 1)
+            env[k] = v
+    i = words.index(module)
+    return env, words[i + 1:]
+
+
+TPU = ["--dry_run", "--zone", "z"]
+
+
+@pytest.mark.parametrize("learner, learner_type, inference, hosts", [
+    ("l0", "v5p-8", "i0", {"l0": 1}),  # single-host learner slice + 1 inference slice
+    ("la lb", "v5p-16", "i0 i1", {"la": 2, "lb": 2}),  # 2 learner slices over DCN + 2 replicas
+])
+def test_tpu_pod_dry_run_gives_every_host_of_each_slice_its_process(learner, learner_type,
+                                                                    inference, hosts):
+    out = run("tpu_pod.sh", *TPU, "--learner_tpus", learner, "--learner_type", learner_type,
+              "--inference_tpus", inference, "--inference_type", "v5p-8",
+              "--output_dir", "gs://bkt/run", "--", "--mode", "on_policy")
+    assert out.returncode == 0, out.stderr
+    procs = [remote_script(line) for line in out.stdout.strip().splitlines()]
+    servers = [p for p in procs if p[0] == "inference"]
+    learners = [p for p in procs if p[0] == "learner"]
+    assert [p[1] for p in servers] == inference.split() and all(p[2] == 0 for p in servers)
+    # Every host of every learner slice runs a learner process of one JAX job.
+    assert [(p[1], p[2]) for p in learners] == [(t, w) for t, n in hosts.items()
+                                                for w in range(n)]
+    learner_hosts = [f"{t}-w{w}" for t, n in hosts.items() for w in range(n)]
+    addresses = [f"{t}-w0:50151" for t in inference.split()]
+    for pid, (_, tpu, _worker, script) in enumerate(learners):
+        assert script.startswith("cd $HOME/hcjax && ")
+        st = steps(script.split(" && ", 1)[1])
+        assert "'jax[tpu]>=0.9,<0.11'" in st[0] and "python3 -m venv .venv-accel" in st[0]
+        assert "gcsfuse --implicit-dirs bkt /mnt/gcs/bkt" in st[1]
+        assert st[2] == ".venv-accel/bin/python -m hcjax.launch.storage /mnt/gcs/bkt/run"
+        assert st[3] == ".venv-accel/bin/python -m hcjax.launch.wait_ready " + " ".join(addresses)
+        env, args = env_and_args(st[4], "hcjax.climb")
+        flags = config.parse_flags(args, description="", extra_args=climb._extra_args)
+        ns = flags.extra
+        assert flags.output_dir == "/mnt/gcs/bkt/run" and ns.mode == "on_policy"
+        assert ns.inference_address == addresses
+        if len(learner_hosts) > 1:
+            assert (ns.coordinator_address, ns.num_processes, ns.process_id) == (
+                f"{learner_hosts[0]}:8476", len(learner_hosts), pid)
+        else:
+            assert ns.coordinator_address is None
+        if len(hosts) > 1:  # multislice over DCN
+            assert env == {"MEGASCALE_COORDINATOR_ADDRESS": f"{learner_hosts[0]}:8081",
+                           "MEGASCALE_NUM_SLICES": str(len(hosts)),
+                           "MEGASCALE_SLICE_ID": str(list(hosts).index(tpu)),
+                           "MEGASCALE_PORT": "8081"}
+        else:
+            assert env == {}
+    for _, _, _, script in servers:
+        st = steps(script.split(" && ", 1)[1])
+        assert len(st) == 2 and "'jax[tpu]>=0.9,<0.11'" in st[0]
+        env, args = env_and_args(st[1], "hcjax.serve")
+        assert env == {"HCJAX_TRUSTED_PEERS": ",".join(learner_hosts)}
+        server = config.parse_flags(args, description="", default_gin_files=["tiny_cpu.gin"],
+                                    extra_args=serve._extra_args)
+        assert server.extra.host == "0.0.0.0" and server.extra.port == 50151
+        assert server.gin_files == ["climb_tiny.gin"]
+        check_sizes(server.extra)
+
+
+def test_tpu_pod_passes_security_settings_and_refuses_multi_host_inference(monkeypatch, tmp_path):
+    monkeypatch.setenv("HCJAX_TOKEN_FILE", str(tmp_path / "token"))
+    out = run("tpu_pod.sh", *TPU, "--learner_tpus", "l", "--learner_type", "v5p-8",
+              "--inference_tpus", "i", "--inference_type", "v5p-8", "--output_dir", "/shared")
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.splitlines():
+        assert f"HCJAX_TOKEN_FILE={tmp_path / 'token'}" in remote_script(line)[3]
+    out = run("tpu_pod.sh", *TPU, "--learner_tpus", "l", "--learner_type", "v5p-8",
+              "--inference_tpus", "i", "--inference_type", "v5p-16", "--output_dir", "/shared")
+    assert out.returncode == 2 and "inference slice 'i' has 2 hosts" in out.stderr
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--zone", "z", "--num_hosts", "2"], "--tpu is required"),
-    (["--tpu", "t", "--zone", "z", "--num_hosts", "2", "--learner_hosts", "2"],
-     "need 1 <= --learner_hosts=2 < --num_hosts=2"),
+    (["--learner_tpus", "l", "--learner_type", "v5p-8", "--inference_tpus", "i",
+      "--inference_type", "v5p-8"], "--output_dir is required"),
+    (["--learner_tpus", "l", "--learner_type", "v9-8", "--inference_tpus", "i",
+      "--inference_type", "v5p-8", "--output_dir", "/s"], "accelerator type 'v9-8'"),
 ])
 def test_tpu_pod_rejects_bad_arguments(args, message):
-    out = run("tpu_pod.sh", "--dry_run", *args)
+    out = run("tpu_pod.sh", *TPU, *args)
     assert out.returncode == 2 and message in out.stderr
 
 
-def test_gpu_slurm_dry_run_places_learner_on_the_first_node():
-    out = run("gpu_slurm.sbatch", "--dry_run", "--nodes", "gpu1 gpu2 gpu3", "--port", "7000")
+def test_tpu_slice_shapes():
+    from hcjax.launch.plan import tpu_slice
+
+    assert (tpu_slice("v5p-8").chips, tpu_slice("v5p-8").hosts) == (4, 1)
+    s = tpu_slice("v5p-64")
+    assert (s.chips, s.hosts, s.gke_topology, s.gke_accelerator) == (
+        32, 8, "2x4x4", "tpu-v5p-slice")
+    assert (tpu_slice("v6e-16").hosts, tpu_slice("v5litepod-8").hosts) == (4, 1)
+
+
+def slurm_processes(stdout: str) -> list[tuple[str, str, list[str]]]:
+    out = []
+    for line in stdout.strip().splitlines()[1:]:
+        role, rest = line.split(": ", 1)
+        words = shlex.split(rest)
+        assert words[:4] == ["srun", "--nodes=1", "--ntasks=1", "-w"] and words[5:7] == [
+            "bash", "-c"], line
+        out.append((role, words[4], steps(words[7])))
+    return out
+
+
+@pytest.mark.parametrize("nodes, learner_nodes", [("gpu1 gpu2 gpu3", 1),
+                                                  ("g1 g2 g3 g4 g5 g6", 4)])
+def test_gpu_slurm_dry_run_runs_a_multi_node_learner_after_health_checks(nodes, learner_nodes):
+    out = run("gpu_slurm.sbatch", "--dry_run", "--nodes", nodes, "--learner_nodes",
+              str(learner_nodes), "--port", "7000", "--output_dir", "/shared/run")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["inference", "inference", "learner"]
-    assert "-w gpu2" in lines[0] and "-w gpu3" in lines[1] and "-w gpu1" in lines[2]
-    learner = parse(climb_args(lines[2]))
-    assert learner.inference_address == ["gpu2:7000", "gpu3:7000"]
-    for line in lines[:2]:
-        assert "env HCJAX_TRUSTED_PEERS=gpu1 " in line  # weights only from the learner node
-        server = parse_serve(line)
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("install: ") and "'jax[cuda12]>=0.9,<0.11'" in first
+    names = nodes.split()
+    learners, servers = names[:learner_nodes], names[learner_nodes:]
+    procs = slurm_processes(out.stdout)
+    assert [(r, n) for r, n, _ in procs] == [("inference", n) for n in servers] + [
+        ("learner", n) for n in learners]
+    addresses = [f"{n}:7000" for n in servers]
+    for pid, (_, _node, st) in enumerate(procs[len(servers):]):
+        assert st[0] == ".venv-accel/bin/python -m hcjax.launch.storage /shared/run"
+        assert st[1] == ".venv-accel/bin/python -m hcjax.launch.wait_ready " + " ".join(addresses)
+        assert not any("sleep" in s for s in st)
+        env, args = env_and_args(st[2], "hcjax.climb")
+        assert env == {}
+        ns = parse(args)
+        assert ns.inference_address == addresses
+        if learner_nodes > 1:
+            assert (ns.coordinator_address, ns.num_processes, ns.process_id) == (
+                f"{learners[0]}:8476", learner_nodes, pid)
+        else:
+            assert ns.coordinator_address is None
+    for _, _, st in procs[:len(servers)]:
+        env, args = env_and_args(st[-1], "hcjax.serve")
+        assert env == {"HCJAX_TRUSTED_PEERS": ",".join(learners)}  # weights only from learners
+        server = config.parse_flags(args, description="", default_gin_files=["tiny_cpu.gin"],
+                                    extra_args=serve._extra_args)
         assert server.extra.host == "0.0.0.0" and server.extra.port == 7000
         check_sizes(server.extra)
 
@@ -148,6 +269,20 @@ def test_gpu_slurm_needs_nodes_outside_slurm(monkeypatch):
     assert out.returncode == 2 and "not inside a SLURM job" in out.stderr
     out = run("gpu_slurm.sbatch", "--dry_run", "--nodes", "only1")
     assert out.returncode == 2 and "need at least 2 nodes" in out.stderr
+    out = run("gpu_slurm.sbatch", "--dry_run", "--nodes", "a b", "--learner_nodes", "2")
+    assert out.returncode == 2 and "learner_nodes=2" in out.stderr
+
+
+def test_storage_check_refuses_local_disk(tmp_path):
+    from hcjax.launch import storage
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nfs:/x {tmp_path}/shared nfs4 rw 0 0\n")
+    with pytest.raises(ValueError, match="local to this host"):
+        storage.check(str(tmp_path / "local"), mounts=str(mounts))
+    assert storage.check(str(tmp_path / "shared" / "run"), mounts=str(mounts)) == "nfs4"
+    assert storage.check(str(tmp_path / "local"), allow_local=True, mounts=str(mounts)) == "ext4"
+    assert storage.gcs_mount("gs://b/x/y") == ("/mnt/gcs/b/x/y", "b")
 
 
 def test_multi_host_launchers_need_a_token_before_starting_anything(monkeypatch):
@@ -157,6 +292,54 @@ def test_multi_host_launchers_need_a_token_before_starting_anything(monkeypatch)
     out = run("gpu_slurm.sbatch", "--nodes", "gpu1 gpu2")
     assert out.returncode == 2 and "set HCJAX_TOKEN or HCJAX_TOKEN_FILE" in out.stderr
     assert out.stdout == ""
-    out = run("tpu_pod.sh", "--tpu", "t", "--zone", "z", "--num_hosts", "2")
+    out = run("tpu_pod.sh", "--zone", "z", "--learner_tpus", "l", "--learner_type", "v5p-8",
+              "--inference_tpus", "i", "--inference_type", "v5p-8", "--output_dir", "/s")
     assert out.returncode == 2 and "set HCJAX_TOKEN_FILE" in out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.parametrize("slices, replicas", [(1, 1), (2, 2)])
+def test_jobset_manifest_places_each_role_on_whole_slices(slices, replicas):
+    import yaml
+
+    from hcjax.launch.jobset import jobset
+
+    text = jobset(name="c", image="img", learner_topology="v5p-16", learner_slices=slices,
+                  inference_topology="v5p-8", inference_replicas=replicas,
+                  output_dir="gs://bkt/run", token_secret="tok", extra=["--mode", "on_policy"])
+    doc = yaml.safe_load(text)
+    assert doc["kind"] == "JobSet"
+    jobs = {j["name"]: j for j in doc["spec"]["replicatedJobs"]}
+    learner, inference = jobs["learner"], jobs["inference"]
+    assert (learner["replicas"], learner["template"]["spec"]["parallelism"]) == (slices, 2)
+    assert inference["replicas"] == replicas
+    pod = learner["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "2x2x2"}
+    [container] = pod["containers"]
+    assert container["resources"]["limits"]["google.com/tpu"] == 4
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["HCJAX_TOKEN_FILE"] == "/var/run/hcjax/token"
+    if slices > 1:
+        assert env["MEGASCALE_NUM_SLICES"] == "2"
+        assert env["MEGASCALE_COORDINATOR_ADDRESS"] == "c-learner-0-0.c:8081"
+        assert "job-index" in env["MEGASCALE_SLICE_ID"]["fieldRef"]["fieldPath"]
+    else:
+        assert "MEGASCALE_NUM_SLICES" not in env
+    script = container["command"][2]
+    st = steps(script)
+    assert st[0] == "python -m hcjax.launch.storage /mnt/gcs/bkt/run"
+    assert st[1] == "python -m hcjax.launch.wait_ready " + " ".join(
+        f"c-inference-{r}-0.c:50151" for r in range(replicas))
+    # Every pod's process id follows from its slice and worker index; the rest parses.
+    climb_line = st[2].replace("$((SLICE_ID * 2 + WORKER_ID))", "0")
+    ns = parse(shlex.split(climb_line)[3:])
+    assert ns.num_processes == 2 * slices and ns.mode == "on_policy"
+    assert ns.coordinator_address == "c-learner-0-0.c:8476"
+    serve_pod = inference["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert "hcjax.launch.wait_ready" in serve_pod["readinessProbe"]["exec"]["command"]
+    server = parse_serve(serve_pod["command"][2])
+    assert server.extra.host == "0.0.0.0"
+    with pytest.raises(ValueError, match="single-host slice"):
+        jobset(name="c", image="i", learner_topology="v5p-16", learner_slices=1,
+               inference_topology="v5p-16", inference_replicas=1, output_dir="/s")

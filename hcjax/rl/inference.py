@@ -74,16 +74,45 @@ class LocalInference:
 
 class RemoteInference:
     """Remote replicas: requests through the Router, weights by reshard plans to every live
-    replica (hcjax.rl.weight_sync.WeightPublisher); a replica whose transfer fails is taken out
-    of the router."""
+    replica (hcjax.rl.weight_sync.WeightPublisher).
 
-    def __init__(self, addresses: Sequence[str], params: Callable[[], Any]) -> None:
+    Start: waits (with backoff, up to `ready_timeout` s) for the replicas' Health to answer
+    SERVING; those not ready by then, and any whose transfer later fails or that the router's
+    watchdog finds stalled, are taken out of the router and of weight sync. The router keeps
+    probing them; one that answers SERVING again is readmitted once it holds the current
+    weights: pushed at once when no other replica is serving (the learner waits for rollouts,
+    so its params are not being stepped), else with the next version published.
+    """
+
+    def __init__(self, addresses: Sequence[str], params: Callable[[], Any], *,
+                 ready_timeout: float = 900.0, stall_seconds: float | None = 120.0,
+                 params_lock: Any = None) -> None:
+        """params_lock: a lock the learner holds while it steps; given, a readmitted replica
+        always gets the current params at once."""
         from hcjax.rl.weight_sync import WeightPublisher
         from hcjax.rollout.router import Router
+        from hcjax.rollout.service import wait_ready
 
-        self.router = Router(list(addresses), max_inflight_per_replica=256)
-        self.publisher = WeightPublisher(params, list(addresses),
-                                         on_dead=self.router.remove_replica)
+        addresses = list(addresses)
+        wait_ready(addresses, timeout=ready_timeout, require="any")
+        self.publisher: WeightPublisher | None = None
+        self._params_lock = params_lock
+        self.router = Router(addresses, max_inflight_per_replica=256,
+                             stall_seconds=stall_seconds, on_readmit=self._readmit)
+        self.publisher = WeightPublisher(params, addresses, on_dead=self.router.mark_down,
+                                         is_up=self.router.is_up, params_lock=params_lock)
+
+    def _readmit(self, address: str) -> bool:
+        """The router's on_readmit: True once `address` holds the last published version."""
+        publisher = self.publisher
+        if publisher is None or publisher.current_version is None:
+            return False  # not started: start() publishes to every replica
+        if publisher.caught_up(address):
+            return True
+        if address in publisher.live:
+            return False  # handshaken; the next publish brings it the current version
+        others = [a for a in publisher.live if a != address and self.router.is_up(a)]
+        return publisher.readmit(address, push=self._params_lock is not None or not others)
 
     def publish(self, version: int) -> None:
         self.publisher(version)
@@ -96,3 +125,5 @@ class RemoteInference:
 
     def close(self) -> None:
         self.router.close()
+        if self.publisher is not None:
+            self.publisher.close()

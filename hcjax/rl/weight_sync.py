@@ -59,6 +59,7 @@ __all__ = [
 
 WEIGHTS_SERVICE = "hcjax.Weights"
 LEARNER_PROCESS = 0
+_MAX_PROCESSES = 1024  # transfer ids hold 10 bits of process index (hcjax.transfer.remote)
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -238,8 +239,19 @@ class WeightPublisher:
     """Learner side: `publisher(version)` moves the current params to every live replica.
 
     params: returns the learner's current parameter tree (its layout never changes).
-    on_dead(address): called once for a replica that fails (e.g. the router's remove_replica);
-    it gets no further versions. A layout mismatch is a configuration error and raises.
+    on_dead(address): called once for a replica that fails (e.g. the router's mark_down); it
+    gets no further versions until `readmit(address)` handshakes with it again. A layout
+    mismatch is a configuration error and raises.
+    is_up(address): when given, a publish skips (and drops) replicas it says are down, so a hung
+    replica cannot hold up a push for `timeout` s; a readmitted replica awaiting its first
+    version is always included.
+
+    Readmission (`readmit`): a replica that comes back (restarted, or resumed after a hang) gets
+    a fresh handshake under a new transfer process index (so no transfer id of an interrupted
+    push is reused), then either the current version at once (`push=True`: the learner's
+    `params()` under `params_lock` when one is given; without it the caller must know the
+    params are not being donated by a train step at that moment) or the next version published
+    (`push=False`, the safe default while other replicas serve).
     """
 
     def __init__(
@@ -251,6 +263,8 @@ class WeightPublisher:
         timeout: float = 120.0,
         max_bytes_per_pull: int = 16 << 20,
         transfer_address: str | None = None,
+        is_up: Callable[[str], bool] | None = None,
+        params_lock: Any = None,
     ) -> None:
         import grpc
 
@@ -261,6 +275,13 @@ class WeightPublisher:
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be positive")
         self.params, self.on_dead, self.timeout = params, on_dead, timeout
+        self.is_up, self.params_lock = is_up, params_lock
+        self.addresses = list(addresses)
+        self.current_version: int | None = None  # the last version published
+        self.installed: dict[str, int] = {}  # address -> version it installed last
+        self._pending: set[str] = set()  # readmitted, waiting for their first version
+        self._readmissions = 0
+        self._lock = threading.RLock()  # one publish or readmission at a time
         self.max_bytes_per_pull = max_bytes_per_pull
         self.layout = describe_layout(params())
         if transfer_address is None:
@@ -320,13 +341,24 @@ class WeightPublisher:
     def __call__(self, version: int) -> None:
         """Serve `version` to every live replica while each pulls it; returns once every replica
         installed it or was dropped. Raises RuntimeError if none installed it."""
-        if not self.replicas:
-            raise RuntimeError(f"weights version {version} reached no replica: every one failed "
-                               f"before: {self.dead}")
+        with self._lock:
+            if self.is_up is not None:  # down replicas leave now; readmit brings them back
+                for replica in [r for r in self.replicas if r.address not in self._pending
+                                and not self.is_up(r.address)]:
+                    self.replicas.remove(replica)
+                    replica.channel.close()
+                    self.dead[replica.address] = f"down at version {version}"
+            if not self.replicas:
+                self.current_version = int(version)  # a readmitted replica gets this one
+                raise RuntimeError(f"weights version {version} reached no replica: every one "
+                                   f"failed before: {self.dead}")
+            self._push(list(self.replicas), int(version), self.params())
+            self.current_version = int(version)
+
+    def _push(self, replicas: list[_Replica], version: int, params: Any) -> None:
         t0 = time.perf_counter()
-        params = self.params()
         inflight = [(r, _in_daemon_thread(r.sender.send, params, version),
-                     _in_daemon_thread(r.pull, {"version": int(version)})) for r in self.replicas]
+                     _in_daemon_thread(r.pull, {"version": int(version)})) for r in replicas]
         deadline = time.monotonic() + self.timeout
         failed: dict[str, str] = {}
         for replica, sent, pulled in inflight:
@@ -340,19 +372,82 @@ class WeightPublisher:
             elif (got := pulled.result())["bytes"] != replica.expected_bytes:
                 failed[replica.address] = (f"received {got['bytes']} B, the plan sends "
                                            f"{replica.expected_bytes} B")
-        for replica in [r for r in self.replicas if r.address in failed]:
+        for replica in [r for r in replicas if r.address in failed]:
             self.replicas.remove(replica)
             replica.channel.close()
+            self._pending.discard(replica.address)
             self._mark_dead(replica.address, f"version {version}: {failed[replica.address]}")
+        for replica in replicas:
+            if replica.address not in failed:
+                self.installed[replica.address] = int(version)
+                self._pending.discard(replica.address)
         if len(failed) == len(inflight):
             raise RuntimeError(f"weights version {version} reached no replica: {failed}")
         self.history.append({"version": int(version), "seconds": time.perf_counter() - t0,
-                             "bytes": sum(r.expected_bytes for r in self.replicas),
-                             "replicas": len(self.replicas)})
+                             "bytes": sum(r.expected_bytes for r in replicas
+                                          if r.address not in failed),
+                             "replicas": len(replicas) - len(failed)})
+
+    def caught_up(self, address: str) -> bool:
+        """Whether `address` takes part in weight sync and holds the last published version."""
+        with self._lock:
+            return (address in self.live and self.current_version is not None
+                    and self.installed.get(address) == self.current_version)
+
+    def readmit(self, address: str, *, push: bool = False) -> bool:
+        """Take `address` (one of this publisher's replicas) back into weight sync: a fresh
+        handshake; then with push=True the current params as the last published version, now.
+        Returns whether it holds the last published version (False: it gets the next one, or
+        the handshake or push failed and the caller may try again later)."""
+        import grpc
+
+        from hcjax.rollout.auth import open_channel
+
+        if address not in self.addresses:
+            raise ValueError(f"readmit({address!r}): not one of this publisher's replicas "
+                             f"{self.addresses}")
+        lock = self.params_lock if push and self.params_lock is not None else _NoLock()
+        with lock, self._lock:
+            if self.caught_up(address):
+                return True
+            for stale in [r for r in self.replicas if r.address == address]:
+                self.replicas.remove(stale)
+                stale.channel.close()
+            channel = open_channel(address)
+            # Transfer ids hold a process index < 1024: readmissions cycle above the originals.
+            spare = _MAX_PROCESSES - 1 - len(self.addresses)
+            process = len(self.addresses) + 1 + self._readmissions % spare
+            self._readmissions += 1
+            try:
+                replica = self._handshake(address, process, channel)
+            except (grpc.RpcError, ValueError) as err:
+                channel.close()
+                log.warning("readmission of %s failed at the handshake: %s", address, _why(err))
+                return False
+            self.replicas.append(replica)
+            self.dead.pop(address, None)
+            self._pending.add(address)
+            log.info("inference process %s readmitted to weight sync (process %d)", address,
+                     process)
+            if not push or self.current_version is None:
+                return False
+            try:
+                self._push([replica], self.current_version, self.params())
+            except RuntimeError:
+                return False
+            return self.caught_up(address)
 
     def close(self) -> None:
         for replica in self.replicas:
             replica.channel.close()
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 # Inference side ----------------------------------------------------------------------------------

@@ -2,8 +2,12 @@
 a circuit breaker per replica, and retry elsewhere of a request whose replica failed half-way.
 
 An unhealthy replica gets no new requests; a background prober re-admits it once its Health call
-succeeds. A retried request keeps its seed, so it samples the same tokens on the new replica
-(given the same weight version). Invalid requests are never retried.
+answers SERVING and `on_readmit(address)` (if given: e.g. "it has the current weights") agrees.
+A step-progress watchdog opens the breaker of a replica that has requests in flight but streamed
+no token for `stall_seconds` (a hung or SIGSTOPped process still accepts connections) and
+cancels its calls, so they retry elsewhere. A retried request keeps its seed, so it samples the
+same tokens on the new replica (given the same weight version). Invalid requests are never
+retried.
 """
 
 from __future__ import annotations
@@ -41,8 +45,11 @@ class _Replica:
     failures: int = 0
     completed: int = 0
     readmissions: int = 0
+    stalls: int = 0
     open_until: float = 0.0
     backoff: float = 0.0
+    last_progress: float = 0.0  # when a token last streamed (or work arrived at an idle replica)
+    why: str = ""  # why the breaker last opened
 
 
 class Router:
@@ -57,13 +64,23 @@ class Router:
         probe_interval: float = 0.5,
         max_probe_backoff: float = 10.0,
         max_attempts: int = 3,
+        stall_seconds: float | None = 120.0,
+        on_readmit: Callable[[str], bool] | None = None,
     ) -> None:
+        """stall_seconds: in-flight requests with no token for this long open the replica's
+        breaker (None: no watchdog). on_readmit(address): called (from the prober thread) when
+        an open replica answers SERVING; it rejoins only if this returns True (else it is probed
+        again later)."""
         if max_inflight_per_replica <= 0:
             raise ValueError(f"max_inflight_per_replica={max_inflight_per_replica} must be > 0")
         if failure_threshold <= 0:
             raise ValueError(f"failure_threshold={failure_threshold} must be > 0")
         if max_attempts <= 0:
             raise ValueError(f"max_attempts={max_attempts} must be > 0")
+        if stall_seconds is not None and stall_seconds <= 0:
+            raise ValueError(f"stall_seconds={stall_seconds} must be > 0 (or None: no watchdog)")
+        self._stall = stall_seconds
+        self._on_readmit = on_readmit
         self._max_inflight = max_inflight_per_replica
         self._threshold = failure_threshold
         self._probe_interval = probe_interval
@@ -87,6 +104,20 @@ class Router:
             if address not in self._replicas:
                 self._replicas[address] = _Replica(address, RolloutClient(address))
             self._cond.notify_all()
+
+    def mark_down(self, address: str, why: str = "marked down") -> None:
+        """Stop sending `address` requests until the prober readmits it (unknown: ignored)."""
+        with self._cond:
+            rep = self._replicas.get(address)
+            if rep is not None and rep.state == CLOSED:
+                self._open(rep, why)
+        if rep is not None and hasattr(rep.client, "cancel_inflight"):
+            rep.client.cancel_inflight()
+
+    def is_up(self, address: str) -> bool:
+        with self._cond:
+            rep = self._replicas.get(address)
+            return rep is not None and rep.state == CLOSED
 
     def remove_replica(self, address: str) -> None:
         with self._cond:
@@ -124,7 +155,7 @@ class Router:
             if attempt:
                 with self._cond:
                     self._retries += 1
-            callback = None if on_event is None else (lambda e, a=rep.address: on_event(e, a))
+            callback = self._progress_callback(rep, on_event)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 records = rep.client.generate(request, timeout=remaining, on_event=callback)
@@ -163,6 +194,8 @@ class Router:
                 ready = [r for r in fresh if r.inflight < self._max_inflight]
                 if ready:
                     rep = min(ready, key=lambda r: (r.inflight, random.random()))
+                    if rep.inflight == 0:  # work arrives at an idle replica: the clock starts
+                        rep.last_progress = time.monotonic()
                     rep.inflight += 1
                     return rep
                 wait = None if deadline is None else deadline - time.monotonic()
@@ -185,29 +218,68 @@ class Router:
                     self._open(rep)
             self._cond.notify_all()
 
-    def _open(self, rep: _Replica) -> None:
+    def _progress_callback(self, rep: _Replica, on_event):
+        def progress(event) -> None:
+            rep.last_progress = time.monotonic()  # a float store: no lock needed
+            if on_event is not None:
+                on_event(event, rep.address)
+
+        return progress
+
+    def _open(self, rep: _Replica, why: str = "failed") -> None:
+        rep.why = why
         rep.state = OPEN
         rep.backoff = self._probe_interval
         rep.open_until = time.monotonic() + rep.backoff
 
     # Circuit breaker probes ------------------------------------------------------------------
+    def _watchdog(self) -> None:
+        """Open the breaker of every replica whose in-flight requests made no progress for
+        stall_seconds, and cancel its calls (they fail here and are retried elsewhere)."""
+        if self._stall is None:
+            return
+        now = time.monotonic()
+        with self._cond:
+            stalled = [r for r in self._replicas.values() if r.state == CLOSED and r.inflight
+                       and now - r.last_progress > self._stall]
+            for rep in stalled:
+                rep.stalls += 1
+                self._open(rep, f"stalled: {rep.inflight} requests in flight and no token for "
+                                f"{now - rep.last_progress:.1f} s")
+            self._cond.notify_all()
+        for rep in stalled:
+            if hasattr(rep.client, "cancel_inflight"):
+                rep.client.cancel_inflight()
+
+    def _healthy(self, rep: _Replica) -> bool:
+        try:
+            reply = rep.client.health(timeout=max(1.0, self._probe_interval))
+        except Exception:  # any failure to answer a probe keeps the breaker open
+            return False
+        if reply.get("status", "SERVING" if reply.get("ok") else "NOT_SERVING") != "SERVING":
+            return False
+        if self._on_readmit is None:
+            return True
+        try:
+            return bool(self._on_readmit(rep.address))
+        except Exception:  # noqa: BLE001 - e.g. the weights push failed: probe again later
+            return False
+
     def _probe_loop(self) -> None:
         while not self._closed.wait(self._probe_interval / 2):
+            self._watchdog()
             now = time.monotonic()
             with self._cond:
                 due = [r for r in self._replicas.values() if r.state == OPEN and r.open_until <= now]
             for rep in due:
-                try:
-                    healthy = bool(rep.client.health(timeout=max(1.0, self._probe_interval)).get("ok"))
-                except Exception:  # any failure to answer a probe keeps the breaker open
-                    healthy = False
+                healthy = self._healthy(rep)
                 with self._cond:
-                    if healthy:
+                    if healthy and rep.state == OPEN:
                         rep.state = CLOSED
                         rep.consecutive_failures = 0
                         rep.readmissions += 1
                         self._cond.notify_all()
-                    else:
+                    elif not healthy:
                         rep.backoff = min(self._max_backoff, rep.backoff * 2)
                         rep.open_until = time.monotonic() + rep.backoff
 
@@ -228,6 +300,8 @@ class Router:
                         "completed": r.completed,
                         "failures": r.failures,
                         "readmissions": r.readmissions,
+                        "stalls": r.stalls,
+                        "why": r.why,
                     }
                     for a, r in self._replicas.items()
                 },

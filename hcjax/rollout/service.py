@@ -7,6 +7,12 @@ server. Status codes: INVALID_ARGUMENT (with the reason) for any malformed or ou
 request, RESOURCE_EXHAUSTED when the queue or the client's share of it is full, UNAVAILABLE when
 the server is stopping or failed, UNAUTHENTICATED without the shared token (auth.py). The service
 keeps serving after any of them.
+
+Health answers {"status": "SERVING" | "NOT_SERVING", "version", ...}: NOT_SERVING when the
+server's threads failed or when requests are in flight and no token has streamed for
+`stall_seconds` (a hung engine). Health is authenticated like every other RPC (a probe without
+the token could map the cluster's replicas and versions); `wait_ready` and the launchers' probes
+read the token from the environment like any client.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -32,9 +39,11 @@ from hcjax.rollout.wire import (
     record_to_wire,
 )
 
-__all__ = ["RequestLimits", "RolloutClient", "RolloutServicer", "serve_grpc"]
+__all__ = ["NOT_SERVING", "SERVING", "RequestLimits", "RolloutClient", "RolloutServicer",
+           "serve_grpc", "wait_ready"]
 
 SERVICE = "hcjax.Rollout"
+SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
 _MB = 1 << 20
 
 
@@ -113,8 +122,15 @@ def _client_of(context: grpc.ServicerContext) -> str:
 class RolloutServicer:
     """Adapts a RolloutServer to gRPC; one instance may be registered on any number of servers."""
 
-    def __init__(self, server: RolloutServer, limits: RequestLimits | None = None) -> None:
+    def __init__(self, server: RolloutServer, limits: RequestLimits | None = None, *,
+                 stall_seconds: float = 120.0) -> None:
+        """stall_seconds: requests in flight with no token streamed for this long make Health
+        answer NOT_SERVING (the step-progress watchdog's server-side half)."""
+        if stall_seconds <= 0:
+            raise ValueError(f"stall_seconds={stall_seconds} must be positive")
         self.server = server
+        self.stall_seconds = stall_seconds
+        self._last_progress = time.monotonic()
         self.limits = limits or RequestLimits()
         engine = server.engine
         self.max_per_client = max(
@@ -153,6 +169,8 @@ class RolloutServicer:
         with self._lock:
             if self._inflight[client] >= self.max_per_client:
                 return False
+            if not self._inflight:  # work arrives at an idle server: the progress clock starts
+                self._last_progress = time.monotonic()
             self._inflight[client] += 1
             return True
 
@@ -208,6 +226,8 @@ class RolloutServicer:
                     handle.cancel()
                     return
                 continue
+            with self._lock:
+                self._last_progress = time.monotonic()
             tokens = [e for e in batch if isinstance(e, TokenEvent)]
             records = [e for e in batch if isinstance(e, SampledRollout)]
             arrays = events_to_arrays(tokens)
@@ -218,8 +238,24 @@ class RolloutServicer:
                 arrays.update(a)
             yield encode({"records": metas, "version": self.server.version}, arrays)
 
+    def health_status(self) -> dict:
+        """SERVING or NOT_SERVING (with the reason), the served weights version, requests in
+        flight and seconds since the last streamed token."""
+        state = self.server.health()
+        with self._lock:
+            inflight = sum(self._inflight.values())
+            quiet = time.monotonic() - self._last_progress
+        error = state.get("error")
+        if state.get("ok") and inflight and quiet > self.stall_seconds:
+            error = (f"stalled: {inflight} requests in flight and no token for {quiet:.0f} s "
+                     f"(stall_seconds={self.stall_seconds})")
+        ok = bool(state.get("ok")) and error is None
+        return {"status": SERVING if ok else NOT_SERVING, "ok": ok, "error": error,
+                "version": self.server.version, "inflight": inflight,
+                "seconds_since_progress": round(quiet, 3) if inflight else 0.0}
+
     def health(self, data: bytes, context: grpc.ServicerContext) -> bytes:
-        return json.dumps(self.server.health()).encode()
+        return json.dumps(self.health_status()).encode()
 
     def metrics(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         with self._lock:
@@ -282,6 +318,8 @@ class RolloutClient:
                                         ("grpc.max_send_message_length", 256 * _MB)],
         )
         self._generate = self._channel.unary_stream(f"/{SERVICE}/Generate")
+        self._calls: set = set()  # Generate calls in flight, for cancel_inflight
+        self._calls_lock = threading.Lock()
         self._health = self._channel.unary_unary(f"/{SERVICE}/Health")
         self._metrics = self._channel.unary_unary(f"/{SERVICE}/Metrics")
 
@@ -289,11 +327,28 @@ class RolloutClient:
         self, request: GenerateRequest, timeout: float | None = None
     ) -> Iterator[TokenEvent | SampledRollout]:
         """TokenEvents as they are generated, then each sample's record when it ends."""
-        for data in self._generate(_request_to_bytes(request), timeout=timeout):
-            meta, arrays = decode(data)
-            yield from events_from_arrays(arrays)
-            for i, m in enumerate(meta["records"]):
-                yield record_from_wire(m, arrays, f"r{i}")
+        call = self._generate(_request_to_bytes(request), timeout=timeout)
+        with self._calls_lock:
+            self._calls.add(call)
+        try:
+            for data in call:
+                meta, arrays = decode(data)
+                yield from events_from_arrays(arrays)
+                for i, m in enumerate(meta["records"]):
+                    yield record_from_wire(m, arrays, f"r{i}")
+        finally:
+            with self._calls_lock:
+                self._calls.discard(call)
+
+    def cancel_inflight(self) -> int:
+        """Cancel every Generate call of this client still streaming (their callers see
+        grpc.RpcError CANCELLED); returns how many. The router's watchdog uses it to route
+        around a replica that stopped making progress."""
+        with self._calls_lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     def generate(
         self,
@@ -312,6 +367,7 @@ class RolloutClient:
         return sorted(records, key=lambda r: r.sample_index)
 
     def health(self, timeout: float = 5.0) -> dict:
+        """The service's Health reply: {"status": "SERVING" | "NOT_SERVING", "version", ...}."""
         return json.loads(self._health(b"", timeout=timeout))
 
     def metrics(self, timeout: float = 5.0) -> dict:
@@ -325,3 +381,61 @@ class RolloutClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def wait_ready(
+    addresses: list[str] | tuple[str, ...],
+    *,
+    timeout: float = 600.0,
+    require: str = "all",
+    initial_backoff: float = 0.2,
+    max_backoff: float = 10.0,
+    security: Security | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Poll each service's Health with exponential backoff until it answers SERVING.
+
+    require "all": return once every address is ready, TimeoutError (naming the laggards and
+    their last answer) after `timeout` s; "any": return as soon as one is ready. Returns the
+    ready addresses. An UNAUTHENTICATED answer is a configuration error and raises at once.
+    """
+    if require not in ("all", "any"):
+        raise ValueError(f"require={require!r}; expected 'all' or 'any'")
+    if not addresses:
+        raise ValueError("wait_ready needs at least one address")
+    deadline = time.monotonic() + timeout
+    clients = {a: RolloutClient(a, security) for a in addresses}
+    backoff = {a: initial_backoff for a in addresses}
+    due = {a: 0.0 for a in addresses}
+    last: dict[str, str] = {a: "not asked yet" for a in addresses}
+    ready: list[str] = []
+    try:
+        while True:
+            now = time.monotonic()
+            for a in [a for a in addresses if a not in ready and due[a] <= now]:
+                try:
+                    reply = clients[a].health(timeout=max(0.5, min(5.0, deadline - now)))
+                    status = reply.get("status", SERVING if reply.get("ok") else NOT_SERVING)
+                    last[a] = status if status == SERVING else f"{status}: {reply.get('error')}"
+                except grpc.RpcError as err:
+                    if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        raise PermissionError(f"{a}: {err.details()} (set HCJAX_TOKEN or "
+                                              "HCJAX_TOKEN_FILE to the service's token)") from None
+                    status, last[a] = None, f"{err.code().name}: {err.details()}"
+                if status == SERVING:
+                    ready.append(a)
+                    if log:
+                        log(f"{a} ready")
+                else:
+                    due[a] = time.monotonic() + backoff[a]
+                    backoff[a] = min(max_backoff, backoff[a] * 2)
+            if len(ready) == len(addresses) or (require == "any" and ready):
+                return ready
+            now = time.monotonic()
+            if now >= deadline:
+                waiting = {a: last[a] for a in addresses if a not in ready}
+                raise TimeoutError(f"not ready after {timeout} s: {waiting}")
+            time.sleep(max(0.01, min([due[a] for a in addresses if a not in ready]) - now))
+    finally:
+        for c in clients.values():
+            c.close()

@@ -1,0 +1,295 @@
+"""Readiness, health and recovery of the rollout services: the Health RPC (SERVING / NOT_SERVING
+with the served version, authenticated), `wait_ready`'s backoff on a service that starts late,
+the router's step-progress watchdog routing around a replica that hangs, and a replica that
+comes back being readmitted only once it holds the learner's current weights."""
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from hcjax import config as hcfg
+from hcjax.rollout import GenerateRequest
+from hcjax.rollout.auth import Security
+from hcjax.rollout.router import Router
+from hcjax.rollout.service import (
+    NOT_SERVING,
+    SERVING,
+    RolloutClient,
+    RolloutServicer,
+    grpc_server,
+    wait_ready,
+)
+
+TOKEN = "health-test-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Engine:
+    max_concurrent_decodes = 4
+    vocab_size = 64
+    routing_shape = (1, 1)
+
+
+class _Handle:
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def poll(self, timeout=None):  # a hung engine: never a token, never finished
+        self.cancelled.wait(timeout)
+        return [], False
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class HungServer:
+    """Stands in for a RolloutServer whose device stopped making progress: its threads are
+    alive, it accepts requests, and no token ever comes out."""
+
+    engine = _Engine()
+    max_queue = 8
+    version = 7
+
+    def health(self):
+        return {"ok": True, "error": None}
+
+    def submit(self, request, block=True, timeout=None):
+        return _Handle()
+
+
+def start_service(server, port=0, *, security=None, stall_seconds=120.0):
+    srv = grpc_server(security or Security())
+    servicer = RolloutServicer(server, stall_seconds=stall_seconds)
+    srv.add_generic_rpc_handlers((servicer.handler(),))
+    port = srv.add_insecure_port(f"127.0.0.1:{port}")
+    srv.start()
+    return srv, servicer, f"127.0.0.1:{port}"
+
+
+def test_health_answers_serving_with_the_served_version():
+    srv, _, address = start_service(HungServer())
+    try:
+        with RolloutClient(address, Security()) as client:
+            reply = client.health()
+    finally:
+        srv.stop(0)
+    assert reply["status"] == SERVING and reply["ok"] and reply["version"] == 7
+    assert reply["inflight"] == 0 and reply["error"] is None
+
+
+def test_health_is_authenticated_like_every_rpc():
+    srv, _, address = start_service(HungServer(), security=Security(token=TOKEN))
+    try:
+        with RolloutClient(address, Security()) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.health()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(PermissionError, match="HCJAX_TOKEN"):
+            wait_ready([address], timeout=5, security=Security())
+        assert wait_ready([address], timeout=5, security=Security(token=TOKEN)) == [address]
+    finally:
+        srv.stop(0)
+
+
+def test_wait_ready_backs_off_until_a_late_service_binds():
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    started = {}
+
+    def late():
+        time.sleep(1.0)
+        started["srv"] = start_service(HungServer(), port)[0]
+
+    threading.Thread(target=late, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        assert wait_ready([address], timeout=20, initial_backoff=0.1,
+                          security=Security()) == [address]
+        assert time.monotonic() - t0 >= 0.9
+    finally:
+        time.sleep(0.1)
+        if "srv" in started:
+            started["srv"].stop(0)
+
+
+def test_wait_ready_times_out_naming_what_is_not_ready():
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError, match=address.replace(".", r"\.")):
+        wait_ready([address], timeout=0.6, initial_backoff=0.1, security=Security())
+
+
+def test_wait_ready_cli_exit_codes():
+    from hcjax.launch import wait_ready as cli
+
+    srv, _, address = start_service(HungServer())
+    try:
+        assert cli.main([address, "--timeout", "5"]) == 0
+    finally:
+        srv.stop(0)
+    assert cli.main([f"127.0.0.1:{free_port()}", "--timeout", "0.3"]) == 1
+
+
+class GoodReplica:
+    """An in-memory replica that answers every request at once."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def generate(self, request, timeout=None, on_event=None):
+        self.calls += 1
+        return [f"record-{request.seed}"]
+
+    def health(self, timeout=None):
+        return {"status": SERVING, "ok": True}
+
+    def close(self):
+        pass
+
+
+def test_watchdog_routes_around_a_replica_that_hangs():
+    srv, servicer, hung = start_service(HungServer(), stall_seconds=0.5)
+    good = GoodReplica()
+    router = Router([hung, "fake:good"], max_inflight_per_replica=1, stall_seconds=0.5,
+                    probe_interval=0.2)
+    router._replicas[hung].client = RolloutClient(hung, Security())
+    router._replicas["fake:good"].client = good
+    try:
+        out, errors = [], []
+
+        def one(seed):
+            try:
+                out.append(router.generate(GenerateRequest(prompt=[1], seed=seed), timeout=20))
+            except Exception as err:  # noqa: BLE001 - asserted below
+                errors.append(err)
+
+        threads = [threading.Thread(target=one, args=(s,)) for s in range(4)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors and sorted(out) == [[f"record-{s}"] for s in range(4)]
+        assert time.monotonic() - t0 < 10
+        stats = router.metrics()["replicas"][hung]
+        assert stats["stalls"] >= 1 and "stalled" in stats["why"]
+        assert router.metrics()["retries"] >= 1
+        # The server side agrees: while a request hangs there, Health says NOT_SERVING, so the
+        # prober does not readmit it.
+        stuck = RolloutClient(hung, Security())
+        t = threading.Thread(target=lambda: _drain(stuck), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            reply = servicer.health_status()
+            if reply["status"] == NOT_SERVING:
+                break
+            time.sleep(0.1)
+        assert reply["status"] == NOT_SERVING and "stalled" in reply["error"]
+        stuck.cancel_inflight()
+        t.join(5)
+        stuck.close()
+    finally:
+        router.close()
+        srv.stop(0)
+
+
+def _drain(client):
+    try:
+        list(client.stream(GenerateRequest(prompt=[1], seed=0), timeout=30))
+    except grpc.RpcError:
+        pass
+
+
+def test_breaker_readmits_only_when_on_readmit_agrees():
+    good = GoodReplica()
+    answers = []
+    router = Router(["fake:a"], probe_interval=0.1,
+                    on_readmit=lambda a: answers.append(a) or len(answers) >= 3)
+    router._replicas["fake:a"].client = good
+    try:
+        router.mark_down("fake:a", "test")
+        assert not router.is_up("fake:a")
+        deadline = time.monotonic() + 10
+        while not router.is_up("fake:a") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert router.is_up("fake:a") and answers == ["fake:a"] * 3
+        assert router.metrics()["replicas"]["fake:a"]["readmissions"] == 1
+    finally:
+        router.close()
+
+
+# Readmission with real inference processes and weight sync -------------------------------------
+
+MODEL = [
+    "ModelConfig.vocab_size = 64", "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2",
+    "ModelConfig.num_heads = 2", "ModelConfig.num_kv_heads = 1", "ModelConfig.head_dim = 16",
+    "ModelConfig.attention_pattern = ('local', 'global')", "ModelConfig.window = 8",
+    "ModelConfig.d_ff = 64", "ModelConfig.num_experts = 4", "ModelConfig.moe_latent_dim = 16",
+    "ModelConfig.moe_d_ff = 32", "ModelConfig.max_seq_len = 64", "ModelConfig.dtype = 'float32'",
+    "MeshConfig.fsdp = 1", "MeshConfig.device_offset = 4", "MeshConfig.num_devices = 1",
+]
+
+
+def _until(predicate, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.mark.slow
+def test_a_replica_that_comes_back_is_readmitted_with_the_current_weights(monkeypatch):
+    from hcjax.rl.inference import RemoteInference
+    from hcjax.rl.weight_sync import param_digests, weights_status
+    from hcjax.serve import ServeOptions
+    from tests.test_serve import InProcess, learner_versions
+
+    for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    hcfg.bind([], MODEL)
+    v1, v2, v3 = learner_versions(1, 2, 3)
+    current = {"params": v1}
+    late_port = free_port()
+    late = f"127.0.0.1:{late_port}"
+    with InProcess(ServeOptions(warmup=False)) as early:
+        # The late replica is not up: the climb starts without it, and the router holds it down.
+        inference = RemoteInference([early, late], lambda: current["params"], ready_timeout=60,
+                                    stall_seconds=None)
+        try:
+            inference.router._probe_interval = 0.2
+            assert not inference.router.is_up(late) and late in inference.publisher.dead
+            inference.start(1)
+            with InProcess(ServeOptions(port=late_port, warmup=False)):
+                # It answers SERVING, is handshaken, and waits for the next version while the
+                # early replica serves: never readmitted with stale weights.
+                assert _until(lambda: late in inference.publisher.live)
+                assert not inference.router.is_up(late)
+                current["params"] = v2
+                inference.publish(2)
+                assert _until(lambda: inference.router.is_up(late))
+                assert weights_status(late, digests=True)["digests"] == param_digests(v2)
+                # Alone (the other one down), a returning replica gets the current version at once.
+                inference.router.mark_down(late, "test")
+                current["params"] = v3
+                inference.router.remove_replica(early)
+                with pytest.raises(RuntimeError, match="reached no replica"):
+                    inference.publish(3)
+                assert _until(lambda: inference.router.is_up(late))
+                status = weights_status(late, digests=True)
+                assert status["version"] == 3 and status["digests"] == param_digests(v3)
+                assert inference.router.metrics()["replicas"][late]["readmissions"] == 2
+                records = inference.generate(GenerateRequest(prompt=[1, 2], max_tokens=3,
+                                                             temperature=0.0, seed=0), timeout=60)
+                assert records[0].versions.tolist() == [3, 3, 3]
+        finally:
+            inference.close()
