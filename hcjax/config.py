@@ -185,6 +185,8 @@ _CONFIGURABLE_MODULES = [
     "hcjax.tasks.dataset",
     "hcjax.tasks.tool_use",
     "hcjax.plan",
+    "hcjax.distill.dpo",
+    "hcjax.consolidate",
 ]
 
 

@@ -23,19 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
 
 from hcjax import config as hcfg
-
-# Files of an HF folder that travel with the weights (tokenizer, templates, generation defaults).
-HF_SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt",
-)
+from hcjax.model.hf import copy_side_files
 
 
 def _extra_args(parser) -> None:
@@ -111,26 +104,15 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
           max_shard_gb: float = 5.0, quiet: bool = False) -> dict:
     """Export the latest checkpoint of an hcjax run as an HF folder; returns the summary items."""
     import jax
-    import orbax.checkpoint as ocp
     from flax import nnx
 
-    from hcjax.checkpoint import CheckpointConfig, Checkpointer
-    from hcjax.model import ModelConfig, abstract_model, hf
+    from hcjax.model import abstract_model, hf
 
     t0 = time.perf_counter()
-    ckpt_dir = os.path.join(src, "checkpoints")
-    ckpt_dir = ckpt_dir if os.path.isdir(ckpt_dir) else src
-    if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"--to_hf {src!r}: no such run or checkpoint folder")
-    mngr = ocp.CheckpointManager(ckpt_dir, item_handlers={"meta": ocp.JsonCheckpointHandler()})
-    step = mngr.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"--to_hf {src!r}: no checkpoint in {ckpt_dir!r}")
-    meta = dict(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
-    mngr.close()
-    if "model_config" not in meta:
-        raise ValueError(f"checkpoint {ckpt_dir!r} step {step} records no model_config")
-    cfg = ModelConfig(**meta["model_config"])
+    from hcjax.distill.merge import read_checkpoint
+
+    loaded = read_checkpoint(src)  # sft / convert / merge layout, or the climb's {"value": ...}
+    step, meta, cfg, params = loaded.step, loaded.meta, loaded.model_cfg, loaded.params
     hf_source = hf_source or (os.path.join(src, "hf") if os.path.isdir(os.path.join(src, "hf"))
                               else None)
     base = meta.get("hf_config")
@@ -139,24 +121,6 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
     else:
         base = _byte_tokenizer_base(cfg, base, src)
     graphdef, abstract = abstract_model(cfg)
-    target = nnx.to_pure_dict(nnx.State(abstract).filter(nnx.Param))
-    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=here), target)
-    ck = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), {})
-    try:
-        try:
-            params = ck.restore_subtree(step, "params", target)
-        except ValueError as e:
-            # The climb's learner saves each parameter as {"value": array} (an nnx.State).
-            if "different structure" not in str(e):
-                raise
-            wrapped = jax.tree.map(lambda t: {"value": t}, target)
-            params = jax.tree.map(
-                lambda d: d["value"], ck.restore_subtree(step, "params", wrapped),
-                is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"},
-            )
-    finally:
-        ck.close()
     state = nnx.State(abstract)
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
@@ -203,17 +167,6 @@ def _byte_tokenizer_base(cfg, hf_config: dict | None, src: str) -> dict:
             "pass --hf_source with the tokenizer it was trained on"
         )
     return dict(BYTE_TOKEN_IDS)
-
-
-def copy_side_files(src: str, dst: str, skip: Sequence[str] = ()) -> list[str]:
-    """Copy the HF folder's config and tokenizer files (not the weights) from `src` to `dst`."""
-    os.makedirs(dst, exist_ok=True)
-    copied = []
-    for name in HF_SIDE_FILES:
-        if name not in skip and os.path.isfile(os.path.join(src, name)):
-            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
-            copied.append(name)
-    return copied
 
 
 def write_model_gin(cfg, path: str, source: str = "") -> None:

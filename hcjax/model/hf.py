@@ -20,7 +20,7 @@ import json
 import os
 import re
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -591,3 +591,24 @@ def save(
     write_safetensors(path, tensors, max_shard_bytes=max_shard_bytes, progress=progress)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+# Files of an HF folder that travel with the weights (tokenizer, templates, generation defaults).
+HF_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt",
+)
+
+
+def copy_side_files(src: str, dst: str, skip: Sequence[str] = ()) -> list[str]:
+    """Copy the HF folder's config and tokenizer files (not the weights) from `src` to `dst`."""
+    import shutil
+
+    os.makedirs(dst, exist_ok=True)
+    copied = []
+    for name in HF_SIDE_FILES:
+        if name not in skip and os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+            copied.append(name)
+    return copied

@@ -19,6 +19,7 @@ __all__ = [
     "LOSSES",
     "LossConfig",
     "combine_metrics",
+    "dpo_loss",
     "grpo_loss",
     "gspo_loss",
     "kimi_loss",
@@ -264,3 +265,48 @@ def combine_metrics(parts: list[Metrics]) -> Metrics:
         values = jnp.stack([p[name] for p in parts])
         out[name] = jnp.max(values) if name.endswith("_max") else jnp.sum(values)
     return out
+
+
+def dpo_loss(
+    policy_chosen: jax.Array,
+    policy_rejected: jax.Array,
+    ref_chosen: jax.Array,
+    ref_rejected: jax.Array,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    weights: jax.Array | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """Direct preference optimisation (Rafailov et al. 2023; Kimi k1.5 long2short, RECIPE §5).
+
+    Inputs are [P] sequence log-probs (sums over each response's tokens) of the chosen and
+    rejected response of P pairs under the policy and the frozen reference. With
+    z = β·((π_c − ref_c) − (π_r − ref_r)):
+      loss = mean_p [ −(1 − ε)·log σ(z) − ε·log σ(−z) ]   (ε = label_smoothing, "conservative DPO")
+    `weights` [P] (e.g. 0 for padding pairs) make it a weighted mean. Metrics: the implicit rewards
+    β·(π − ref) of chosen and rejected, their margin, and accuracy (chosen reward > rejected).
+    """
+    if beta <= 0:
+        raise ValueError(f"beta={beta} must be > 0")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 0.5)")
+    chosen_reward = beta * (policy_chosen - ref_chosen)
+    rejected_reward = beta * (policy_rejected - ref_rejected)
+    z = chosen_reward - rejected_reward
+    per_pair = (-(1.0 - label_smoothing) * jax.nn.log_sigmoid(z)
+                - label_smoothing * jax.nn.log_sigmoid(-z))
+    w = jnp.ones_like(z) if weights is None else jnp.asarray(weights, z.dtype)
+    total = jnp.maximum(jnp.sum(w), 1e-9)
+
+    def mean(x):
+        return jnp.sum(w * x) / total
+
+    cr, rr = jax.lax.stop_gradient(chosen_reward), jax.lax.stop_gradient(rejected_reward)
+    metrics = {
+        "dpo_loss": mean(jax.lax.stop_gradient(per_pair)),
+        "reward_chosen": mean(cr),
+        "reward_rejected": mean(rr),
+        "reward_margin": mean(cr - rr),
+        "reward_accuracy": mean((cr > rr).astype(z.dtype)),
+    }
+    return mean(per_pair), metrics

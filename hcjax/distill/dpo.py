@@ -1,0 +1,341 @@
+"""DPO after the climb (Kimi k1.5 long2short, RECIPE §5): preference pairs from a climb's rollout
+store — within a group, the shortest correct response is chosen and a correct one at least 1.5×
+longer, or a wrong one, is rejected — and a trainer that fits `hcjax.rl.losses.dpo_loss` against
+the frozen starting params with the SFT trainer's optimiser (`make_optimizer`) and checkpoints.
+
+`python -m hcjax.distill.dpo --climb DIR [--climb DIR] --init_checkpoint RUN --output_dir OUT`
+writes OUT/checkpoints in the hcjax.sft layout (a `--base_checkpoint` of the climb). The pair
+selection is a pure function; the loss lives with the other losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DPOConfig",
+    "PreferencePair",
+    "encode_pairs",
+    "make_dpo_step",
+    "pairs_from_store",
+    "run_dpo",
+    "select_pairs",
+    "sequence_logprobs",
+]
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """beta, label_smoothing: of `dpo_loss`. Pairs (`select_pairs`): min_ratio (a correct
+    response at least this many times the shortest correct one's length is rejected),
+    long_pairs / wrong_pairs (which rejections to use), max_pairs_per_group, and the store
+    filter min_step_fraction (rollouts of learner steps >= this fraction of the last).
+    row_len: tokens per encoded sequence (longer pairs are dropped).
+    optim: the optimisation settings, an hcjax.distill.sft.SFTConfig (num_steps, batch_size =
+    pairs per step, LR schedule, weight decay, clipping, seed, init_checkpoint); None: SFTConfig()
+    built under the gin scope `dpo` (so `dpo/SFTConfig.peak_lr = ...` binds it)."""
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    min_ratio: float = 1.5
+    long_pairs: bool = True
+    wrong_pairs: bool = True
+    max_pairs_per_group: int | None = None
+    min_step_fraction: float = 0.0
+    row_len: int = 128
+    optim: Any = None
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"DPOConfig.beta={self.beta} must be > 0")
+        if self.min_ratio < 1.0:
+            raise ValueError(f"DPOConfig.min_ratio={self.min_ratio} must be >= 1")
+        if not (self.long_pairs or self.wrong_pairs):
+            raise ValueError("DPOConfig: long_pairs and wrong_pairs are both False; no pair "
+                             "could be formed")
+        if self.row_len < 2:
+            raise ValueError(f"DPOConfig.row_len={self.row_len} must be >= 2")
+
+    def optimiser(self):
+        from hcjax.distill.sft import SFTConfig
+
+        if self.optim is not None:
+            return self.optim
+        with gin.config_scope("dpo"):
+            return SFTConfig()
+
+
+# Pairs ------------------------------------------------------------------------------------------
+def select_pairs(lengths: Sequence[int], correct: Sequence[bool], *, min_ratio: float = 1.5,
+                 long_pairs: bool = True, wrong_pairs: bool = True) -> list[tuple[int, int]]:
+    """(chosen, rejected) indices within one group: the chosen one is the shortest correct
+    response (the first of equals); rejected are the correct responses at least `min_ratio`×
+    its length (long_pairs) and the wrong ones (wrong_pairs), in index order. No correct
+    response: no pair."""
+    if len(lengths) != len(correct):
+        raise ValueError(f"len(lengths)={len(lengths)} != len(correct)={len(correct)}")
+    ok = [i for i, c in enumerate(correct) if c]
+    if not ok:
+        return []
+    best = min(ok, key=lambda i: (lengths[i], i))
+    pairs = []
+    for i, (n, c) in enumerate(zip(lengths, correct, strict=True)):
+        if i == best:
+            continue
+        if c and long_pairs and n >= min_ratio * lengths[best]:
+            pairs.append((best, i))
+        elif not c and wrong_pairs:
+            pairs.append((best, i))
+    return pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferencePair:
+    prompt: tuple[dict[str, str], ...]  # the prompt messages
+    chosen: str
+    rejected: str
+    chosen_len: int
+    rejected_len: int
+    task_id: str = ""
+
+
+def pairs_from_store(path: str, cfg: DPOConfig | None = None, *, seed: int = 0
+                     ) -> list[PreferencePair]:
+    """Preference pairs of a climb's rollout store (a run folder, its rollouts/ folder or the
+    file): per group, `select_pairs` on response token counts and correctness, aborted and
+    empty responses left out; at most `max_pairs_per_group` per group (uniformly drawn)."""
+    from hcjax.rl.store import read_groups
+
+    cfg = cfg or DPOConfig()
+    if os.path.isdir(os.path.join(path, "rollouts")):
+        path = os.path.join(path, "rollouts")
+    groups = read_groups(path)
+    if not groups:
+        return []
+    cutoff = cfg.min_step_fraction * max(g.step for g in groups)
+    rng = random.Random(seed)
+    out = []
+    for g in groups:
+        if g.step < cutoff or not g.prompt_text:
+            continue
+        keep = [i for i, (r, t) in enumerate(zip(g.rollouts, g.response_texts, strict=False))
+                if not r.aborted and t]
+        lengths = [int(g.rollouts[i].loss_mask.sum()) for i in keep]
+        correct = [g.rollouts[i].reward_components.get("correct", 0.0) > 0 for i in keep]
+        pairs = select_pairs(lengths, correct, min_ratio=cfg.min_ratio,
+                             long_pairs=cfg.long_pairs, wrong_pairs=cfg.wrong_pairs)
+        if cfg.max_pairs_per_group is not None and len(pairs) > cfg.max_pairs_per_group:
+            pairs = rng.sample(pairs, cfg.max_pairs_per_group)
+        prompt = ({"role": "user", "content": g.prompt_text},)
+        out += [PreferencePair(prompt, g.response_texts[keep[c]], g.response_texts[keep[r]],
+                               lengths[c], lengths[r], g.task_id) for c, r in pairs]
+    return out
+
+
+def encode_pairs(pairs: Sequence[PreferencePair], tok: Any, row_len: int
+                 ) -> tuple[dict[str, np.ndarray], int]:
+    """Padded rows for P pairs: rows [0, P) the chosen conversations, rows [P, 2P) the rejected
+    ones ({"tokens", "positions", "segment_ids", "loss_mask"} int32 [2P', row_len]); pairs with
+    a conversation longer than row_len are dropped. Returns (arrays, number dropped)."""
+    from hcjax.data.template import encode_conversation
+
+    chosen, rejected, dropped = [], [], 0
+    for p in pairs:
+        c = encode_conversation([*p.prompt, {"role": "assistant", "content": p.chosen}], tok)
+        r = encode_conversation([*p.prompt, {"role": "assistant", "content": p.rejected}], tok)
+        if max(len(c[0]), len(r[0])) > row_len:
+            dropped += 1
+            continue
+        chosen.append(c)
+        rejected.append(r)
+    rows = chosen + rejected
+    n = len(rows)
+    out = {k: np.zeros((n, row_len), np.int32)
+           for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+    for i, (ids, mask) in enumerate(rows):
+        out["tokens"][i, : len(ids)] = ids
+        out["positions"][i, : len(ids)] = np.arange(len(ids))
+        out["segment_ids"][i, : len(ids)] = 1
+        out["loss_mask"][i, : len(ids)] = mask
+    return out, dropped
+
+
+# Training ---------------------------------------------------------------------------------------
+def sequence_logprobs(forward: Callable[[Any, dict], Any], params: Any, batch: dict
+                      ) -> tuple[jax.Array, jax.Array]:
+    """[rows] Σ log π(token) over each row's response (loss-mask) tokens, and the forward's
+    load-balance loss. `forward(params, batch)` returns the model's output."""
+    from hcjax.distill.sft import target_weights, token_nll
+
+    out = forward(params, batch)
+    nll, _ = token_nll(out.logits, batch["tokens"])
+    return -jnp.sum(nll * target_weights(batch), axis=1), out.load_balance_loss
+
+
+def make_dpo_step(graphdef: Any, rest: Any, tx: Any, cfg: DPOConfig, load_balance_coef: float):
+    """`step(state, ref_params, batch) -> (state, metrics)`; state = {"params", "opt", "step"},
+    batch rows as `encode_pairs` lays them out (chosen then rejected). No dropout: the policy
+    and the reference are scored by the same deterministic forward."""
+    import optax
+    from flax import nnx
+
+    from hcjax.rl.losses import dpo_loss
+
+    def forward(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        return model(batch["tokens"], positions=batch["positions"],
+                     segment_ids=batch["segment_ids"])
+
+    def step(state, ref_params, batch):
+        half = batch["tokens"].shape[0] // 2
+        ref, _ = sequence_logprobs(forward, jax.lax.stop_gradient(ref_params), batch)
+
+        def loss_fn(params):
+            logp, lb = sequence_logprobs(forward, params, batch)
+            loss, metrics = dpo_loss(logp[:half], logp[half:], ref[:half], ref[half:],
+                                     beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+            return loss + load_balance_coef * lb, (metrics, lb)
+
+        (loss, (metrics, lb)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {**metrics, "loss": loss, "load_balance_loss": lb,
+                   "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
+
+    return step
+
+
+def batch_indices(step: int, num_pairs: int, batch: int, seed: int) -> np.ndarray:
+    """The pairs of learner step `step`: consecutive slices of one permutation per epoch
+    (deterministic in the step, so a resumed run sees the same batches)."""
+    idx = []
+    pos = step * batch
+    while len(idx) < batch:
+        epoch, offset = divmod(pos, num_pairs)
+        perm = np.random.default_rng([seed, epoch]).permutation(num_pairs)
+        take = min(batch - len(idx), num_pairs - offset)
+        idx.extend(perm[offset: offset + take].tolist())
+        pos += take
+    return np.asarray(idx)
+
+
+@gin.configurable
+def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: str | None = None,
+            cfg: DPOConfig | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train DPO on `pairs` from `init_checkpoint` (any hcjax run; also the frozen reference;
+    None: the optimiser config's init_checkpoint) into OUTPUT_DIR; resumes from its checkpoints.
+    Returns the summary (also OUTPUT_DIR/summary.json)."""
+    from flax import nnx
+
+    from hcjax.checkpoint import CheckpointConfig, Checkpointer
+    from hcjax.data.tokenizer import ByteTokenizer
+    from hcjax.distill.merge import load_model
+    from hcjax.distill.sft import make_optimizer, model_identity
+    from hcjax.metrics import MetricsWriter
+
+    cfg = cfg or DPOConfig()
+    optim = cfg.optimiser()
+    init_checkpoint = init_checkpoint or optim.init_checkpoint
+    if init_checkpoint is None:
+        raise ValueError("run_dpo needs init_checkpoint: the policy's (and reference's) start")
+    if not pairs:
+        raise ValueError("run_dpo: no preference pairs")
+    t0 = time.perf_counter()
+    tok = ByteTokenizer()
+    data, dropped = encode_pairs(pairs, tok, cfg.row_len)
+    num_pairs = data["tokens"].shape[0] // 2
+    if num_pairs == 0:
+        raise ValueError(f"every pair is longer than DPOConfig.row_len={cfg.row_len}")
+    model, model_cfg = load_model(init_checkpoint)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    ref_params = jax.tree.map(jnp.copy, params)
+    tx = make_optimizer(optim)
+    state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    os.makedirs(output_dir, exist_ok=True)
+    ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"),
+                        CheckpointConfig(async_save=False, save_every=10**9, keep=1),
+                        {"model_config": model_identity(model_cfg)})
+    if ckpt.latest_step() is not None:
+        state, _ = ckpt.restore(None, state)
+    step_fn = jax.jit(make_dpo_step(graphdef, rest, tx, cfg, optim.load_balance_coef))
+    writer = MetricsWriter(output_dir)
+    first = last = None
+    try:
+        for step in range(int(state["step"]), optim.num_steps):
+            idx = batch_indices(step, num_pairs, optim.batch_size, optim.seed)
+            rows = np.concatenate([idx, idx + num_pairs])
+            batch = {k: v[rows] for k, v in data.items()}
+            state, metrics = step_fn(state, ref_params, batch)
+            if (step + 1) % optim.log_every == 0 or step == 0 or step + 1 == optim.num_steps:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not np.isfinite(m["loss"]):
+                    raise FloatingPointError(f"DPO loss={m['loss']} at step {step + 1}")
+                writer.write(step + 1, m)
+                first = first or m
+                last = m
+                if progress:
+                    print(json.dumps({"step": step + 1, "loss": round(m["loss"], 4),
+                                      "reward_accuracy": round(m["reward_accuracy"], 3),
+                                      "reward_margin": round(m["reward_margin"], 4)}), flush=True)
+        ckpt.save(int(state["step"]), state, force=True)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+        writer.close()
+    summary = {"pairs": num_pairs, "pairs_dropped_overlong": dropped,
+               "steps": int(state["step"]), "init_checkpoint": os.path.abspath(init_checkpoint),
+               "beta": cfg.beta, "label_smoothing": cfg.label_smoothing,
+               "first": first, "last": last, "wall_seconds": time.perf_counter() - t0}
+    with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """`python -m hcjax.distill.dpo --climb DIR [--climb DIR ...] --init_checkpoint RUN
+    --output_dir OUT [--gin_file F] [--gin_param B]`: pairs from each climb's rollout store."""
+    from hcjax import config
+
+    def extra(parser):
+        parser.add_argument("--climb", action="append", required=True,
+                            help="a climb's output folder (its rollouts/ store); repeatable")
+        parser.add_argument("--init_checkpoint", default=None,
+                            help="the starting params and the frozen reference (any hcjax run; "
+                            "default: the optimiser's SFTConfig.init_checkpoint)")
+        parser.add_argument("--quiet", action="store_true")
+
+    flags = config.parse_flags(argv, description=__doc__.splitlines()[0], extra_args=extra)
+    config.bind(flags.gin_files, flags.gin_params)
+    if not flags.output_dir:
+        raise config.ConfigError("--output_dir is required")
+    config.write_config(flags.output_dir, flags)
+    cfg = DPOConfig()
+    pairs = [p for i, d in enumerate(flags.extra.climb)
+             for p in pairs_from_store(d, cfg, seed=i)]
+    summary = run_dpo(flags.output_dir, pairs, flags.extra.init_checkpoint, cfg,
+                      progress=not flags.extra.quiet)
+    config.write_operative_config(flags.output_dir)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("first",)}))
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")

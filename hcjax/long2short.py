@@ -1,0 +1,86 @@
+"""`python -m hcjax.long2short`: compare a long-response model with its shortened versions (Kimi
+k1.5 long2short, RECIPE §5) on the held-out split of `ClimbConfig.suite`: greedy pass@1, mean
+response length, and whether each cuts the length by `--min_cut` at pass@1 within `--max_drop`
+of the first (reference) model. The methods themselves are their own steps: merging
+(hcjax.distill.merge), shortest rejection sampling (hcjax.distill.rejection, then hcjax.sft),
+DPO (hcjax.distill.dpo) and RL with the length reward (hcjax.climb --gin_file
+long2short_tiny.gin).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["compare", "main"]
+
+
+def compare(results: dict[str, dict[str, float]], *, min_cut: float = 0.25,
+            max_drop: float = 0.02) -> dict[str, dict[str, Any]]:
+    """Each model against the first one: length_cut = 1 − len/len_ref, pass_at_1_delta =
+    pass − pass_ref, and passes = (length_cut >= min_cut and pass_at_1_delta >= −max_drop)."""
+    names = list(results)
+    ref = results[names[0]]
+    out = {}
+    for name in names:
+        r = results[name]
+        cut = 1.0 - r["mean_length"] / ref["mean_length"]
+        delta = r["pass_at_1"] - ref["pass_at_1"]
+        out[name] = {**r, "length_cut": cut, "pass_at_1_delta": delta,
+                     "passes": name != names[0] and cut >= min_cut and delta >= -max_drop}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """`python -m hcjax.long2short --checkpoint long=runs/long --checkpoint merge=runs/l2s_merge
+    ... [--gin_file F] [--output_dir OUT]`; the first checkpoint is the reference."""
+    from hcjax import config
+
+    def extra(parser):
+        parser.add_argument("--checkpoint", action="append", required=True,
+                            help="NAME=DIR of any hcjax run (repeatable; the first is the "
+                            "long reference)")
+        parser.add_argument("--eval_problems", type=int, default=200)
+        parser.add_argument("--max_new_tokens", type=int, default=None,
+                            help="default: the reference's budget, ClimbConfig.max_tokens")
+        parser.add_argument("--min_cut", type=float, default=0.25)
+        parser.add_argument("--max_drop", type=float, default=0.02)
+
+    flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
+                               default_gin_files=["climb_tiny.gin"], extra_args=extra)
+    config.bind(flags.gin_files, flags.gin_params)
+    from hcjax.distill.merge import load_model
+    from hcjax.distill.rejection import evaluate_suite
+    from hcjax.rl.climber import ClimbConfig
+
+    a = flags.extra
+    climb = ClimbConfig()
+    suite = climb.make_suite()
+    problems = list(suite.heldout())[: a.eval_problems]
+    results = {}
+    for item in a.checkpoint:
+        name, _, directory = item.partition("=")
+        if not directory:
+            name, directory = os.path.basename(os.path.normpath(item)), item
+        model, _ = load_model(directory)
+        results[name] = evaluate_suite(model, suite, problems,
+                                       max_new_tokens=a.max_new_tokens or climb.max_tokens)
+    table = compare(results, min_cut=a.min_cut, max_drop=a.max_drop)
+    for name, r in table.items():
+        print(json.dumps({"model": name, **{k: round(v, 4) if isinstance(v, float) else v
+                                            for k, v in r.items()}}))
+    if flags.output_dir:
+        os.makedirs(flags.output_dir, exist_ok=True)
+        with open(os.path.join(flags.output_dir, "long2short.json"), "w", encoding="utf-8") as f:
+            json.dump(table, f, indent=1)
+    return table
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
