@@ -379,3 +379,26 @@ def test_subset_suite_keeps_categories_without_held_out_problems():
     assert {p.category for p in easy.heldout()} <= {"affine:1d", "mod:1d"}
     with pytest.raises(ValueError, match="categories_kept"):
         SubsetSuite(suite=code, categories_kept=["affine:9d"])
+
+
+def test_tool_episodes_stop_at_the_engine_context():
+    from hcjax.envs import react
+    from hcjax.envs.tools import ToolResult
+
+    suite = ToolUseSuite()
+    task = TaskBuilder(suite, TOK, max_context=40).task(suite.train_problem(0))
+    assert task.budget.max_context == 40 and task.budget.max_steps == suite.budget.max_steps
+    calls = []
+
+    def policy(ids):  # always calls the tool; the observations soon fill the context
+        calls.append(len(ids))
+        return TOK.encode('<tool_call>{"name":"calc","arguments":{"expr":"1+1"}}</tool_call>')
+
+    def tools(call):
+        return ToolResult("x" * 200)
+
+    traj = react.run_episode(task.prompt_ids, policy, TOK, tools,
+                             react.Budget(max_steps=50, max_context=120))
+    assert traj.finish_reason == react.CONTEXT and len(calls) == 1
+    assert len(traj.prompt_ids) + len(traj.response_ids) == 120
+    assert all(n < 120 for n in calls)  # no turn was asked to prefill past the context

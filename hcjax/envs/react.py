@@ -87,6 +87,9 @@ def run_episode(prompt_ids: Sequence[int], policy: Policy, tokenizer: TokenizerL
     steps = 0
     while True:
         room = budget.max_context - len(traj.prompt_ids) - len(traj.response_ids)
+        if room <= 0:  # the observations filled the context: no room for another turn
+            traj.finish_reason = CONTEXT
+            return traj
         new = list(policy(traj.prompt_ids + traj.response_ids))
         cut = len(new) > room
         new = new[:room]

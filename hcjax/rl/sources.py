@@ -61,15 +61,18 @@ class TaskBuilder:
     """Turns a suite's problems into worker Tasks for one tokenizer.
 
     max_prompt_len: the engine's prefill limit; a longer prompt is an error naming the problem.
+    max_context: caps a tool episode's context (its budget's max_context): every model turn is
+      a prefill of everything before it, which must fit the engine.
     budget: the ReAct episode budget for problems with tools (hcjax.envs.react.Budget).
     shaping(suite) -> the group reward shaping of a problem's suite, or None (hcjax.rewards.spec).
     """
 
     def __init__(self, suite: Any, tok: Any, *, max_prompt_len: int | None = None,
-                 budget: Any = None,
+                 max_context: int | None = None, budget: Any = None,
                  shaping: Callable[[Any], Any] | None = None) -> None:
         self.suite, self.tok = suite, tok
         self.max_prompt_len = max_prompt_len
+        self.max_context = max_context
         self.budget = budget
         self.shaping = shaping
 
@@ -95,11 +98,18 @@ class TaskBuilder:
 
         tools = suite.tools(problem)
         owner = self.component(problem)
+        budget = getattr(owner, "budget", None) or self.budget
+        if tools is not None and self.max_context is not None:
+            from hcjax.envs.react import Budget
+
+            budget = budget or Budget()
+            budget = dataclasses.replace(budget,
+                                         max_context=min(budget.max_context, self.max_context))
         return Task(problem.id, self.prompt_ids(problem), grade,
                     {"prompt": problem.prompt, "answer": _jsonable(problem.reference),
                      "category": problem.category},
                     tools=tools, tokenizer=tok if tools is not None else None,
-                    budget=getattr(owner, "budget", None) or self.budget,
+                    budget=budget,
                     shaping=self.shaping(owner) if self.shaping is not None else None)
 
     def longest_prompt(self, scan: int = 2000) -> int:
