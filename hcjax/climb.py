@@ -41,6 +41,10 @@ EXAMPLES = """examples:
   python -m hcjax.climb                                  # the tiny default, about 15 minutes
   python -m hcjax.climb --gin_file climb_mixed_tiny.gin  # arithmetic + code + tool use
   python -m hcjax.climb --hf_checkpoint DIR --gin_file climb_gsm8k.gin --output_dir runs/gsm8k
+  python -m hcjax.climb --log_format json | tee climb.jsonl   # JSON lines, not the live panel
+
+Ctrl-C stops after the current step and writes the checkpoint, summary and report; the same
+command resumes from OUTPUT_DIR. Ctrl-C twice exits at once.
 """
 
 
@@ -60,7 +64,12 @@ def _extra_args(parser) -> None:
                         help="jax.distributed coordinator host:port (multi-host learner)")
     parser.add_argument("--num_processes", type=int, default=1)
     parser.add_argument("--process_id", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no per-step progress (live panel or JSON lines)")
+    parser.add_argument("--log_format", choices=("auto", "json", "display"), default="auto",
+                        help="display: a live panel that redraws in place and a readable summary; "
+                        "json: one JSON line per step and a JSON summary line on stdout; auto "
+                        "(default): display on a terminal, json otherwise (pipes, CI)")
     import argparse
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -85,16 +94,32 @@ def main(argv: Sequence[str] | None = None):
     output_dir = flags.output_dir or os.path.join("runs", "climb")
     if leader:
         config.write_config(output_dir, flags)
+    from hcjax.display import climb_summary_text, resolve_format, resume_hint
     from hcjax.rl.climber import Climb
 
-    result = Climb(output_dir, base_checkpoint=args.base_checkpoint,
-                   hf_checkpoint=args.hf_checkpoint, inference_addresses=args.inference_address,
-                   mode=args.mode, progress=not args.quiet and leader).run()
+    log_format = resolve_format(args.log_format)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        climb = Climb(output_dir, base_checkpoint=args.base_checkpoint,
+                      hf_checkpoint=args.hf_checkpoint, inference_addresses=args.inference_address,
+                      mode=args.mode, progress=not args.quiet and leader, log_format=log_format)
+    except KeyboardInterrupt:
+        # Ctrl-C before climbing (pre-training the base, compiling): nothing to save yet beyond
+        # the base's own checkpoints.
+        print(f"\nhcjax.climb: interrupted before climbing; {resume_hint(argv)}", file=sys.stderr)
+        raise SystemExit(130) from None
+    result = climb.run()
     if not leader:  # a follower learner process: its summary is its role and steps
         print(json.dumps({"event": "follower_done", **result.summary}), flush=True)
         return result
     config.write_operative_config(output_dir)
     s = result.summary
+    if log_format == "display":
+        print(climb_summary_text(s, result.output_dir, argv), flush=True)
+        return result
     print(json.dumps({k: s[k] for k in ("base_pass_at_1", "final_pass_at_1", "improvement",
                                         "steps", "wall_seconds", "mode", "placement")}))
+    if s.get("interrupted"):
+        print(f"hcjax.climb: stopped by Ctrl-C after step {s['steps']}; {resume_hint(argv)}",
+              file=sys.stderr, flush=True)
     return result

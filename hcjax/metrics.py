@@ -1,5 +1,6 @@
 """Metric writers and progress: per-step scalars to `metrics.jsonl` and TensorBoard event files,
-a tqdm progress bar with ETA and tokens/s, a human-readable summary and a loss-curve PNG."""
+a progress bar with ETA and tokens/s (drawn by hcjax.display), a human-readable summary and a
+loss-curve PNG."""
 
 from __future__ import annotations
 
@@ -63,18 +64,18 @@ def read_metrics(path: str) -> list[dict[str, float]]:
 
 
 class Progress:
-    """A tqdm bar over training steps showing loss, tokens/s and the ETA.
+    """A bar over training steps showing loss, tokens/s, elapsed time and the ETA
+    (hcjax.display.StepBar: redrawn in place on a terminal).
 
     Steps are dispatched asynchronously, so tokens/s is measured between synchronised steps
     (`synced=True`, e.g. where metrics were fetched), not per dispatched step.
     """
 
-    def __init__(self, total_steps: int, initial: int = 0, disable: bool = False) -> None:
-        from tqdm import tqdm
+    def __init__(self, total_steps: int, initial: int = 0, disable: bool = False,
+                 description: str = "training") -> None:
+        from hcjax.display import StepBar
 
-        self._bar = tqdm(
-            total=total_steps, initial=initial, disable=disable, unit="step", dynamic_ncols=True
-        )
+        self._bar = None if disable else StepBar(total_steps, initial, description)
         self._last = time.perf_counter()
         self._tokens = 0
         self.tokens_per_s = 0.0
@@ -82,16 +83,19 @@ class Progress:
     def update(self, loss: float, tokens: int, synced: bool = True) -> float:
         """Advance one step of `tokens` tokens; returns the latest tokens/s measurement."""
         self._tokens += tokens
+        fields = {}
         if synced:
             now = time.perf_counter()
             self.tokens_per_s = self._tokens / max(now - self._last, 1e-9)
             self._last, self._tokens = now, 0
-            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_s:,.0f}")
-        self._bar.update(1)
+            fields = {"loss": f"{loss:.4f}", "tok/s": f"{self.tokens_per_s:,.0f}"}
+        if self._bar is not None:
+            self._bar.update(1, **fields)
         return self.tokens_per_s
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
 
 def write_summary(output_dir: str, title: str, items: Mapping[str, Any]) -> str:

@@ -885,7 +885,18 @@ def summary_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+EXAMPLES = """examples:
+  python -m hcjax.plan                                            # the tiny model, in seconds
+  python -m hcjax.plan --gin_file scale/flagship_v5p.gin          # v5p:8x8x16 learner, v5p:4x4x8 rollout
+  python -m hcjax.plan --gin_file scale/qwen3_30b_a3b_v5p.gin --output_dir runs/plan_qwen3
+"""
+
+
 def _extra_flags(parser) -> None:
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
     parser.add_argument("--topology", default=None, help="learner TPU topology, e.g. v5p:8x8x16")
     parser.add_argument("--inference_topology", default=None, help="e.g. v5p:4x4x8")
     for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len", "num_slices",

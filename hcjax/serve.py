@@ -17,6 +17,7 @@ whoever starts a replica passes its engine sizes as flags.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import signal
@@ -53,6 +54,7 @@ class ServeOptions:
     max_target_length: int | None = None
     max_queue: int | None = None
     hf_checkpoint: str | None = None
+    status_every: float = 30.0
 
     @classmethod
     def from_flags(cls, ns: Any) -> ServeOptions:
@@ -60,6 +62,15 @@ class ServeOptions:
 
 
 _DEFAULT = ServeOptions()
+
+EXAMPLES = """examples:
+  python -m hcjax.serve                                   # the tiny gin model on 127.0.0.1
+  python -m hcjax.serve --hf_checkpoint DIR --port 50051 --output_dir runs/serve
+  HCJAX_TOKEN=secret python -m hcjax.serve --host 0.0.0.0 --tls_dir certs --status_every 10
+
+Once it accepts requests it prints {"event": "serving", "port": ...} on stdout (launchers read it);
+on a terminal a banner on stderr says where and what it serves.
+"""
 
 
 def _extra_args(parser) -> None:
@@ -102,7 +113,12 @@ def _extra_args(parser) -> None:
     parser.add_argument("--max_queue", type=int, default=None,
                         help="requests waiting for a decode slot (default: gin "
                              "RolloutServer.max_queue, else 64)")
+    parser.add_argument("--status_every", type=float, default=d.status_every,
+                        help="seconds between one-line status reports on stderr (requests, "
+                             "queue, tokens/s, weights version); 0: none")
     hcfg.add_hf_checkpoint_flag(parser)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
 
 
 def inference_mesh(devices: Sequence[Any] | None = None):
@@ -201,7 +217,13 @@ def serve(options: ServeOptions, *, ready: Callable[[dict], None] | None = None,
                         mesh={k: int(v) for k, v in mesh.shape.items()}, **security.describe())
             if ready is not None:
                 ready(info)
-            stop.wait()
+            from hcjax.display import serve_status_line
+
+            every, previous = options.status_every, None
+            while not stop.wait(every if every > 0 else None):
+                metrics = server.metrics()
+                print(serve_status_line(metrics, previous), file=sys.stderr, flush=True)
+                previous = metrics
         finally:
             grpc_srv.stop(grace=2.0).wait()
     finally:
@@ -221,8 +243,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         if flags.output_dir:
             hcfg.write_operative_config(flags.output_dir)
         print(json.dumps({"event": "serving", **info}), flush=True)
+        if sys.stderr.isatty():
+            from hcjax.display import serve_banner
+
+            print(serve_banner(info, flags.extra.host, _model_name(flags.extra.hf_checkpoint)),
+                  file=sys.stderr, flush=True)
 
     serve(ServeOptions.from_flags(flags.extra), ready=announce)
+
+
+def _model_name(hf_checkpoint: str | None) -> str:
+    if hf_checkpoint:
+        return f"Hugging Face folder {hf_checkpoint}"
+    from hcjax.model import ModelConfig
+
+    c = ModelConfig()
+    return (f"gin ModelConfig: {c.num_layers} layers, d_model {c.d_model}, {c.num_experts} "
+            f"experts, vocab {c.vocab_size}, max_seq_len {c.max_seq_len}")
 
 
 if __name__ == "__main__":

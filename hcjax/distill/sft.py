@@ -253,8 +253,8 @@ def hf_source_meta(path: str, output_dir: str) -> dict[str, Any]:
     """Record the Hugging Face folder a run starts from, so its checkpoints export back to one
     (`python -m hcjax.convert --to_hf OUTPUT_DIR`): copies the folder's config and tokenizer files
     into OUTPUT_DIR/hf and returns the checkpoint meta entries (its path and config.json)."""
-    from hcjax.convert import copy_side_files
     from hcjax.model import hf
+    from hcjax.model.hf import copy_side_files
 
     copy_side_files(path, os.path.join(output_dir, "hf"))
     return {"hf_checkpoint": os.path.abspath(path), "hf_config": hf.read_hf_config(path)}
@@ -569,13 +569,33 @@ def run_sft(
     return result
 
 
+EXAMPLES = """examples:
+  python -m hcjax.sft                                   # pre-train the tiny base into runs/sft
+  python -m hcjax.sft --gin_file sft_self_distill.gin --output_dir runs/distill
+  python -m hcjax.sft --hf_checkpoint DIR --output_dir runs/sft_hf   # fine-tune a HF folder
+
+A run resumes from its latest checkpoint in OUTPUT_DIR; on a terminal a bar shows the step, loss,
+tokens/s and the ETA.
+"""
+
+
+def _extra_args(parser) -> None:
+    import argparse
+
+    from hcjax import config
+
+    config.add_hf_checkpoint_flag(parser)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
+
+
 def main(argv: Sequence[str] | None = None) -> TrainResult:
     """`python -m hcjax.sft --gin_file tiny_cpu --output_dir DIR [--gin_param ...]`."""
     from hcjax import config
 
     flags = config.parse_flags(
         argv, description="hcjax SFT / pre-training", default_gin_files=["tiny_cpu.gin"],
-        extra_args=config.add_hf_checkpoint_flag,
+        extra_args=_extra_args,
     )
     config.bind(flags.gin_files, flags.gin_params)
     output_dir = flags.output_dir or os.path.join("runs", "sft")

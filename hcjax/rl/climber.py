@@ -274,8 +274,6 @@ class Climb:
         # may tokenize a little longer (a longer one is an error naming it).
         longest = longest_prompt(self.suite, self.tok)
         self.max_prompt_len = cfg.max_prompt_len or max(32, longest + longest // 4)
-        self.builder = TaskBuilder(self.suite, self.tok, max_prompt_len=self.max_prompt_len,
-                                   shaping=shaping)
 
         # The base model on the learner mesh.
         t_base = time.perf_counter()
@@ -290,14 +288,18 @@ class Climb:
                 raise ValueError(f"the tokenizer of {hf_checkpoint!r} has {self.tok.vocab_size} "
                                  f"ids; the model's vocab_size is {model_cfg.vocab_size}")
         else:
-            if base_checkpoint is None and self.display.live:
-                self.display.note(f"pre-training the tiny base into {self.output_dir}/base "
-                                  "(Ctrl-C aborts it; running the same command again resumes it)")
+            if base_checkpoint is None:
+                self.display.pretraining(os.path.join(self.output_dir, "base"))
             model = load_base_model(
                 base_checkpoint or pretrain_base(self.output_dir, progress=self.display.live),
                 model_cfg, learner_mesh)
         self.model_cfg = model_cfg
         self.base_seconds = time.perf_counter() - t_base
+        # Tool episodes' later turns are prefilled with everything before them: their context
+        # is capped at the engine's prefill limit (an episode reaching it ends as "length").
+        self.prefill_length = self._prefill_length()
+        self.builder = TaskBuilder(self.suite, self.tok, max_prompt_len=self.max_prompt_len,
+                                   max_context=self.prefill_length, shaping=shaping)
         learner = Learner(model, self.learner_cfg, learner_mesh)
         self.learner = learner
         # Several learner processes: process 0 sends every learner call to the others, which
@@ -365,22 +367,16 @@ class Climb:
         return ByteTokenizer() if hf_checkpoint is None else load_tokenizer(hf_checkpoint)
 
     def _prefill_length(self) -> int:
-        """Longest prefill: the prompt, or for tool episodes the prompt plus earlier turns."""
+        """Longest prefill: the longest prompt, or for suites with tools (whose later turns
+        carry the earlier ones) all of the model's context but one turn's response."""
         cfg = self.cfg
         if cfg.max_prefill_length is not None:
             return cfg.max_prefill_length
-        tools = any(self.suite.tools(p) is not None for p in list(self.suite.heldout())[:64])
+        tools = any(self.suite.tools(p) is not None for p in self.suite.heldout())
         if not tools:
             return self.max_prompt_len
-        from hcjax.envs.react import Budget
-
-        steps = min((getattr(s, "budget", None) or Budget()).max_steps
-                    for s in [self.suite, *getattr(self.suite, "suites", ())]
-                    if getattr(s, "budget", None) is not None) if any(
-            getattr(s, "budget", None) is not None
-            for s in [self.suite, *getattr(self.suite, "suites", ())]) else 4
-        # Each earlier turn adds at most a response and its observation (<= a response + 32).
-        return self.max_prompt_len + steps * (2 * cfg.longest_response() + 32)
+        return max(self.max_prompt_len,
+                   self.model_cfg.max_seq_len - cfg.longest_response() - 8)
 
     def _inference(self, model):
         from hcjax.rl.inference import LocalInference, RemoteInference
@@ -388,7 +384,7 @@ class Climb:
         params = self.dist.local_params if self.dist is not None else self.learner.params
         if self.placement.remote:
             return RemoteInference(self.placement.inference_addresses, params)
-        prefill = self._prefill_length()
+        prefill = self.prefill_length
         target = min(self.model_cfg.max_seq_len, prefill + self.cfg.longest_response() + 8)
         if prefill >= target:
             raise ValueError(
@@ -504,10 +500,43 @@ class Climb:
             stop = True
         return stop
 
+    def _utilisation(self) -> dict[str, float | None]:
+        """Learner and rollout utilisation so far, for the display (Controller.utilisation()
+        covers a finished run): fractions of this process's climbing time. Generation time is
+        counted when the in-flight set empties, so none counted yet is shown as unknown."""
+        ctl = self.controller
+        wall = max(time.perf_counter() - self.t_run, 1e-9)
+        busy = ctl.generation_busy_seconds
+        return {"learner_utilisation": ctl.learner_seconds / wall,
+                "rollout_utilisation": busy / wall if busy > 0 else None}
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        """Ctrl-C once: the step under way is the last (`_on_step` stops the controller), then
+        the climb ends as a finished one does (final evaluation, checkpoint, summary, report);
+        the same command resumes it. Twice: exit at once (checkpoints on disk stay)."""
+        if self.interrupted:
+            self.display.abort("hcjax.climb: Ctrl-C again: exiting now")
+            os._exit(130)
+        self.interrupted = True
+        self.display.interrupt()
+
     # Run --------------------------------------------------------------------------------------
     def run(self) -> ClimbResult:
         if self.is_follower:
             return self._follow()
+        # Ctrl-C is ours while climbing (signal handlers can only be set on the main thread).
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, self._on_sigint)
+        self.display.start()
+        try:
+            return self._climb()
+        finally:
+            self.display.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _climb(self) -> ClimbResult:
         from hcjax.metrics import MetricsWriter
         from hcjax.profiling import StepTracer
 
@@ -528,12 +557,12 @@ class Climb:
                                       **{f"heldout_pass_at_1/{c}": v for c, v in
                                          [*result["by_category"].items(),
                                           *result["by_suite"].items()]}})
-            if self.progress:
-                print(json.dumps({"event": "base", "base_pass_at_1": self.history["base_pass_at_1"],
-                                  "resumed_from": self.resumed_from}), flush=True)
+            self.display.base(self.history["base_pass_at_1"], self.resumed_from,
+                              self.controller.step)
+            self.display.phase("climbing")
             if cfg.max_minutes is not None:
                 self.deadline = self.t_climb + 60 * cfg.max_minutes
-            self.last_step_time = time.perf_counter()
+            self.last_step_time = self.t_run = time.perf_counter()
             self.tracer.before_step(self.controller.step + 1)
             self.controller.run(cfg.num_steps)
             # The last pushed version may lag the learner: serve the final weights for the
@@ -541,6 +570,7 @@ class Climb:
             final_version = self.controller.push_final()
             final = self._evaluate(self.controller.step, final_version)
             self.writer.write(self.controller.step, {"heldout_pass_at_1_final": final["pass_at_1"]})
+            self.display.phase("saving")
             self._save(self.controller.step, force=True)
         except BaseException as err:
             if self.dist is not None:  # the followers raise this instead of waiting
@@ -586,6 +616,7 @@ class Climb:
             "climb_wall_seconds": self._climb_wall(),
             "base_pretrain_seconds": self.base_seconds,
             "resumed_from": self.resumed_from,
+            "interrupted": self.interrupted,
             "mode": self.ctl_cfg.mode,
             "placement": "multi_process" if self.placement.remote else "single_process",
             "placement_detail": self.placement.describe(),
