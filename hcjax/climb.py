@@ -14,19 +14,12 @@ from __future__ import annotations
 import os
 import sys
 
-
-def _force_cpu_devices(n: int) -> None:
-    """Ask XLA for n host devices (learner + inference meshes); must run before JAX creates its
-    backends (the first device query), and leaves an explicit setting alone."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 if __name__ == "__main__":
     # Devices first (before anything imports JAX); then run the importable module, so gin
     # registers configurables once, under their modules, not also under __main__.
-    _force_cpu_devices(int(os.environ.get("HCJAX_CPU_DEVICES", "2")))
+    from hcjax.config import force_cpu_devices
+
+    force_cpu_devices()
     from hcjax.climb import main as _main
 
     _main(sys.argv[1:])

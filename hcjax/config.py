@@ -87,6 +87,16 @@ def add_hf_checkpoint_flag(parser: argparse.ArgumentParser | argparse._ActionsCo
     )
 
 
+def force_cpu_devices(default: int = 2) -> None:
+    """Ask XLA for `HCJAX_CPU_DEVICES` (default `default`) host devices, so an entry point's
+    learner and inference meshes exist on a CPU-only machine. Must run before JAX creates its
+    backends (the first device query); an explicit XLA_FLAGS device count is left alone."""
+    n = int(os.environ.get("HCJAX_CPU_DEVICES", str(default)))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def parse_flags(
     argv: Sequence[str] | None,
     *,

@@ -15,17 +15,10 @@ from __future__ import annotations
 import os
 import sys
 
-
-def _force_cpu_devices(n: int) -> None:
-    """The climb's placement wants a learner and an inference device; on CPU ask XLA for n host
-    devices before JAX starts (an explicit setting is left alone)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 if __name__ == "__main__":
-    _force_cpu_devices(int(os.environ.get("HCJAX_CPU_DEVICES", "2")))
+    from hcjax.config import force_cpu_devices
+
+    force_cpu_devices()
     from hcjax.consolidate import main as _main
 
     _main(sys.argv[1:])

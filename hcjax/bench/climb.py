@@ -8,9 +8,9 @@ import os
 import sys
 
 if __name__ == "__main__":
-    from hcjax.climb import _force_cpu_devices
+    from hcjax.config import force_cpu_devices
 
-    _force_cpu_devices(int(os.environ.get("HCJAX_CPU_DEVICES", "2")))
+    force_cpu_devices()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
