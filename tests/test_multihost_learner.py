@@ -412,8 +412,12 @@ def test_follower_of_a_dead_leader_process_exits(tmp_path):
     assert not os.path.exists(os.path.join(out, "result1.json"))
 
 
-def test_climb_inference_role_refuses_a_coordinator():
-    from hcjax.climb import main
+def test_the_inference_process_cannot_join_the_learners_distributed_job(capsys):
+    # Inference replicas are separate processes (`hcjax.serve`); the learner's
+    # jax.distributed flags belong to `hcjax.climb` only, and serve refuses them.
+    from hcjax.serve import main
 
-    with pytest.raises(ValueError, match="coordinator_address=127.0.0.1:1 is for the learner"):
-        main(["--role", "inference", "--coordinator_address", "127.0.0.1:1"])
+    with pytest.raises(SystemExit) as info:
+        main(["--coordinator_address", "127.0.0.1:1"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --coordinator_address" in capsys.readouterr().err
