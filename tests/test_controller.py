@@ -520,3 +520,17 @@ def test_learnability_rule_prefers_categories_with_mixed_results():
          "new": 0.25 / total})
     with pytest.raises(ValueError, match="rule='greedy'"):
         PrioritizedSource(["a"], make, lambda t: "a", rule="greedy")
+
+
+def test_generation_busy_time_is_readable_while_the_run_goes_on():
+    # The live display reads generation_busy_now() from the step callback; with groups always in
+    # flight the busy interval never closes before the run ends, and it must still count.
+    cfg = ControllerConfig(groups_per_batch=2, sync_every=2, max_staleness=4, num_workers=2,
+                           max_inflight=4)
+    seen = []
+    ctl, _, _ = make(cfg, FakeServer())
+    ctl.on_step = lambda report: seen.append(ctl.generation_busy_now()) and False
+    ctl.run(4)
+    assert len(seen) == 4 and seen[0] > 0 and seen == sorted(seen)
+    assert ctl.generation_busy_now() == ctl.generation_busy_seconds > 0
+    assert 0 < ctl.utilisation()["rollout_utilisation"] <= 1

@@ -342,6 +342,24 @@ def test_ctrl_c_stops_saves_and_resumes(pty_run, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["resumed_from"] == first and s["steps"] > first and s["interrupted"] is True
 
+    # Ctrl-C twice: exit at once (code 130) without the final evaluation; checkpoints stay.
+    kept = saved()
+    stdout, stderr = tmp_path / "twice.out", tmp_path / "twice.err"
+    with open(stdout, "w") as so, open(stderr, "w") as se:
+        proc = subprocess.Popen(args, cwd=REPO, env=env(), stdout=so, stderr=se)
+        try:
+            _wait_for(lambda: '"event": "base"' in stdout.read_text(), proc, "second resume")
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)  # the second arrives while the first's last step still runs
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert rc == 130, stderr.read_text()[-3000:]
+    assert "Ctrl-C again: exiting now" in stderr.read_text()
+    assert set(kept) <= set(saved())
+
 
 def capture(raw: str) -> str:
     """The screen of a pty run as README shows it (python -m tests.test_display OUT)."""

@@ -5,6 +5,7 @@ error for a checkpoint of another model config."""
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 
@@ -109,5 +110,13 @@ def test_jsonl_data_ends_the_run_cleanly(tmp_path, capsys):
     # 40 documents of 15-16 tokens, two per 32-token row: 20 rows = batches of 8, 8 and 4 (+4
     # empty rows), then the data ends.
     assert result.steps == 3
-    assert "data exhausted after 3 steps" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "data exhausted after 3 steps" in out_text
+    # stdout is not a terminal here, so --log_format auto writes one JSON line per logged step.
+    lines = [json.loads(x) for x in out_text.splitlines() if x.startswith("{")]
+    logged = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(x)]
+    assert lines and [x["step"] for x in lines] == logged
+    assert all(set(x) == {"step", "loss", "lr", "tokens_per_s"} for x in lines)
+    assert all(math.isfinite(x["loss"]) and x["tokens_per_s"] > 0 for x in lines)
     assert sorted(os.listdir(out / "checkpoints")) == ["3"]

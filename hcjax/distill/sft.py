@@ -289,6 +289,7 @@ class SFTTrainer:
         mesh: Mesh,
         profile: tuple[int, int] = (-1, -1),
         progress: bool = True,
+        json_lines: bool = False,
         model: nnx.Module | None = None,
         tok: Tokenizer | None = None,
         hf_checkpoint: str | None = None,
@@ -372,6 +373,7 @@ class SFTTrainer:
             _STEP_CACHE[key] = self._step_fn
         self.tracer = StepTracer(os.path.join(self.output_dir, "profile"), *profile)
         self.progress_enabled = progress
+        self.json_lines = json_lines  # one JSON object per logged step on stdout
         self.resumed_from: int | None = None
         self._restore_or_init()
 
@@ -433,7 +435,10 @@ class SFTTrainer:
                     if not np.isfinite(last_loss):
                         raise FloatingPointError(f"loss={last_loss} at step {done}; stopping")
                     writer.write(done, m)
-                bar.update(last_loss, step_tokens, synced=synced)
+                tokens_per_s = bar.update(last_loss, step_tokens, synced=synced)
+                if synced and self.json_lines:
+                    print(json.dumps({"step": done, "loss": last_loss, "lr": float(m["lr"]),
+                                      "tokens_per_s": round(tokens_per_s, 1)}), flush=True)
                 if save_due:
                     self.ckpt.save(done, self.state, self.data.get_state(), force=True)
                     saved_at = done
@@ -487,6 +492,7 @@ def run_sft(
     profile_start: int = -1,
     profile_stop: int = -1,
     progress: bool = True,
+    json_lines: bool = False,
     stop_after: int | None = None,
     eval_problems: int = 200,
     eval_max_new_tokens: int = 32,
@@ -494,6 +500,7 @@ def run_sft(
 ) -> TrainResult:
     """Train (or resume) a run in `output_dir`, then evaluate and write summary and loss curve.
 
+    progress: the step bar on a terminal; json_lines: one JSON object per logged step on stdout.
     stop_after: run at most this many steps now (checkpointed), leaving the rest for a resume.
     eval_problems: held-out problems of the arithmetic suite evaluated (greedy pass@1) at the end.
     hf_checkpoint: a Hugging Face folder to start from: its weights and config replace the fresh
@@ -529,6 +536,7 @@ def run_sft(
         mesh,
         profile=(profile_start, profile_stop),
         progress=progress,
+        json_lines=json_lines,
         model=model,
         tok=tok,
         hf_checkpoint=hf_checkpoint,
@@ -575,7 +583,7 @@ EXAMPLES = """examples:
   python -m hcjax.sft --hf_checkpoint DIR --output_dir runs/sft_hf   # fine-tune a HF folder
 
 A run resumes from its latest checkpoint in OUTPUT_DIR; on a terminal a bar shows the step, loss,
-tokens/s and the ETA.
+tokens/s and the ETA; off a terminal (or with --log_format json) each logged step is one JSON line.
 """
 
 
@@ -585,6 +593,9 @@ def _extra_args(parser) -> None:
     from hcjax import config
 
     config.add_hf_checkpoint_flag(parser)
+    parser.add_argument("--log_format", choices=("auto", "json", "display"), default="auto",
+                        help="display: the step bar; json: one JSON line per logged step on "
+                             "stdout; auto: the bar on a terminal, JSON lines otherwise")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
 
@@ -600,7 +611,11 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
     config.bind(flags.gin_files, flags.gin_params)
     output_dir = flags.output_dir or os.path.join("runs", "sft")
     config.write_config(output_dir, flags)
-    result = run_sft(output_dir, hf_checkpoint=flags.extra.hf_checkpoint)
+    from hcjax.display import resolve_format
+
+    log_format = resolve_format(flags.extra.log_format)
+    result = run_sft(output_dir, hf_checkpoint=flags.extra.hf_checkpoint,
+                     progress=log_format == "display", json_lines=log_format == "json")
     config.write_operative_config(output_dir)
     with open(os.path.join(output_dir, "summary.txt"), encoding="utf-8") as f:
         print(f.read())

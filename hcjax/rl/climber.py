@@ -502,13 +502,11 @@ class Climb:
 
     def _utilisation(self) -> dict[str, float | None]:
         """Learner and rollout utilisation so far, for the display (Controller.utilisation()
-        covers a finished run): fractions of this process's climbing time. Generation time is
-        counted when the in-flight set empties, so none counted yet is shown as unknown."""
+        covers a finished run): fractions of this process's climbing time."""
         ctl = self.controller
         wall = max(time.perf_counter() - self.t_run, 1e-9)
-        busy = ctl.generation_busy_seconds
         return {"learner_utilisation": ctl.learner_seconds / wall,
-                "rollout_utilisation": busy / wall if busy > 0 else None}
+                "rollout_utilisation": min(ctl.generation_busy_now() / wall, 1.0)}
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         """Ctrl-C once: the step under way is the last (`_on_step` stops the controller), then

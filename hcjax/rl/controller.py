@@ -160,7 +160,8 @@ class Controller:
         # Time accounting for utilisation: generation busy = at least one group in flight.
         self.learner_seconds = 0.0
         self.publish_seconds = 0.0
-        self.generation_busy_seconds = 0.0
+        self.generation_busy_seconds = 0.0  # closed busy intervals
+        self._busy_since: float | None = None  # start of the open one, if any
         self.wall_seconds = 0.0
 
     # State -----------------------------------------------------------------------------------
@@ -256,25 +257,21 @@ class Controller:
         inflight: set[futures.Future] = set()
         worker_errors = 0
         start = time.perf_counter()
-        busy_since: float | None = None
         pool = futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="problem-worker")
 
         def submit() -> None:
-            nonlocal busy_since
             task = self.source.next_task()
             fut = pool.submit(self.worker.run, task, self._seed())
             self._tasks_issued += 1
             fut.add_done_callback(done.put)
-            if not inflight and busy_since is None:
-                busy_since = time.perf_counter()
+            if not inflight and self._busy_since is None:
+                self._busy_since = time.perf_counter()
             inflight.add(fut)
 
         def settle(fut: futures.Future) -> None:
-            nonlocal busy_since
             inflight.discard(fut)
-            if not inflight and busy_since is not None:
-                self.generation_busy_seconds += time.perf_counter() - busy_since
-                busy_since = None
+            if not inflight:
+                self._close_busy()
 
         try:
             while self.step < num_steps and not stop.is_set():
@@ -304,9 +301,22 @@ class Controller:
             for fut in inflight:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
-            if busy_since is not None:
-                self.generation_busy_seconds += time.perf_counter() - busy_since
+            self._close_busy()
             self.wall_seconds += time.perf_counter() - start
+
+    def _close_busy(self) -> None:
+        with self._lock:
+            if self._busy_since is not None:
+                self.generation_busy_seconds += time.perf_counter() - self._busy_since
+                self._busy_since = None
+
+    def generation_busy_now(self) -> float:
+        """Seconds generation has had work in flight so far, the open interval included (the
+        live display reads this while `run` goes on; in the asynchronous climb the in-flight set
+        rarely empties, so the closed intervals alone stay at 0)."""
+        with self._lock:
+            open_s = 0.0 if self._busy_since is None else time.perf_counter() - self._busy_since
+            return self.generation_busy_seconds + open_s
 
     def utilisation(self) -> dict[str, float]:
         """Fractions of wall time the learner stepped and generation had work in flight."""
