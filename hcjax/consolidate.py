@@ -33,6 +33,8 @@ from typing import Any  # noqa: E402
 
 import gin  # noqa: E402
 
+from hcjax.display import Phase, Phases  # noqa: E402
+
 __all__ = ["ConsolidateConfig", "build_mix", "main", "mix_counts", "run_consolidate"]
 
 
@@ -167,16 +169,24 @@ def _run_sft(output_dir: str, mix_path: str, base: str) -> dict[str, Any]:
 
 
 def _evaluate(models: dict[str, str], suites: Sequence[Any], cfg: ConsolidateConfig,
-              max_tokens: int) -> dict[str, dict[str, dict[str, float]]]:
-    """{model name: {suite name: {"pass_at_1", "mean_length", "problems"}}}."""
+              max_tokens: int, phase: Phase | None = None
+              ) -> dict[str, dict[str, dict[str, float]]]:
+    """{model name: {suite name: {"pass_at_1", "mean_length", "problems"}}}; each (model, suite)
+    is a step of `phase`."""
     from hcjax.distill.merge import load_model
     from hcjax.distill.rejection import evaluate_suite
 
+    phase = phase or Phase("evaluating")
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name, directory in models.items():
+        phase.now(name)
         model, _ = load_model(directory)
-        out[name] = {s.name: evaluate_suite(model, s, list(s.heldout())[: cfg.eval_problems],
-                                            max_new_tokens=max_tokens) for s in suites}
+        out[name] = {}
+        for s in suites:
+            phase.now(f"{name} on {s.name}")
+            out[name][s.name] = evaluate_suite(model, s, list(s.heldout())[: cfg.eval_problems],
+                                               max_new_tokens=max_tokens)
+            phase.advance()
     return out
 
 
@@ -201,11 +211,13 @@ def write_report(output_dir: str, report: dict[str, Any]) -> str:
 
 
 def run_consolidate(output_dir: str, climbs: Sequence[str], base: str | None = None,
-                    progress: bool = True) -> dict[str, Any]:
+                    progress: bool = True, phases: Phases | None = None) -> dict[str, Any]:
     """Mix → SFT (OUTPUT_DIR/sft) → union climb (OUTPUT_DIR/rl) → report. `base`: the SFT's
-    starting checkpoint (any hcjax run; default the first climb's pre-trained OUT/base)."""
+    starting checkpoint (any hcjax run; default the first climb's pre-trained OUT/base).
+    phases: where each of them shows as a phase (default: nowhere)."""
     from hcjax.rl.climber import Climb, ClimbConfig
 
+    phases = phases or Phases("hcjax.consolidate", mode="off")
     t0 = time.perf_counter()
     cfg = ConsolidateConfig()
     climb_cfg = ClimbConfig()
@@ -216,14 +228,16 @@ def run_consolidate(output_dir: str, climbs: Sequence[str], base: str | None = N
         raise FileNotFoundError(f"base {base!r} does not exist; pass --base_checkpoint (the "
                                 "specialists' common base)")
     os.makedirs(output_dir, exist_ok=True)
-    convs, mix = build_mix(climbs, cfg, union)
     mix_path = os.path.join(output_dir, "sft_mix.jsonl")
-    with open(mix_path, "w", encoding="utf-8") as f:
-        for c in convs:
-            f.write(json.dumps({"messages": c}) + "\n")
+    with phases.phase(f"mixing the SFT data of {len(climbs)} climbs"):
+        convs, mix = build_mix(climbs, cfg, union)
+        with open(mix_path, "w", encoding="utf-8") as f:
+            for c in convs:
+                f.write(json.dumps({"messages": c}) + "\n")
     if progress:
         print(json.dumps({"event": "mix", **mix}), flush=True)
-    sft = _run_sft(os.path.join(output_dir, "sft"), mix_path, base)
+    with phases.phase(f"SFT of the base on {len(convs)} conversations"):
+        sft = _run_sft(os.path.join(output_dir, "sft"), mix_path, base)
     if progress:
         print(json.dumps({"event": "sft", **sft}), flush=True)
     models = {"base": base, **{f"specialist:{s.name}": d
@@ -232,10 +246,14 @@ def run_consolidate(output_dir: str, climbs: Sequence[str], base: str | None = N
     rl_summary = None
     if cfg.rl:
         rl_dir = os.path.join(output_dir, "rl")
-        rl_summary = Climb(rl_dir, base_checkpoint=models["consolidated_sft"],
-                           progress=progress).run().summary
+        # The climb shows its own panel on a terminal: the phase only announces it.
+        with phases.phase("union climb", redraw=False):
+            rl_summary = Climb(rl_dir, base_checkpoint=models["consolidated_sft"],
+                               progress=progress).run().summary
         models["consolidated_rl"] = rl_dir
-    evals = _evaluate(models, suites, cfg, cfg.eval_max_tokens or climb_cfg.max_tokens)
+    with phases.phase("evaluating", total=len(models) * len(suites)) as phase:
+        evals = _evaluate(models, suites, cfg, cfg.eval_max_tokens or climb_cfg.max_tokens,
+                          phase)
     report = {"climbs": [os.path.abspath(d) for d in climbs], "base": os.path.abspath(base),
               "mix": mix, "sft": sft, "models": models, "eval": evals,
               "rl": None if rl_summary is None else {
@@ -266,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     output_dir = flags.output_dir or os.path.join("runs", "consolidate")
     config.write_config(output_dir, flags)
     report = run_consolidate(output_dir, flags.extra.climb, flags.extra.base_checkpoint,
-                             progress=not flags.extra.quiet)
+                             progress=not flags.extra.quiet,
+                             phases=Phases("hcjax.consolidate",
+                                           mode="off" if flags.extra.quiet else "auto"))
     config.write_operative_config(output_dir)
     return report

@@ -1,7 +1,9 @@
 """What a person sees while a long job runs (hcjax.climb, hcjax.sft, hcjax.serve): a live panel
 that redraws in place in a terminal (rich), lines that scroll above it, and the short summaries at
-the end. It only shows what its caller hands it; it must not compute, record or decide anything a
-run keeps (metrics.jsonl, summary.json and report.md are the record, written by their owners)."""
+the end; for the other long entry points (plan, consolidate, long2short, merge, benchmarks) one
+line of phases on stderr. It only shows what its caller hands it; it must not compute, record or
+decide anything a run keeps (metrics.jsonl, summary.json and report.md are the record, written by
+their owners)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
-__all__ = ["FORMATS", "ClimbDisplay", "ClimbState", "StepBar", "climb_summary_text", "duration",
-           "eta_seconds", "render_climb", "resolve_format", "resume_command", "resume_hint",
-           "serve_banner", "serve_status_line"]
+__all__ = ["FORMATS", "PHASE_MODES", "ClimbDisplay", "ClimbState", "Phase", "Phases", "StepBar",
+           "climb_summary_text", "duration", "eta_seconds", "render_climb", "render_phase",
+           "resolve_format", "resume_command", "resume_hint", "serve_banner", "serve_status_line"]
 
 FORMATS = ("auto", "json", "display")
 # The per-step JSON line of `python -m hcjax.climb` (machine output): these keys of the step's
@@ -405,3 +407,178 @@ def serve_status_line(metrics: Mapping[str, Any], previous: Mapping[str, Any] | 
             f"{metrics.get('queue_depth', 0)}  slots {metrics.get('slots_occupied', 0)}/"
             f"{metrics.get('slots_total', 0)}  tokens/s {float(metrics.get('tokens_per_second', 0)):,.0f}"
             f"  version {metrics.get('version')}")
+
+
+# Phases of the other long entry points (plan, consolidate, long2short, merge, benchmarks) --------
+
+PHASE_MODES = ("auto", "live", "lines", "off")
+
+
+@dataclasses.dataclass
+class Phase:
+    """One phase of an entry point: its name, how much of it is done (of `total`, when the amount
+    of work is known) and what runs now. The caller moves it on; the display only reads it."""
+
+    name: str
+    total: int | None = None
+    done: int = 0
+    item: str = ""
+    t_start: float = dataclasses.field(default_factory=time.monotonic)
+    t_last: float | None = None  # when the latest step ended
+
+    def now(self, item: str) -> None:
+        """What the phase works on now (a case, a model, a checkpoint)."""
+        self.item = item
+
+    def advance(self, n: int = 1, item: str | None = None) -> None:
+        """`n` more steps done (and, optionally, what comes next)."""
+        self.done += n
+        self.t_last = time.monotonic()
+        if item is not None:
+            self.item = item
+
+    def count(self) -> str:
+        return "" if self.total is None else f"{self.done}/{self.total}"
+
+
+def render_phase(entry: str, p: Phase, now: float | None = None) -> str:
+    """The live line: "<entry> · <phase> · i/N · elapsed m:ss · ETA m:ss · <item>" (i/N and the
+    ETA only when the phase has a total, at the pace of the steps done so far; the item last, so
+    that a narrow terminal cuts it rather than the times)."""
+    now = time.monotonic() if now is None else now
+    parts = [entry, p.name]
+    if p.total is not None:
+        parts.append(p.count())
+    parts.append(f"elapsed {duration(now - p.t_start)}")
+    if p.total is not None:
+        seconds = since_last = 0.0
+        if p.done > 0 and p.t_last is not None:
+            seconds, since_last = p.t_last - p.t_start, now - p.t_last
+        eta, _ = eta_seconds(p.done, p.total - p.done, seconds, None, since_last)
+        parts.append(f"ETA {duration(eta)}")
+    if p.item:
+        parts.append(p.item)
+    return " · ".join(parts)
+
+
+class _PhaseLine:
+    """The rich renderable of the live line: re-rendered on every refresh (elapsed ticks)."""
+
+    def __init__(self, entry: str, phase: Phase) -> None:
+        self.entry, self.phase = entry, phase
+
+    def __rich__(self):
+        from rich.text import Text
+
+        return Text(render_phase(self.entry, self.phase), no_wrap=True, overflow="ellipsis")
+
+
+class _Above:
+    """sys.stdout while a phase line is live and stdout is a terminal too: each whole line is
+    printed above the live line, unwrapped (so a JSON line stays one line)."""
+
+    def __init__(self, console: Any, real: TextIO) -> None:
+        self._console, self._real, self._buffer = console, real, ""
+
+    def write(self, text: str) -> int:
+        from rich.text import Text
+
+        *lines, self._buffer = (self._buffer + text).split("\n")
+        for line in lines:
+            self._console.print(Text(line), soft_wrap=True)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buffer:
+            self.write("\n")
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the real stdout's
+        return getattr(self._real, name)
+
+
+class Phases:
+    """What a long entry point is doing, on stderr (never stdout, where entry points print their
+    JSON). Each `phase(...)` block is one phase: on a terminal one line redraws in place
+    ("hcjax.plan · compiling the train step · elapsed 0:12"; with a total also i/N and the ETA)
+    and is replaced by "hcjax.plan: compiling the train step … done in 12.3 s" when the block
+    ends; off a terminal only those plain lines, one when a phase starts and one when it ends.
+
+    mode: "auto" (live when `stream`, default stderr, is a terminal, else "lines"), "live",
+    "lines" or "off" (prints nothing). One phase at a time."""
+
+    def __init__(self, entry: str, mode: str = "auto", stream: TextIO | None = None) -> None:
+        if mode not in PHASE_MODES:
+            raise ValueError(f"mode={mode!r}; expected one of {PHASE_MODES}")
+        self.entry = entry
+        self.stream = sys.stderr if stream is None else stream
+        if mode == "auto":
+            isatty = getattr(self.stream, "isatty", None)
+            mode = "live" if isatty is not None and isatty() else "lines"
+        self.mode = mode
+        self.current: Phase | None = None
+        self._console = None
+
+    @property
+    def console(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(file=self.stream, highlight=False)
+        return self._console
+
+    def _line(self, p: Phase, end: str) -> str:
+        count = f" {p.count()}" if p.total is not None else ""
+        return f"{self.entry}: {p.name}{count} …{end}"
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, total: int | None = None, *, redraw: bool = True
+              ) -> Iterator[Phase]:
+        """A phase for the block; yields its `Phase` (call `.advance()` after each of `total`
+        steps). redraw=False: the block draws its own display (the climb's panel), so on a
+        terminal too the phase is only announced and closed with plain lines."""
+        if self.current is not None:
+            raise RuntimeError(f"phase {name!r} started inside phase {self.current.name!r}; "
+                               "Phases shows one phase at a time")
+        p = self.current = Phase(name, total)
+        live = self._start_live(p) if self.mode == "live" and redraw else None
+        if live is None and self.mode != "off":
+            self._print(self._line(p, ""))
+        ended = "done"
+        try:
+            yield p
+        except BaseException as e:
+            ended = f"{type(e).__name__}"
+            raise
+        finally:
+            self.current = None
+            if live is not None:
+                self._stop_live(*live)
+            if self.mode != "off":
+                seconds = time.monotonic() - p.t_start
+                self._print(self._line(p, f" {ended} {'in' if ended == 'done' else 'after'} "
+                                          f"{seconds:.1f} s"))
+
+    def _start_live(self, p: Phase) -> tuple[Any, TextIO | None]:
+        """(the rich Live, the real stdout when it was replaced by `_Above`)."""
+        from rich.live import Live
+
+        live = Live(_PhaseLine(self.entry, p), console=self.console, refresh_per_second=4,
+                    transient=True, redirect_stdout=False, redirect_stderr=True)
+        live.start()
+        # stdout on a terminal too (a person reads it): its lines go above the live line rather
+        # than through it. A piped stdout is left alone, byte for byte.
+        real = sys.stdout
+        isatty = getattr(real, "isatty", None)
+        if isatty is None or not isatty() or real is self.stream:
+            return live, None
+        sys.stdout = _Above(self.console, real)
+        return live, real
+
+    def _stop_live(self, live: Any, real_stdout: TextIO | None) -> None:
+        if real_stdout is not None:
+            sys.stdout.flush()
+            sys.stdout = real_stdout
+        live.stop()

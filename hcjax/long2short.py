@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=extra)
     config.bind(flags.gin_files, flags.gin_params)
+    from hcjax.display import Phases
     from hcjax.distill.merge import load_model
     from hcjax.distill.rejection import evaluate_suite
     from hcjax.rl.climber import ClimbConfig
@@ -61,13 +62,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     suite = climb.make_suite()
     problems = list(suite.heldout())[: a.eval_problems]
     results = {}
-    for item in a.checkpoint:
-        name, _, directory = item.partition("=")
-        if not directory:
-            name, directory = os.path.basename(os.path.normpath(item)), item
-        model, _ = load_model(directory)
-        results[name] = evaluate_suite(model, suite, problems,
-                                       max_new_tokens=a.max_new_tokens or climb.max_tokens)
+    phases = Phases("hcjax.long2short")
+    with phases.phase(f"evaluating on {len(problems)} held-out problems",
+                      total=len(a.checkpoint)) as phase:
+        for item in a.checkpoint:
+            name, _, directory = item.partition("=")
+            if not directory:
+                name, directory = os.path.basename(os.path.normpath(item)), item
+            phase.now(name)
+            model, _ = load_model(directory)
+            results[name] = evaluate_suite(model, suite, problems,
+                                           max_new_tokens=a.max_new_tokens or climb.max_tokens)
+            phase.advance()
     table = compare(results, min_cut=a.min_cut, max_drop=a.max_drop)
     for name, r in table.items():
         print(json.dumps({"model": name, **{k: round(v, 4) if isinstance(v, float) else v

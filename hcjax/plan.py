@@ -40,6 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax import config as hcfg
+from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer, param_shardings
 from hcjax.sharding import MeshConfig, make_mesh
 
@@ -780,23 +781,33 @@ def roofline(step: dict, spec: ChipSpec, devices: int, model_flops: float) -> No
 
 
 def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
-         mesh_cfg: MeshConfig | None = None) -> dict:
-    """Compile the configured steps for `pc.topology` / `pc.inference_topology`; the JSON record."""
+         mesh_cfg: MeshConfig | None = None, phases: Phases | None = None) -> dict:
+    """Compile the configured steps for `pc.topology` / `pc.inference_topology`; the JSON record.
+    phases: where each compile shows as a phase (default: nowhere)."""
     from hcjax.rl.learner import LearnerConfig
+
+    phases = phases or Phases("hcjax.plan", mode="off")
+    compiles = int(pc.train) + int(pc.decode)
+
+    def compiling(what: str, topology: str, i: int) -> str:
+        return f"compiling the {what} step for {topology}" + (
+            f" ({i}/{compiles})" if compiles > 1 else "")
 
     model_cfg = model_cfg or ModelConfig()
     learner_cfg = learner_cfg or LearnerConfig()
     mesh_cfg = mesh_cfg or MeshConfig()
-    devices, spec, chips = tpu_devices(pc.topology, pc.num_slices)
+    with phases.phase(f"building the {pc.topology} topology (libtpu, compile-only)"):
+        devices, spec, chips = tpu_devices(pc.topology, pc.num_slices)
     result: dict = {"topology": pc.topology, "num_slices": pc.num_slices, "chips": chips,
                     "devices": len(devices), "hbm_bytes_per_chip": spec.hbm_bytes}
     t0 = time.perf_counter()
     if pc.train:
-        mesh = _mesh(mesh_cfg, devices, "learner", pc.num_slices)
-        fn, args, params = _train_inputs(model_cfg, learner_cfg, pc, mesh)
+        with phases.phase(compiling("train", pc.topology, 1)):
+            mesh = _mesh(mesh_cfg, devices, "learner", pc.num_slices)
+            fn, args, params = _train_inputs(model_cfg, learner_cfg, pc, mesh)
+            step = {"mesh": dict(mesh.shape)}
+            step.update(_compile(fn, args, mesh, spec, pc.top_buffers))
         n_active = active_params(model_cfg, params)
-        step = {"mesh": dict(mesh.shape)}
-        step.update(_compile(fn, args, mesh, spec, pc.top_buffers))
         # Training model FLOPs (forward + backward = 3x forward): 6·N_active·tokens plus causal
         # attention 3·2·H·ctx·(d_qk + d_v) per token per layer, ctx the mean keys per query.
         ctx_g, ctx_l = _causal_mean_ctx(pc.seq_len, model_cfg.window)
@@ -810,12 +821,13 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
         result["train_step"] = step
     if pc.decode:
         inf_topology = pc.inference_topology or pc.topology
-        inf_devices, inf_spec, inf_chips = tpu_devices(inf_topology, pc.inference_num_slices)
-        mesh = _mesh(pc.inference_mesh or inference_mesh_config(mesh_cfg), inf_devices,
-                     "inference", pc.inference_num_slices)
-        fn, args, params = _decode_inputs(model_cfg, pc, mesh)
-        step = {"topology": inf_topology, "chips": inf_chips, "mesh": dict(mesh.shape)}
-        step.update(_compile(fn, args, mesh, inf_spec, pc.top_buffers, weights=params))
+        with phases.phase(compiling("decode", inf_topology, compiles)):
+            inf_devices, inf_spec, inf_chips = tpu_devices(inf_topology, pc.inference_num_slices)
+            mesh = _mesh(pc.inference_mesh or inference_mesh_config(mesh_cfg), inf_devices,
+                         "inference", pc.inference_num_slices)
+            fn, args, params = _decode_inputs(model_cfg, pc, mesh)
+            step = {"topology": inf_topology, "chips": inf_chips, "mesh": dict(mesh.shape)}
+            step.update(_compile(fn, args, mesh, inf_spec, pc.top_buffers, weights=params))
         # Decode model FLOPs per step: 2·N_active per token plus attention over a full KV of
         # kv_len keys (global layers) or `window` keys (local), for every concurrent sequence.
         split = model_flops_split(model_cfg, params, pc.decode_batch, pc.kv_len,
@@ -915,7 +927,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     pc = dataclasses.replace(PlanConfig(), **overrides)
     if flags.output_dir:
         hcfg.write_config(flags.output_dir, flags)
-    result = plan(pc)
+    result = plan(pc, phases=Phases("hcjax.plan"))
     table = summary_table(result)
     print(table)
     if flags.output_dir:

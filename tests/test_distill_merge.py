@@ -104,3 +104,20 @@ def test_merge_refuses_another_architecture(tmp_path):
     with pytest.raises(ValueError, match="different architectures.*d_ff: 32"):
         main(["--checkpoint", str(tmp_path / "a"), "--checkpoint", str(tmp_path / "b"),
               "--output_dir", str(tmp_path / "m")])
+
+
+def test_merge_takes_gin_flags_and_writes_its_config(tmp_path):
+    cfg = _tiny()
+    write_checkpoint(str(tmp_path / "a"), _params(cfg, 0), cfg)
+    out = tmp_path / "m"
+    main(["--checkpoint", str(tmp_path / "a"), "--output_dir", str(out),
+          "--gin_param", "CheckpointConfig.keep = 7"])
+    written = (out / "config.gin").read_text()
+    assert "# gin params: ['CheckpointConfig.keep = 7']" in written
+    assert "CheckpointConfig.keep = 7" in written.split("\n", 2)[2]
+    assert (out / "operative_config.gin").is_file()
+    with pytest.raises(ValueError, match="--output_dir is required"):
+        main(["--checkpoint", str(tmp_path / "a")])
+    with pytest.raises(ValueError, match="bad --gin_param"):
+        main(["--checkpoint", str(tmp_path / "a"), "--output_dir", str(tmp_path / "x"),
+              "--gin_param", "NoSuchThing.x = 1"])

@@ -37,6 +37,7 @@ def _mode_figures(summary: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     from hcjax import config
+    from hcjax.display import Phases
     from hcjax.rl.climber import pretrain_base, run_climb
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,14 +50,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
     gin_files = args.gin_file or ["climb_tiny.gin"]
     config.bind(gin_files, args.gin_param)
     out = args.output_dir or tempfile.mkdtemp(prefix="bench_climb_")
-    base = args.base_checkpoint or pretrain_base(out)
+    phases = Phases("hcjax.bench.climb")
+    base = args.base_checkpoint
+    if base is None:
+        with phases.phase("pre-training the base"):
+            base = pretrain_base(out)
     results = {}
-    for mode in args.modes.split(","):
-        config.bind(gin_files, args.gin_param)
-        summary = run_climb(os.path.join(out, mode), base_checkpoint=base, mode=mode,
-                            progress=False, stop_at_gain=args.target_gain).summary
-        results[mode] = _mode_figures(summary)
-        print(json.dumps({"mode": mode, **results[mode]}), flush=True)
+    modes = args.modes.split(",")
+    with phases.phase("climbing", total=len(modes)) as phase:
+        for mode in modes:
+            phase.now(mode)
+            config.bind(gin_files, args.gin_param)
+            summary = run_climb(os.path.join(out, mode), base_checkpoint=base, mode=mode,
+                                progress=False, stop_at_gain=args.target_gain).summary
+            results[mode] = _mode_figures(summary)
+            print(json.dumps({"mode": mode, **results[mode]}), flush=True)
+            phase.advance()
     report = {"bench": "climb", "target_gain": args.target_gain, "output_dir": out, **results}
     sync, asyn = results.get("on_policy"), results.get("async")
     if sync and asyn:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from hcjax.display import Phases
 
 FLOP_NOTE = (
     "attention counts only unmasked (query, key) pairs: forward 4*D*pairs per query head "
@@ -135,20 +136,30 @@ def main() -> None:
     backend = jax.default_backend()
     accelerated = backend in ("gpu", "tpu")
     impls = ["reference", "pallas"] if accelerated else ["reference"]
-    results = []
+    # (what the phase line shows, the benchmark and its arguments), timed in this order.
     if accelerated:
         repeats = 10
-        for t in (4096, 8192):
-            results += bench_attention(1, t, 32, 8, 128, 512, impls, repeats)
-        results += bench_attention(1, 8192, 32, 8, 128, None, impls, repeats)
-        results += bench_gmm(16384, 2048, 1024, 64, impls, repeats)
-        results += bench_decode(64, 8192, 32, 8, 128, None, impls, repeats)
-        results += bench_decode(64, 512, 32, 8, 128, 512, impls, repeats)
+        cases = [
+            *((f"attention T={t} window 512", bench_attention, (1, t, 32, 8, 128, 512))
+              for t in (4096, 8192)),
+            ("attention T=8192 global", bench_attention, (1, 8192, 32, 8, 128, None)),
+            ("gmm M=16384 G=64", bench_gmm, (16384, 2048, 1024, 64)),
+            ("decode S=8192 global", bench_decode, (64, 8192, 32, 8, 128, None)),
+            ("decode S=512 window 512", bench_decode, (64, 512, 32, 8, 128, 512)),
+        ]
     else:  # shapes small enough for the references on a few CPU cores
         repeats = 3
-        results += bench_attention(1, 1024, 8, 2, 64, 128, impls, repeats)
-        results += bench_gmm(2048, 256, 512, 8, impls, repeats)
-        results += bench_decode(8, 1024, 8, 2, 64, None, impls, repeats)
+        cases = [
+            ("attention T=1024 window 128", bench_attention, (1, 1024, 8, 2, 64, 128)),
+            ("gmm M=2048 G=8", bench_gmm, (2048, 256, 512, 8)),
+            ("decode S=1024 global", bench_decode, (8, 1024, 8, 2, 64, None)),
+        ]
+    results = []
+    with Phases("hcjax.bench.kernels").phase("timing kernels", total=len(cases)) as phase:
+        for label, bench, shape in cases:
+            phase.now(label)
+            results += bench(*shape, impls, repeats)
+            phase.advance()
     summary = {
         "benchmark": "kernels",
         "backend": backend,

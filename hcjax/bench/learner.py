@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.learner import Learner, LearnerConfig
@@ -122,6 +123,24 @@ def prepare(cfg: ModelConfig, rollouts, seq_len: int, replay: bool):
     return run, facts
 
 
+def _summarise(name: str, variants: dict, times: dict, results: dict) -> None:
+    """One config's figures (median step time of each variant) into `results`, and its line."""
+    runs = {}
+    for v, (_, facts) in variants.items():
+        step_s = float(np.median(times[v]))
+        xla, useful = facts["xla_flops_per_step"], facts["model_flops_per_step"]
+        runs[v] = dict(
+            facts, step_s=round(step_s, 4),
+            tokens_per_s=round(facts["tokens_per_step"] / step_s, 1),
+            xla_gflops_per_s=round(xla / step_s / 1e9, 3),
+            model_gflops_per_s=round(useful / step_s / 1e9, 3),
+        )
+    runs["replay_step_time_ratio"] = round(
+        runs["replay"]["step_s"] / runs["no_replay"]["step_s"], 3)
+    results["configs"][name] = runs
+    print(json.dumps({name: runs}), flush=True)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=3)
@@ -130,31 +149,28 @@ def main(argv=None) -> dict:
         "tiny": (TINY, synthetic_rollouts(TINY, 16, 32, 96), 256),
         "larger": (LARGER, synthetic_rollouts(LARGER, 8, 64, 192, seed=1), 512),
     }
-    roofline = matmul_roofline_gflops()
+    phases = Phases("hcjax.bench.learner")
+    with phases.phase("measuring the matmul roofline"):
+        roofline = matmul_roofline_gflops()
     results = {"bench": "learner", "backend": jax.default_backend(), "configs": {}}
-    for name, (cfg, rollouts, seq_len) in settings.items():
-        variants = {v: prepare(cfg, rollouts, seq_len, v == "replay")
-                    for v in ("replay", "no_replay")}
-        # Interleave the variants so a noisy, shared machine slows both alike.
-        times = {v: [] for v in variants}
-        for _ in range(args.steps):
-            for v, (run, _) in variants.items():
-                times[v].append(run())
-        runs = {}
-        for v, (_, facts) in variants.items():
-            step_s = float(np.median(times[v]))
-            xla, useful = facts["xla_flops_per_step"], facts["model_flops_per_step"]
-            runs[v] = dict(
-                facts, step_s=round(step_s, 4),
-                tokens_per_s=round(facts["tokens_per_step"] / step_s, 1),
-                xla_gflops_per_s=round(xla / step_s / 1e9, 3),
-                model_gflops_per_s=round(useful / step_s / 1e9, 3),
-            )
-        runs["replay_step_time_ratio"] = round(
-            runs["replay"]["step_s"] / runs["no_replay"]["step_s"], 3)
-        results["configs"][name] = runs
-        print(json.dumps({name: runs}), flush=True)
-    roofline = max(roofline, matmul_roofline_gflops())  # best of before and after
+    # Steps of the phase: per config, compiling each variant, then each round of timed steps.
+    with phases.phase("timing train steps", total=len(settings) * (2 + args.steps)) as phase:
+        for name, (cfg, rollouts, seq_len) in settings.items():
+            variants = {}
+            for v in ("replay", "no_replay"):
+                phase.now(f"{name}: compiling {v}")
+                variants[v] = prepare(cfg, rollouts, seq_len, v == "replay")
+                phase.advance()
+            # Interleave the variants so a noisy, shared machine slows both alike.
+            times = {v: [] for v in variants}
+            phase.now(f"{name}: timing both")
+            for _ in range(args.steps):
+                for v, (run, _) in variants.items():
+                    times[v].append(run())
+                phase.advance()
+            _summarise(name, variants, times, results)
+    with phases.phase("measuring the matmul roofline again"):
+        roofline = max(roofline, matmul_roofline_gflops())  # best of before and after
     results["matmul_roofline_gflops"] = round(roofline, 2)
     for runs in results["configs"].values():
         for v in ("replay", "no_replay"):

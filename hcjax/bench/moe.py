@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from hcjax.display import Phases
 from hcjax.model.moe import (
     _expert_mlp_blocked,
     _expert_mlp_dense,
@@ -104,10 +105,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    roofline = matmul_roofline()
+    phases = Phases("hcjax.bench.moe")
+    with phases.phase("measuring the matmul roofline"):
+        roofline = matmul_roofline()
     cases = []
-    for experts in (8, 64):
-        for k in (2, 8):
+    shapes = [(experts, k) for experts in (8, 64) for k in (2, 8)]
+    with phases.phase("timing E x k cases", total=len(shapes)) as phase:
+        for experts, k in shapes:
+            phase.now(f"E={experts} k={k}")
             case = bench_case(args.tokens, args.latent, args.hidden, experts, k, args.repeats)
             case["blocked_fraction_of_roofline"] = case["blocked_useful_gflops"] / roofline
             case["ragged_dot_fraction_of_roofline"] = case["ragged_dot_useful_gflops"] / roofline
@@ -118,6 +123,7 @@ def main(argv=None) -> dict:
                 f"{case['dense_s'] * 1e3:8.1f} ms  (dense/blocked {case['dense_over_blocked']:.2f}x)",
                 flush=True,
             )
+            phase.advance()
     result = {
         "benchmark": "moe",
         "backend": jax.default_backend(),

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from hcjax import config as hcfg
+from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer, cache_bytes, init_cache
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingParams
 from hcjax.rollout.sampling import sample, sampling_keys
@@ -217,29 +218,38 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     jobs = workload(rng, args.requests, args.max_prompt, args.max_response)
     recompute_step = make_recompute_step(model)
+    phases = Phases("hcjax.bench.rollout")
     # Compile every shape once before timing: each prompt bucket, the decode step, and each
     # power-of-two width the no-cache baseline will see.
-    for length in sorted({min(_pow2(max(len(p), 8)), args.max_prompt) for p, _ in jobs}):
-        run_continuous(engine, [([1] * length, 2)])
-    run_static(engine, jobs[:1])
-    longest = max(len(p) + m for p, m in jobs)
-    for width in sorted({_pow2(w) for w in range(1, longest + 1)}):
-        ones = np.ones((args.slots,), np.int32)
-        recompute_step(np.zeros((args.slots, width), np.int32), ones, ones.astype(np.uint32))
+    with phases.phase("compiling every shape"):
+        for length in sorted({min(_pow2(max(len(p), 8)), args.max_prompt) for p, _ in jobs}):
+            run_continuous(engine, [([1] * length, 2)])
+        run_static(engine, jobs[:1])
+        longest = max(len(p) + m for p, m in jobs)
+        for width in sorted({_pow2(w) for w in range(1, longest + 1)}):
+            ones = np.ones((args.slots,), np.int32)
+            recompute_step(np.zeros((args.slots, width), np.int32), ones, ones.astype(np.uint32))
     # The no-cache baseline is slow; its rate is measured on the first batches only.
     recompute_jobs = jobs[: args.recompute_batches * args.slots]
 
     results = {}
-    for name, fn in [
+    ways = [
         ("continuous", lambda: run_continuous(engine, jobs)),
         ("static", lambda: run_static(engine, jobs)),
         ("recompute", lambda: run_recompute(recompute_step, recompute_jobs, args.slots)),
-    ]:
-        runs = [fn() for _ in range(args.repeats)]
-        tokens, seconds = min(runs, key=lambda r: r[1])  # best of repeats: the machine is shared
-        results[name] = {"tokens": tokens, "seconds": round(seconds, 3),
-                         "tokens_per_s": round(tokens / seconds, 1)}
-    react = react_comparison(model, args, cfg.max_seq_len)
+    ]
+    with phases.phase("timing generation", total=len(ways) * args.repeats) as phase:
+        for name, fn in ways:
+            phase.now(name)
+            runs = []
+            for _ in range(args.repeats):
+                runs.append(fn())
+                phase.advance()
+            tokens, seconds = min(runs, key=lambda r: r[1])  # best of repeats: shared machine
+            results[name] = {"tokens": tokens, "seconds": round(seconds, 3),
+                             "tokens_per_s": round(tokens / seconds, 1)}
+    with phases.phase(f"{args.react_episodes} ReAct episodes with and without prefix reuse"):
+        react = react_comparison(model, args, cfg.max_seq_len)
     lengths = [m for _, m in jobs]
     kv_tiny = kv_bytes(cfg, args.slots, cfg.max_seq_len)
     flagship_like = dataclasses.replace(cfg, window=512, num_heads=64, num_kv_heads=8, head_dim=128,

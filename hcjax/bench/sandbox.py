@@ -10,6 +10,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from hcjax.display import Phases
 from hcjax.envs import sandbox
 from hcjax.rewards import math as math_grader
 
@@ -58,18 +59,25 @@ def main(argv=None) -> dict:
     parser.add_argument("--math_rounds", type=int, default=5)
     args = parser.parse_args(argv)
 
-    plain = _rate(_plain, args.runs, args.workers)
-    boxed = _rate(_sandboxed, args.runs, args.workers)
+    phases = Phases("hcjax.bench.sandbox")
+    with phases.phase(f"{args.runs} runs plain, then sandboxed", total=2) as phase:
+        phase.now("plain")
+        plain = _rate(_plain, args.runs, args.workers)
+        phase.advance(item="sandboxed")
+        boxed = _rate(_sandboxed, args.runs, args.workers)
+        phase.advance()
 
     for response, reference in math_cases(1):  # warm up sympy and the parser
         math_grader.grade(response, reference)
     start = time.perf_counter()
     graded = correct = 0
-    for k in range(2, 2 + args.math_rounds):
-        for i, (response, reference) in enumerate(math_cases(k)):
-            ok = math_grader.verify(response, reference)
-            correct += ok == (i != 5)  # the last case of each round is a wrong answer
-            graded += 1
+    with phases.phase("grading math answers", total=args.math_rounds) as phase:
+        for k in range(2, 2 + args.math_rounds):
+            for i, (response, reference) in enumerate(math_cases(k)):
+                ok = math_grader.verify(response, reference)
+                correct += ok == (i != 5)  # the last case of each round is a wrong answer
+                graded += 1
+            phase.advance()
     if correct != graded:
         raise RuntimeError(f"math grader: {graded - correct} of {graded} verdicts were wrong")
     math_rate = graded / (time.perf_counter() - start)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from hcjax import config
 from hcjax.data.pipeline import DataConfig, make_batch_iterator
+from hcjax.display import Phases
 from hcjax.distill.sft import SFTConfig, make_optimizer, make_train_step
 from hcjax.model import ModelConfig, Transformer
 
@@ -43,18 +44,24 @@ def main() -> None:
     model_cfg, data_cfg = ModelConfig(), DataConfig()
     base = SFTConfig()
 
-    t = time.perf_counter()
-    it = make_batch_iterator(data_cfg, base.batch_size)
-    host = [next(it) for _ in range(20)]
-    pack_s = time.perf_counter() - t
+    phases = Phases("hcjax.bench.sft")
+    with phases.phase("packing 20 batches"):
+        t = time.perf_counter()
+        it = make_batch_iterator(data_cfg, base.batch_size)
+        host = [next(it) for _ in range(20)]
+        pack_s = time.perf_counter() - t
     docs = sum(int(b["segment_ids"].max(axis=1).sum()) for b in host)
     fill = sum(int((b["segment_ids"] > 0).sum()) for b in host) / sum(
         b["tokens"].size for b in host
     )
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in host]
 
-    one = _step_rate(model_cfg, base, batches, args.steps)
-    acc = _step_rate(model_cfg, SFTConfig(num_microbatches=4), batches, args.steps)
+    with phases.phase("timing train steps", total=2) as phase:
+        phase.now("1 micro-batch")
+        one = _step_rate(model_cfg, base, batches, args.steps)
+        phase.advance(item="4 micro-batches")
+        acc = _step_rate(model_cfg, SFTConfig(num_microbatches=4), batches, args.steps)
+        phase.advance()
     print(
         json.dumps(
             {

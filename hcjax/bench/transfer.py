@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from hcjax.display import Phases  # noqa: E402
 from hcjax.transfer import Cast, execute_entries, make_plan  # noqa: E402
 
 
@@ -305,12 +306,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--sizes has {unknown}, expected some of {sorted(SIZES)} or model")
     if len(jax.devices()) < 8:
         raise ValueError(f"{len(jax.devices())} devices: this benchmark needs 8 (4 + 4)")
+    measured = {}
+    with Phases("hcjax.bench.transfer").phase("measuring", total=len(sizes)) as phase:
+        for s in sizes:
+            phase.now(s)
+            measured[s] = bench_size(s, args.repeats, args.max_bytes_in_flight)
+            phase.advance()
     out = {
         "benchmark": "transfer",
         "backend": jax.default_backend(),
         "devices": len(jax.devices()),
         "cpu_count": os.cpu_count(),
-        "sizes": {s: bench_size(s, args.repeats, args.max_bytes_in_flight) for s in sizes},
+        "sizes": measured,
     }
     print(json.dumps(out))
     return out

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hcjax.display import Phases
+
 __all__ = [
     "LoadedCheckpoint",
     "check_same_architecture",
@@ -235,37 +237,48 @@ def load_model(directory: str, mesh: Any = None, model_cfg: Any = None):
 
 def merge_checkpoints(directories: Sequence[str], output_dir: str, *,
                       weights: Sequence[float] | None = None,
-                      base: str | None = None) -> dict[str, Any]:
+                      base: str | None = None, phases: Phases | None = None) -> dict[str, Any]:
     """Merge the latest params of `directories` into OUTPUT_DIR (see `write_checkpoint`).
 
     Without `base`: the weighted average (weights default equal); a single checkpoint is only
     re-written in the sft layout ("export"). With `base`: task vectors, base + Σ λ_i (θ_i − base)
-    with λ = weights (default 1/n each). Returns the summary."""
+    with λ = weights (default 1/n each). Returns the summary. phases: where reading, merging and
+    writing show as phases (default: nowhere)."""
     if not directories:
         raise ValueError("merge_checkpoints: no checkpoint given")
+    phases = phases or Phases("hcjax.distill.merge", mode="off")
     weights = list(weights) if weights is not None else [1.0 / len(directories)] * len(directories)
-    loaded = [read_checkpoint(d) for d in directories]
-    base_ck = read_checkpoint(base) if base is not None else None
+    sources = list(directories) + ([base] if base is not None else [])
+    read = []
+    with phases.phase("reading checkpoints", total=len(sources)) as phase:
+        for d in sources:
+            phase.now(d)
+            read.append(read_checkpoint(d))
+            phase.advance()
+    loaded, base_ck = read[: len(directories)], (read[-1] if base is not None else None)
     check_same_architecture(([base_ck] if base_ck else []) + loaded)
     if base_ck is None and len(loaded) == 1:
         # One checkpoint, no base: re-written in the sft layout (e.g. a climb's params for
         # SFTConfig.init_checkpoint, which reads only that layout).
         params, method = loaded[0].params, "export"
     elif base_ck is None:
-        params = weighted_average([c.params for c in loaded], weights)
+        with phases.phase(f"averaging {len(loaded)} checkpoints"):
+            params = weighted_average([c.params for c in loaded], weights)
         method = "weighted_average"
     else:
-        params = task_arithmetic(base_ck.params, [c.params for c in loaded], weights)
+        with phases.phase(f"adding {len(loaded)} task vectors to the base"):
+            params = task_arithmetic(base_ck.params, [c.params for c in loaded], weights)
         method = "task_arithmetic"
     # An HF source travels on when every input shares it (its tokenizer files, for --to_hf).
     hf_configs = {json.dumps(c.meta.get("hf_config"), sort_keys=True) for c in loaded}
     extra = {}
-    if len(hf_configs) == 1 and loaded[0].meta.get("hf_config") is not None:
-        extra["hf_config"] = loaded[0].meta["hf_config"]
-        src = os.path.join(directories[0], "hf")
-        if os.path.isdir(src):
-            shutil.copytree(src, os.path.join(output_dir, "hf"), dirs_exist_ok=True)
-    write_checkpoint(output_dir, params, loaded[0].model_cfg, extra_meta=extra)
+    with phases.phase(f"writing {output_dir}"):
+        if len(hf_configs) == 1 and loaded[0].meta.get("hf_config") is not None:
+            extra["hf_config"] = loaded[0].meta["hf_config"]
+            src = os.path.join(directories[0], "hf")
+            if os.path.isdir(src):
+                shutil.copytree(src, os.path.join(output_dir, "hf"), dirs_exist_ok=True)
+        write_checkpoint(output_dir, params, loaded[0].model_cfg, extra_meta=extra)
     summary = {"method": method, "checkpoints": [c.directory for c in loaded],
                "steps": [c.step for c in loaded], "weights": weights,
                "base": base_ck.directory if base_ck else None,
@@ -286,22 +299,29 @@ def _parse_weights(text: str | None) -> list[float] | None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`python -m hcjax.distill.merge --checkpoint A --checkpoint B [--weights 0.5,0.5]
-    [--base BASE] --output_dir OUT`."""
-    import argparse
+    [--base BASE] --output_dir OUT [--gin_file F] [--gin_param B]`."""
+    from hcjax import config
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", action="append", required=True,
-                        help="an hcjax run (sft, climb, merge, convert) or its checkpoints/ "
-                        "folder (repeatable; its latest step)")
-    parser.add_argument("--weights", default=None,
-                        help="comma-separated weights, one per --checkpoint (default equal); "
-                        "with --base, the task-vector coefficients λ_i")
-    parser.add_argument("--base", default=None,
-                        help="the common base: merge by task vectors base + Σ λ_i (θ_i − base)")
-    parser.add_argument("--output_dir", required=True)
-    args = parser.parse_args(argv)
-    summary = merge_checkpoints(args.checkpoint, args.output_dir,
-                                weights=_parse_weights(args.weights), base=args.base)
+    def extra(parser):
+        parser.add_argument("--checkpoint", action="append", required=True,
+                            help="an hcjax run (sft, climb, merge, convert) or its checkpoints/ "
+                            "folder (repeatable; its latest step)")
+        parser.add_argument("--weights", default=None,
+                            help="comma-separated weights, one per --checkpoint (default equal); "
+                            "with --base, the task-vector coefficients λ_i")
+        parser.add_argument("--base", default=None,
+                            help="the common base: merge by task vectors base + Σ λ_i (θ_i − base)")
+
+    flags = config.parse_flags(argv, description=__doc__.splitlines()[0], extra_args=extra)
+    config.bind(flags.gin_files, flags.gin_params)
+    if not flags.output_dir:
+        raise config.ConfigError("--output_dir is required")
+    args = flags.extra
+    weights = _parse_weights(args.weights)
+    config.write_config(flags.output_dir, flags)
+    summary = merge_checkpoints(args.checkpoint, flags.output_dir, weights=weights,
+                                base=args.base, phases=Phases("hcjax.distill.merge"))
+    config.write_operative_config(flags.output_dir)
     print(json.dumps(summary))
     return summary
 
