@@ -266,6 +266,13 @@ def run_consolidate(output_dir: str, climbs: Sequence[str], base: str | None = N
     return report
 
 
+EXAMPLES = """examples:
+  python -m hcjax.consolidate --climb runs/spec_add --climb runs/spec_sub \\
+      --base_checkpoint runs/base --output_dir runs/consolidated
+  python -m hcjax.consolidate --climb A --climb B --gin_param 'ConsolidateConfig.weights = [2.0, 1.0]'
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from hcjax import config
 
@@ -276,7 +283,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.add_argument("--base_checkpoint", default=None,
                             help="the SFT's starting checkpoint (any hcjax run); default: the "
                             "first climb's OUT/base")
-        parser.add_argument("--quiet", action="store_true")
+        parser.add_argument("--quiet", action="store_true",
+                            help="no phase line, no climb panel, no report on stdout")
+        import argparse
+
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.epilog = EXAMPLES
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["consolidate_tiny.gin"], extra_args=extra)

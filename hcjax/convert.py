@@ -44,7 +44,10 @@ def _extra_args(parser) -> None:
     parser.add_argument("--max_shard_gb", type=float, default=5.0,
                         help="export: safetensors shard size limit in GB (an index above it)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.epilog = __doc__.split("Examples:")[1]
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "examples:" + __doc__.split("Examples:")[1]
 
 
 def _bar(total: int, unit: str, quiet: bool):

@@ -230,7 +230,10 @@ def test_step_bar_shows_eta_and_fields():
     assert "loss 1.2345  tok/s 99" in screen
 
 
-@pytest.mark.parametrize("module", ["hcjax.climb", "hcjax.serve", "hcjax.sft", "hcjax.plan"])
+@pytest.mark.parametrize("module", [
+    "hcjax.climb", "hcjax.serve", "hcjax.sft", "hcjax.plan", "hcjax.convert", "hcjax.consolidate",
+    "hcjax.distill.merge", "hcjax.bench.climb", "hcjax.bench.learner", "hcjax.bench.moe",
+    "hcjax.bench.rollout", "hcjax.bench.sandbox", "hcjax.bench.sft", "hcjax.bench.transfer"])
 def test_help_ends_with_examples(module, capsys):
     import importlib
 

@@ -35,12 +35,23 @@ def _mode_figures(summary: dict) -> dict:
     }
 
 
+EXAMPLES = """examples:
+  python -m hcjax.bench.climb                          # on-policy vs async from a fresh base
+  python -m hcjax.bench.climb --base_checkpoint runs/sft --target_gain 0.15
+  python -m hcjax.bench.climb --modes async | tail -1 | python -m json.tool
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     from hcjax import config
     from hcjax.display import Phases
     from hcjax.rl.climber import pretrain_base, run_climb
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     config.add_gin_flags(parser, ["climb_tiny.gin"])
     parser.add_argument("--base_checkpoint", default=None)
     parser.add_argument("--target_gain", type=float, default=0.1,

@@ -141,8 +141,18 @@ def _summarise(name: str, variants: dict, times: dict, results: dict) -> None:
     print(json.dumps({name: runs}), flush=True)
 
 
+EXAMPLES = """examples:
+  python -m hcjax.bench.learner                        # tiny and larger configs, 3 steps each
+  python -m hcjax.bench.learner --steps 10 | tail -1
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     settings = {

@@ -98,8 +98,18 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
     }
 
 
+EXAMPLES = """examples:
+  python -m hcjax.bench.moe                            # blocked vs dense dispatch, E x k grid
+  python -m hcjax.bench.moe --tokens 4096 --repeats 5
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--latent", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=256)

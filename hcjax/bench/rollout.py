@@ -192,8 +192,18 @@ def kv_bytes(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     return {"ring": cache_bytes(ring), "full_length": cache_bytes(full)}
 
 
+EXAMPLES = """examples:
+  python -m hcjax.bench.rollout                        # continuous vs static batching, ReAct, prefix cache
+  python -m hcjax.bench.rollout --requests 64 --slots 16 --max_response 64
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max_prompt", type=int, default=32)

@@ -52,8 +52,18 @@ def _rate(fn, runs: int, workers: int) -> float:
     return runs / elapsed
 
 
+EXAMPLES = """examples:
+  python -m hcjax.bench.sandbox                        # sandbox start-up and grading throughput
+  python -m hcjax.bench.sandbox --runs 50 --workers 2
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m hcjax.bench.sandbox")
+    parser = argparse.ArgumentParser(
+        prog="python -m hcjax.bench.sandbox", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--math_rounds", type=int, default=5)

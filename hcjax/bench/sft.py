@@ -36,10 +36,20 @@ def _step_rate(model_cfg: ModelConfig, cfg: SFTConfig, batches: list, steps: int
     return tokens / (time.perf_counter() - t)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+EXAMPLES = """examples:
+  python -m hcjax.bench.sft                            # SFT step time and tokens/s
+  python -m hcjax.bench.sft --steps 30 | tail -1
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     config.bind(["tiny_cpu.gin"], [])
     model_cfg, data_cfg = ModelConfig(), DataConfig()
     base = SFTConfig()

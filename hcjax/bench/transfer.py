@@ -290,8 +290,18 @@ def bench_size(name: str, repeats: int, max_in_flight: int) -> dict[str, Any]:
     return record
 
 
+EXAMPLES = """examples:
+  python -m hcjax.bench.transfer                       # plan executor vs device_put, all sizes
+  python -m hcjax.bench.transfer --sizes tiny --repeats 5
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     parser.add_argument(
         "--sizes",
         default="tiny,mid,model",

@@ -297,6 +297,14 @@ def _parse_weights(text: str | None) -> list[float] | None:
         raise ValueError(f"--weights={text!r} is not a comma-separated list of numbers") from e
 
 
+EXAMPLES = """examples:
+  python -m hcjax.distill.merge --checkpoint runs/long --checkpoint runs/short --output_dir runs/merged
+  python -m hcjax.distill.merge --checkpoint runs/a --checkpoint runs/b --weights 0.7,0.3 --output_dir OUT
+  python -m hcjax.distill.merge --base runs/sft --checkpoint runs/add --checkpoint runs/sub \\
+      --weights 1,1 --output_dir runs/task_vectors   # base + Σ λ_i (θ_i − base)
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`python -m hcjax.distill.merge --checkpoint A --checkpoint B [--weights 0.5,0.5]
     [--base BASE] --output_dir OUT [--gin_file F] [--gin_param B]`."""
@@ -312,7 +320,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.add_argument("--base", default=None,
                             help="the common base: merge by task vectors base + Σ λ_i (θ_i − base)")
 
-    flags = config.parse_flags(argv, description=__doc__.splitlines()[0], extra_args=extra)
+    def extra_with_examples(parser):
+        import argparse
+
+        extra(parser)
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.epilog = EXAMPLES
+
+    flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
+                               extra_args=extra_with_examples)
     config.bind(flags.gin_files, flags.gin_params)
     if not flags.output_dir:
         raise config.ConfigError("--output_dir is required")
