@@ -6,7 +6,8 @@ an in-process inference replica, the GRPO learner on disjoint devices, weights p
 transfer plan. What to climb (`ClimbConfig.suite`, rewards per suite), where each role runs
 (`Placement`) and how problems are drawn (`SourceConfig`) are gin bindings. `--hf_checkpoint DIR`
 climbs a Hugging Face folder with its tokenizer and chat template; `--inference_address` sends
-rollouts to remote `python -m hcjax.serve` processes.
+rollouts to remote `python -m hcjax.serve` processes; `Placement.backend = "ray"` runs the learner
+and the replicas as Ray actors (hcjax.rl.ray_placement).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ EXAMPLES = """examples:
   python -m hcjax.climb --gin_file climb_mixed_tiny.gin  # arithmetic + code + tool use
   python -m hcjax.climb --hf_checkpoint DIR --gin_file climb_gsm8k.gin --output_dir runs/gsm8k
   python -m hcjax.climb --log_format json | tee climb.jsonl   # JSON lines, not the live panel
+  python -m hcjax.climb --gin_file climb_ray_tiny.gin    # learner + replica as Ray actors
 
 Ctrl-C stops after the current step and writes the checkpoint, summary and report; the same
 command resumes from OUTPUT_DIR. Ctrl-C twice exits at once.
@@ -69,6 +71,22 @@ def _extra_args(parser) -> None:
     parser.epilog = EXAMPLES
 
 
+def _climb_on_ray(flags, output_dir: str):
+    """Placement.backend = "ray": the learner and the replicas as Ray actors
+    (hcjax.rl.ray_placement), which bind the same gin files and parameters."""
+    from hcjax.rl.ray_placement import climb_on_ray
+
+    args = flags.extra
+    for flag, value in (("--inference_address", args.inference_address),
+                        ("--coordinator_address", args.coordinator_address)):
+        if value:
+            raise ValueError(f"{flag} {value} with Placement.backend='ray': the Ray placement "
+                             "starts its replicas and learner processes itself (RayPlacement)")
+    return climb_on_ray(output_dir, flags.gin_files, flags.gin_params,
+                        base_checkpoint=args.base_checkpoint, hf_checkpoint=args.hf_checkpoint,
+                        mode=args.mode, progress=not args.quiet)
+
+
 def main(argv: Sequence[str] | None = None):
     from hcjax import config
 
@@ -89,23 +107,31 @@ def main(argv: Sequence[str] | None = None):
         config.write_config(output_dir, flags)
     from hcjax.display import climb_summary_text, resolve_format, resume_hint
     from hcjax.rl.climber import Climb
+    from hcjax.rl.placement import Placement
 
     log_format = resolve_format(args.log_format)
     argv = list(sys.argv[1:] if argv is None else argv)
+    on_ray = Placement().backend == "ray"
     try:
-        climb = Climb(output_dir, base_checkpoint=args.base_checkpoint,
-                      hf_checkpoint=args.hf_checkpoint, inference_addresses=args.inference_address,
-                      mode=args.mode, progress=not args.quiet and leader, log_format=log_format)
+        if on_ray:
+            result = _climb_on_ray(flags, output_dir)
+        else:
+            climb = Climb(output_dir, base_checkpoint=args.base_checkpoint,
+                          hf_checkpoint=args.hf_checkpoint,
+                          inference_addresses=args.inference_address, mode=args.mode,
+                          progress=not args.quiet and leader, log_format=log_format)
     except KeyboardInterrupt:
         # Ctrl-C before climbing (pre-training the base, compiling): nothing to save yet beyond
         # the base's own checkpoints.
         print(f"\nhcjax.climb: interrupted before climbing; {resume_hint(argv)}", file=sys.stderr)
         raise SystemExit(130) from None
-    result = climb.run()
+    if not on_ray:
+        result = climb.run()
     if not leader:  # a follower learner process: its summary is its role and steps
         print(json.dumps({"event": "follower_done", **result.summary}), flush=True)
         return result
-    config.write_operative_config(output_dir)
+    if not on_ray:  # on Ray the learner actor wrote it
+        config.write_operative_config(output_dir)
     s = result.summary
     if log_format == "display":
         print(climb_summary_text(s, result.output_dir, argv), flush=True)

@@ -31,7 +31,8 @@ from hcjax.rl.workers import (
     WorkerStats,
 )
 
-__all__ = ["Climb", "ClimbConfig", "ClimbResult", "load_base_model", "pretrain_base", "run_climb"]
+__all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengths", "load_base_model",
+           "pretrain_base", "run_climb"]
 
 
 @gin.configurable
@@ -198,6 +199,35 @@ def _shaping_for(rewards: Mapping[str, Any], max_tokens: Any, step: Any, decode:
     return for_suite
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineLengths:
+    """Token lengths of the climb's inference engines, in-process or remote (hcjax.serve's
+    --max_prefill_length / --max_target_length)."""
+
+    max_prompt_len: int
+    max_prefill_length: int
+    max_target_length: int
+
+
+def engine_lengths(cfg: ClimbConfig, suite: Any, tok: Any, max_seq_len: int) -> EngineLengths:
+    """The engine lengths a climb of `suite` needs: prompts a quarter longer than the longest
+    seen in a scan of the suite (a later problem may tokenize a little longer; a longer one is an
+    error naming it); the prefill holds the longest prompt, or for suites with tools (whose later
+    turns carry the earlier ones) all of the model's context but one turn's response."""
+    from hcjax.rl.sources import longest_prompt
+
+    longest = longest_prompt(suite, tok)
+    max_prompt_len = cfg.max_prompt_len or max(32, longest + longest // 4)
+    if cfg.max_prefill_length is not None:
+        prefill = cfg.max_prefill_length
+    elif any(suite.tools(p) is not None for p in suite.heldout()):
+        prefill = max(max_prompt_len, max_seq_len - cfg.longest_response() - 8)
+    else:
+        prefill = max_prompt_len
+    target = min(max_seq_len, prefill + cfg.longest_response() + 8)
+    return EngineLengths(max_prompt_len, prefill, target)
+
+
 class Climb:
     """One climb in `output_dir` (resumed when it holds checkpoints).
 
@@ -219,7 +249,7 @@ class Climb:
         from hcjax.model import ModelConfig
         from hcjax.rl.learner import Learner, LearnerConfig
         from hcjax.rl.placement import Placement
-        from hcjax.rl.sources import SourceConfig, TaskBuilder, longest_prompt
+        from hcjax.rl.sources import SourceConfig, TaskBuilder
 
         if hf_checkpoint is not None and base_checkpoint is not None:
             raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
@@ -270,10 +300,6 @@ class Climb:
         self.step_now = 0
         shaping = _shaping_for(cfg.rewards, lambda: self.rollout_worker.sampling.max_tokens,
                                lambda: self.step_now, self.tok.decode)
-        # A quarter more than the longest prompt seen in a scan of the suite: a later problem
-        # may tokenize a little longer (a longer one is an error naming it).
-        longest = longest_prompt(self.suite, self.tok)
-        self.max_prompt_len = cfg.max_prompt_len or max(32, longest + longest // 4)
 
         # The base model on the learner mesh.
         t_base = time.perf_counter()
@@ -297,7 +323,9 @@ class Climb:
         self.base_seconds = time.perf_counter() - t_base
         # Tool episodes' later turns are prefilled with everything before them: their context
         # is capped at the engine's prefill limit (an episode reaching it ends as "length").
-        self.prefill_length = self._prefill_length()
+        self.lengths = engine_lengths(cfg, self.suite, self.tok, model_cfg.max_seq_len)
+        self.max_prompt_len = self.lengths.max_prompt_len
+        self.prefill_length = self.lengths.max_prefill_length
         self.builder = TaskBuilder(self.suite, self.tok, max_prompt_len=self.max_prompt_len,
                                    max_context=self.prefill_length, shaping=shaping)
         learner = Learner(model, self.learner_cfg, learner_mesh)
@@ -366,26 +394,13 @@ class Climb:
 
         return ByteTokenizer() if hf_checkpoint is None else load_tokenizer(hf_checkpoint)
 
-    def _prefill_length(self) -> int:
-        """Longest prefill: the longest prompt, or for suites with tools (whose later turns
-        carry the earlier ones) all of the model's context but one turn's response."""
-        cfg = self.cfg
-        if cfg.max_prefill_length is not None:
-            return cfg.max_prefill_length
-        tools = any(self.suite.tools(p) is not None for p in self.suite.heldout())
-        if not tools:
-            return self.max_prompt_len
-        return max(self.max_prompt_len,
-                   self.model_cfg.max_seq_len - cfg.longest_response() - 8)
-
     def _inference(self, model):
         from hcjax.rl.inference import LocalInference, RemoteInference
 
         params = self.dist.local_params if self.dist is not None else self.learner.params
         if self.placement.remote:
             return RemoteInference(self.placement.inference_addresses, params)
-        prefill = self.prefill_length
-        target = min(self.model_cfg.max_seq_len, prefill + self.cfg.longest_response() + 8)
+        prefill, target = self.lengths.max_prefill_length, self.lengths.max_target_length
         if prefill >= target:
             raise ValueError(
                 f"prompts of up to {prefill} tokens plus {self.cfg.longest_response()} response "
@@ -517,6 +532,12 @@ class Climb:
             os._exit(130)
         self.interrupted = True
         self.display.interrupt()
+
+    def request_stop(self) -> None:
+        """Stop after the step under way, as one Ctrl-C does (for a climb run off the main
+        thread, e.g. in a Ray actor)."""
+        if not self.interrupted:
+            self._on_sigint(signal.SIGINT, None)
 
     # Run --------------------------------------------------------------------------------------
     def run(self) -> ClimbResult:
