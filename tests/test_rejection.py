@@ -55,6 +55,9 @@ def test_rejection_sampling_smoke(tmp_path):
     assert len(lines) == s["kept"]
     for line in lines:
         assert [m["role"] for m in json.loads(line)["messages"]] == ["user", "assistant"]
+    records = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(len(r["samples"]) == 3 for r in records)
+    assert {"text", "length", "correct"} == set(records[0]["samples"][0])
 
 
 def test_long2short_comparison_against_the_reference():

@@ -4,6 +4,7 @@ suite of the tiny default (fixed held-out split by seed, a difficulty knob)."""
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 
 import gin
@@ -12,6 +13,7 @@ import numpy as np
 from hcjax.data.template import parse_answer, reasoning_response
 
 KINDS = ("add", "sub", "mul", "mod")
+THOUGHTS = ("reversed", "none", "steps")
 _SPLIT_CODES = {"train": 0, "heldout": 1}
 
 
@@ -53,7 +55,11 @@ class ArithmeticSuite:
 
     difficulty knob: operand length is drawn uniformly from [min_digits, max_digits] digits.
     `thought="reversed"` writes the answer's digits least-significant first inside <think>, a
-    scratchpad that lets small models carry left to right; "none" leaves <think> empty.
+    scratchpad that lets small models carry left to right; "none" leaves <think> empty;
+    "steps" writes the column-by-column working before those reversed digits (`steps_thought`:
+    "47+85=" thinks "7+5+0=12 4+8+1=13 231"), a long chain of thought for long2short.
+    `short_fraction` (with "steps" only): that share of problems, fixed per problem id, gets the
+    "reversed" thought instead, so a model pre-trained on the mix samples both lengths.
     The held-out split is problems 0..num_heldout-1 of the held-out stream (fixed by `seed`);
     the training stream never yields a problem that is in the held-out set.
     `heldout_min_digits` draws the held-out split only from problems whose first operand has at
@@ -69,6 +75,7 @@ class ArithmeticSuite:
     num_heldout: int = 200
     thought: str = "reversed"
     heldout_min_digits: int | None = None
+    short_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         bad = [k for k in self.kinds if k not in KINDS]
@@ -79,8 +86,12 @@ class ArithmeticSuite:
                 f"min_digits={self.min_digits}, max_digits={self.max_digits} must satisfy "
                 "1 <= min_digits <= max_digits <= 18"
             )
-        if self.thought not in ("reversed", "none"):
-            raise ValueError(f"thought={self.thought!r} is not 'reversed' or 'none'")
+        if self.thought not in THOUGHTS:
+            raise ValueError(f"thought={self.thought!r} is not one of {THOUGHTS}")
+        if not 0.0 <= self.short_fraction <= 1.0 or (
+                self.short_fraction and self.thought != "steps"):
+            raise ValueError(f"short_fraction={self.short_fraction} must be in [0, 1], and 0 "
+                             f"unless thought='steps' (thought={self.thought!r})")
         if self.heldout_min_digits is not None and not (
                 self.min_digits <= self.heldout_min_digits <= self.max_digits):
             raise ValueError(
@@ -114,6 +125,10 @@ class ArithmeticSuite:
         value = {"add": a + b, "sub": a - b, "mul": a * b, "mod": a % b if b else 0}[kind]
         answer = str(value)
         thought = answer[::-1] if self.thought == "reversed" else ""
+        if self.thought == "steps":
+            # crc32 of the id: a fixed per-problem draw that leaves the operand streams alone.
+            short = zlib.crc32(pid.encode()) / 2**32 < self.short_fraction
+            thought = answer[::-1] if short else steps_thought(kind, a, b)
         return Problem(pid, f"{a}{op}{b}=", answer, thought, kind, d)
 
     @property
@@ -149,6 +164,27 @@ class ArithmeticSuite:
             f"could not draw a training problem outside the held-out set for index={index}; "
             f"the problem space of digits {self.min_digits}..{self.max_digits} is too small"
         )
+
+
+def steps_thought(kind: str, a: int, b: int) -> str:
+    """Column-by-column working of `a op b`, then the answer's digits least-significant first.
+
+    add / sub / mul: one "x op y op c=v" per column of `a`, least significant first, where c is
+    the carry (add, mul) or borrow (sub) coming in and v the column's value ("7+5+0=12": digit 2,
+    carry 1; "3-8-0=-5": digit 5, borrow 1); a last carry is the answer's top digit. mod:
+    "a=q*b+r". Space-separated: "47+85=" -> "7+5+0=12 4+8+1=13 231"."""
+    value = {"add": a + b, "sub": a - b, "mul": a * b, "mod": a % b if b else 0}[kind]
+    if kind == "mod":
+        return f"{a}={a // b if b else 0}*{b}+{value} {str(value)[::-1]}"
+    op = {"add": "+", "sub": "-", "mul": "*"}[kind]
+    ys = [int(ch) for ch in reversed(str(b))]
+    steps, c = [], 0
+    for i, x in enumerate(int(ch) for ch in reversed(str(a))):
+        y = b if kind == "mul" else (ys[i] if i < len(ys) else 0)
+        v = {"add": x + y + c, "sub": x - y - c, "mul": x * y + c}[kind]
+        steps.append(f"{x}{op}{y}{'-' if kind == 'sub' else '+'}{c}={v}")
+        c = int(v < 0) if kind == "sub" else v // 10
+    return " ".join([*steps, str(value)[::-1]])
 
 
 def operands(p: Problem) -> tuple[str, str]:

@@ -4,31 +4,46 @@ longer, or a wrong one, is rejected — and a trainer that fits `hcjax.rl.losses
 the frozen starting params with the SFT trainer's optimiser (`make_optimizer`) and checkpoints.
 
 `python -m hcjax.distill.dpo --climb DIR [--climb DIR] --init_checkpoint RUN --output_dir OUT`
-writes OUT/checkpoints in the hcjax.sft layout (a `--base_checkpoint` of the climb). The pair
-selection is a pure function; the loss lives with the other losses.
+writes OUT/checkpoints in the hcjax.sft layout (a `--base_checkpoint` of the climb); `--samples
+FILE` takes the pairs from the k samples per problem that `hcjax.distill.rejection` wrote
+(OUT/samples.jsonl) instead of a rollout store. The pair selection is a pure function; the loss
+lives with the other losses.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import random
 import sys
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
 
-import gin
-import jax
-import jax.numpy as jnp
-import numpy as np
+if __name__ == "__main__":
+    # Run the imported module's main: defining the gin configurables here, in __main__, would
+    # register DPOConfig twice and make `DPOConfig.beta = ...` in a gin file ambiguous.
+    from hcjax.distill.dpo import main as _main
+
+    try:
+        _main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    raise SystemExit(0)
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import gin  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 __all__ = [
     "DPOConfig",
     "PreferencePair",
     "encode_pairs",
     "make_dpo_step",
+    "pairs_from_samples",
     "pairs_from_store",
     "run_dpo",
     "select_pairs",
@@ -142,6 +157,36 @@ def pairs_from_store(path: str, cfg: DPOConfig | None = None, *, seed: int = 0
         prompt = ({"role": "user", "content": g.prompt_text},)
         out += [PreferencePair(prompt, g.response_texts[keep[c]], g.response_texts[keep[r]],
                                lengths[c], lengths[r], g.task_id) for c, r in pairs]
+    return out
+
+
+def pairs_from_samples(path: str, cfg: DPOConfig | None = None, *, seed: int = 0
+                       ) -> list[PreferencePair]:
+    """Preference pairs of `hcjax.distill.rejection`'s samples.jsonl (one problem per line: its
+    prompt "messages" and k graded "samples"): per problem, `select_pairs` on the samples'
+    token counts and correctness, empty responses left out; at most `max_pairs_per_group` per
+    problem (uniformly drawn)."""
+    cfg = cfg or DPOConfig()
+    rng = random.Random(seed)
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if not isinstance(rec.get("messages"), list) or not isinstance(
+                    rec.get("samples"), list):
+                raise ValueError(f"{path}:{n}: expected {{'messages': [...], 'samples': [...]}}")
+            samples = [s for s in rec["samples"] if s["text"]]
+            pairs = select_pairs([int(s["length"]) for s in samples],
+                                 [bool(s["correct"]) for s in samples], min_ratio=cfg.min_ratio,
+                                 long_pairs=cfg.long_pairs, wrong_pairs=cfg.wrong_pairs)
+            if cfg.max_pairs_per_group is not None and len(pairs) > cfg.max_pairs_per_group:
+                pairs = rng.sample(pairs, cfg.max_pairs_per_group)
+            prompt = tuple(dict(m) for m in rec["messages"])
+            out += [PreferencePair(prompt, samples[c]["text"], samples[r]["text"],
+                                   int(samples[c]["length"]), int(samples[r]["length"]),
+                                   str(rec.get("id", ""))) for c, r in pairs]
     return out
 
 
@@ -307,13 +352,16 @@ def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """`python -m hcjax.distill.dpo --climb DIR [--climb DIR ...] --init_checkpoint RUN
-    --output_dir OUT [--gin_file F] [--gin_param B]`: pairs from each climb's rollout store."""
+    """`python -m hcjax.distill.dpo (--climb DIR | --samples FILE) [...] --init_checkpoint RUN
+    --output_dir OUT [--gin_file F] [--gin_param B]`: pairs from each climb's rollout store and
+    each rejection-sampling samples.jsonl."""
     from hcjax import config
 
     def extra(parser):
-        parser.add_argument("--climb", action="append", required=True,
+        parser.add_argument("--climb", action="append", default=[],
                             help="a climb's output folder (its rollouts/ store); repeatable")
+        parser.add_argument("--samples", action="append", default=[],
+                            help="a samples.jsonl of hcjax.distill.rejection; repeatable")
         parser.add_argument("--init_checkpoint", default=None,
                             help="the starting params and the frozen reference (any hcjax run; "
                             "default: the optimiser's SFTConfig.init_checkpoint)")
@@ -324,18 +372,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not flags.output_dir:
         raise config.ConfigError("--output_dir is required")
     config.write_config(flags.output_dir, flags)
+    if not (flags.extra.climb or flags.extra.samples):
+        raise config.ConfigError("give at least one --climb or --samples")
     cfg = DPOConfig()
     pairs = [p for i, d in enumerate(flags.extra.climb)
              for p in pairs_from_store(d, cfg, seed=i)]
+    pairs += [p for i, f in enumerate(flags.extra.samples)
+              for p in pairs_from_samples(f, cfg, seed=len(flags.extra.climb) + i)]
     summary = run_dpo(flags.output_dir, pairs, flags.extra.init_checkpoint, cfg,
                       progress=not flags.extra.quiet)
     config.write_operative_config(flags.output_dir)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("first",)}))
     return summary
 
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")

@@ -5,7 +5,9 @@ after-the-climb steps evaluate with (`sample_suite`, `evaluate_suite`: greedy pa
 response length per suite, graded by the suite's own grader). No training here.
 
 `python -m hcjax.distill.rejection --checkpoint RUN --output_dir OUT [--k 8] [--num_problems N]
-[--gin_file F]` samples `ClimbConfig.suite`'s training problems and writes OUT/rejection.jsonl.
+[--gin_file F]` samples `ClimbConfig.suite`'s training problems and writes OUT/rejection.jsonl,
+and every sample (graded, with its length) to OUT/samples.jsonl, from which
+`python -m hcjax.distill.dpo --samples` forms preference pairs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "evaluate_suite",
     "rejection_conversations",
     "sample_suite",
+    "sample_records",
     "shortest_correct",
 ]
 
@@ -54,6 +57,17 @@ def rejection_conversations(problems: Sequence[Any], samples: Sequence[Sequence[
             out.append([*map(dict, p.messages), {"role": "assistant",
                                                   "content": group[best].text}])
     return out
+
+
+def sample_records(problems: Sequence[Any], samples: Sequence[Sequence[Sample]]
+                   ) -> list[dict[str, Any]]:
+    """One JSON-able record per problem: {"id", "messages" (the prompt), "samples": [{"text",
+    "length", "correct"}, ...]}, the layout of OUT/samples.jsonl."""
+    if len(problems) != len(samples):
+        raise ValueError(f"{len(problems)} problems but {len(samples)} sample lists")
+    return [{"id": p.id, "messages": [*map(dict, p.messages)],
+             "samples": [dataclasses.asdict(x) for x in group]}
+            for p, group in zip(problems, samples, strict=True)]
 
 
 def sample_suite(model: Any, suite: Any, problems: Sequence[Any], tok: Any = None, *, k: int = 1,
@@ -96,7 +110,8 @@ def run_rejection(checkpoint: str, output_dir: str, suite: Any, *, k: int = 8,
                   num_problems: int = 256, first_problem: int = 0, max_new_tokens: int = 32,
                   temperature: float = 1.0, seed: int = 0) -> dict[str, Any]:
     """Sample `suite.train_problem(first_problem + i)` for i < num_problems k times with the
-    params of `checkpoint` (any hcjax run) and write OUTPUT_DIR/rejection.jsonl. Returns the
+    params of `checkpoint` (any hcjax run) and write OUTPUT_DIR/rejection.jsonl (the kept
+    conversations) and OUTPUT_DIR/samples.jsonl (every sample, `sample_records`). Returns the
     summary (also OUTPUT_DIR/rejection.json)."""
     from hcjax.distill.merge import load_model
 
@@ -110,6 +125,9 @@ def run_rejection(checkpoint: str, output_dir: str, suite: Any, *, k: int = 8,
     with open(path, "w", encoding="utf-8") as f:
         for c in convs:
             f.write(json.dumps({"messages": c}) + "\n")
+    with open(os.path.join(output_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
+        for r in sample_records(problems, samples):
+            f.write(json.dumps(r) + "\n")
     all_lengths = [s.length for g in samples for s in g]
     kept = [g[shortest_correct(g)].length for g in samples if shortest_correct(g) is not None]
     summary = {"checkpoint": os.path.abspath(checkpoint), "problems": num_problems, "k": k,
