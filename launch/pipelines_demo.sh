@@ -4,7 +4,7 @@
 #   launch/pipelines_demo.sh [OUT]        # default OUT=runs/d1
 #
 # Measured on the shared 2-core CPU (load average 15-20 from other work): 42 minutes in all
-# (base 75 s, specialists 328 + 370 s, consolidation 747 s, long model 231 s, short fine-tune
+# (base 80 s, specialists 328 + 370 s, consolidation 747 s, long model 231 s, short fine-tune
 # 96 s, merge 12 s, sampling 58 s, rejection SFT 93 s, DPO 137 s, RL 333 s, comparison 46 s).
 #
 # Consolidation: a tiny base, an addition and a subtraction specialist climbed from it, and their
