@@ -208,6 +208,50 @@ def _drain(client):
         pass
 
 
+def test_versions_only_move_forward_unless_a_new_session_rolls_back():
+    from hcjax.rollout import Engine, RolloutServer
+    from hcjax.rollout.testing import tiny_model
+
+    engine = Engine(tiny_model(0), max_concurrent_decodes=2, max_prefill_length=8,
+                    max_target_length=16)
+    server = RolloutServer(engine)  # not started: a new version waits for the next step
+    params = engine.load_params()
+    server.update_weights(params, 7)
+    # Older than the waiting version 7 (the served one is still 0): refused.
+    with pytest.raises(ValueError, match="version=6 is older than the served 7"):
+        server.update_weights(params, 6)
+    # A learner restarted from a checkpoint (a new weights session) goes back.
+    server.update_weights(params, 5, rollback=True)
+    assert server.version == 5
+
+
+class FrozenServer(HungServer):
+    """A SIGSTOPped process as a client sees it: connections open, no answer to anything."""
+
+    def health(self):
+        time.sleep(3.0)
+        return {"ok": True, "error": None}
+
+
+def test_a_replica_that_does_not_answer_health_is_marked_down_before_a_push():
+    srv, _, frozen = start_service(FrozenServer())
+    good = GoodReplica()
+    router = Router([frozen, "fake:good"], probe_interval=0.2)
+    router._replicas[frozen].client = RolloutClient(frozen, Security())
+    router._replicas["fake:good"].client = good
+    try:
+        t0 = time.monotonic()
+        # Alone, it is not marked down: there would be nobody to route to instead.
+        assert router.mark_down_unresponsive(0.5, among=[frozen]) == []
+        assert router.mark_down_unresponsive(0.5) == [frozen]
+        assert time.monotonic() - t0 < 2.5  # the probes run at once, each bounded by 0.5 s
+        assert not router.is_up(frozen) and router.is_up("fake:good")
+        assert "no Health answer within 0.5 s" in router.metrics()["replicas"][frozen]["why"]
+    finally:
+        router.close()
+        srv.stop(0)
+
+
 def test_breaker_readmits_only_when_on_readmit_agrees():
     good = GoodReplica()
     answers = []
@@ -293,3 +337,80 @@ def test_a_replica_that_comes_back_is_readmitted_with_the_current_weights(monkey
                 assert records[0].versions.tolist() == [3, 3, 3]
         finally:
             inference.close()
+
+
+@pytest.mark.slow
+def test_readmission_survives_pushes_faster_than_the_prober(monkeypatch):
+    """A returning replica stays in weight sync between its handshake and the router taking it
+    back: with a push every few tens of milliseconds (the tiny climb's pace) and the prober's
+    backoff at a second, each push used to drop it again (the router still held it down), so it
+    was never readmitted."""
+    from hcjax.rl.inference import RemoteInference
+    from hcjax.rl.weight_sync import param_digests, weights_status
+    from hcjax.serve import ServeOptions
+    from tests.test_serve import InProcess, learner_versions
+
+    for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    hcfg.bind([], MODEL)
+    (v1,) = learner_versions(1)
+    late_port = free_port()
+    late = f"127.0.0.1:{late_port}"
+    with InProcess(ServeOptions(warmup=False)) as early:
+        inference = RemoteInference([early, late], lambda: v1, ready_timeout=60,
+                                    stall_seconds=None)
+        stop, versions = threading.Event(), [0]
+
+        def pushes():
+            while not stop.is_set():
+                versions[0] += 1
+                inference.publish(versions[0])
+                time.sleep(0.03)
+
+        pusher = threading.Thread(target=pushes, daemon=True)
+        try:
+            inference.router._probe_interval = 0.2
+            inference.router._max_backoff = 1.0
+            inference.start(0)
+            pusher.start()
+            with InProcess(ServeOptions(port=late_port, warmup=False)):
+                assert _until(lambda: inference.router.is_up(late), 30), \
+                    inference.router.metrics()["replicas"][late]
+                stop.set()
+                pusher.join(30)
+                status = weights_status(late, digests=True)
+                assert status["version"] == versions[0]
+                assert status["digests"] == param_digests(v1)
+        finally:
+            stop.set()
+            inference.close()
+
+
+@pytest.mark.slow
+def test_a_restarted_learner_may_publish_an_older_version(monkeypatch):
+    """A learner restarted from a checkpoint numbers its versions from that checkpoint, below
+    what the replicas served before it died: a new weights session (handshake) takes its first
+    version back; within a session versions still only move forward."""
+    from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
+    from hcjax.serve import ServeOptions
+    from tests.test_serve import InProcess, learner_versions
+
+    for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    hcfg.bind([], MODEL)
+    v1, v2 = learner_versions(1, 2)
+    with InProcess(ServeOptions(warmup=False)) as address:
+        before = WeightPublisher(lambda: v1, [address], timeout=60)
+        before(7)
+        before.close()
+        after = WeightPublisher(lambda: v2, [address], timeout=60)  # the restarted learner
+        after(5)
+        status = weights_status(address, digests=True)
+        assert status["version"] == 5 and status["digests"] == param_digests(v2)
+        with RolloutClient(address, Security()) as client:
+            records = client.generate(GenerateRequest(prompt=[1, 2], max_tokens=2,
+                                                      temperature=0.0, seed=0), timeout=60)
+        assert records[0].versions.tolist() == [5, 5]
+        with pytest.raises(RuntimeError, match="reached no replica"):
+            after(4)
+        after.close()

@@ -86,9 +86,10 @@ class RemoteInference:
 
     def __init__(self, addresses: Sequence[str], params: Callable[[], Any], *,
                  ready_timeout: float = 900.0, stall_seconds: float | None = 120.0,
-                 params_lock: Any = None) -> None:
+                 params_lock: Any = None, health_timeout: float = 2.0) -> None:
         """params_lock: a lock the learner holds while it steps; given, a readmitted replica
-        always gets the current params at once."""
+        always gets the current params at once. health_timeout: a replica that does not answer
+        Health this fast before a push is left out of it (see `publish`)."""
         from hcjax.rl.weight_sync import WeightPublisher
         from hcjax.rollout.router import Router
         from hcjax.rollout.service import wait_ready
@@ -97,10 +98,23 @@ class RemoteInference:
         wait_ready(addresses, timeout=ready_timeout, require="any")
         self.publisher: WeightPublisher | None = None
         self._params_lock = params_lock
+        self.health_timeout = health_timeout
+        # Handshaken again by a readmission and waiting for the router to take them back: they
+        # stay in weight sync meanwhile (the router still holds them down, and a publish drops
+        # replicas the router holds down, which would undo the readmission at every push).
+        self._awaiting: set[str] = set()
         self.router = Router(addresses, max_inflight_per_replica=256,
                              stall_seconds=stall_seconds, on_readmit=self._readmit)
-        self.publisher = WeightPublisher(params, addresses, on_dead=self.router.mark_down,
-                                         is_up=self.router.is_up, params_lock=params_lock)
+        self.publisher = WeightPublisher(params, addresses, on_dead=self._on_dead,
+                                         is_up=self._in_sync, params_lock=params_lock)
+
+    def _in_sync(self, address: str) -> bool:
+        """The publisher's is_up: up in the router, or readmitted and awaiting its weights."""
+        return self.router.is_up(address) or address in self._awaiting
+
+    def _on_dead(self, address: str) -> None:
+        self._awaiting.discard(address)
+        self.router.mark_down(address)
 
     def _readmit(self, address: str) -> bool:
         """The router's on_readmit: True once `address` holds the last published version."""
@@ -108,13 +122,26 @@ class RemoteInference:
         if publisher is None or publisher.current_version is None:
             return False  # not started: start() publishes to every replica
         if publisher.caught_up(address):
+            self._awaiting.discard(address)
             return True
         if address in publisher.live:
             return False  # handshaken; the next publish brings it the current version
         others = [a for a in publisher.live if a != address and self.router.is_up(a)]
-        return publisher.readmit(address, push=self._params_lock is not None or not others)
+        if publisher.readmit(address, push=self._params_lock is not None or not others):
+            self._awaiting.discard(address)
+            return True
+        if address in publisher.live:
+            self._awaiting.add(address)
+        return False
 
     def publish(self, version: int) -> None:
+        # A stopped or hung replica would hold the push, and with it the learner, for the
+        # publisher's whole timeout (the stall watchdog needs stall_seconds to see it): one that
+        # does not answer Health in health_timeout s while another does is left out (its
+        # requests retry elsewhere; the router readmits it once it answers and has the weights).
+        among = [a for a in self.publisher.live if self._in_sync(a)]
+        for address in self.router.mark_down_unresponsive(self.health_timeout, among):
+            self._awaiting.discard(address)
         self.publisher(version)
 
     def start(self, version: int) -> None:

@@ -2,9 +2,9 @@
 (RECIPE §4): a small gRPC control channel (`hcjax.Weights`) steers PlanSender / PlanReceiver pulls
 over `jax.experimental.transfer`; no message ever holds the parameters themselves.
 
-Protocol, per inference process (replica k, transfer process index k + 1; the learner is 0):
+Protocol, per inference process (replica k, transfer process index p_k; the learner is 0):
   Handshake  learner -> replica: its parameter layout (paths, shapes, dtypes, mesh, specs), its
-             transfer-server address, k + 1 and the chunk size; the replica checks the layouts
+             transfer-server address, p_k and the chunk size; the replica checks the layouts
              agree, builds the plan and its PlanReceiver, and answers with its own layout, its
              transfer-server address, its bytes per version and the plan's fingerprint.
   Pull       "pull version v": the replica pulls its entries while the learner serves them,
@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -280,7 +281,11 @@ class WeightPublisher:
         self.current_version: int | None = None  # the last version published
         self.installed: dict[str, int] = {}  # address -> version it installed last
         self._pending: set[str] = set()  # readmitted, waiting for their first version
-        self._readmissions = 0
+        # Transfer ids are (version, process index, chunk): a learner restarted from a checkpoint
+        # numbers its versions from there again, so each publisher draws its replicas' process
+        # indices from its own random start; ids left half-used on a replica by a push the
+        # killed learner never finished are then not met again.
+        self._handshakes = secrets.randbelow(_MAX_PROCESSES - 1)
         self._lock = threading.RLock()  # one publish or readmission at a time
         self.max_bytes_per_pull = max_bytes_per_pull
         self.layout = describe_layout(params())
@@ -292,10 +297,10 @@ class WeightPublisher:
         self.replicas: list[_Replica] = []
         self.dead: dict[str, str] = {}  # address -> why
         self.history: list[dict] = []
-        for k, address in enumerate(addresses):
+        for address in addresses:
             channel = open_channel(address)
             try:
-                self.replicas.append(self._handshake(address, k + 1, channel))
+                self.replicas.append(self._handshake(address, self._next_process(), channel))
             except grpc.RpcError as err:
                 channel.close()
                 if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -303,6 +308,12 @@ class WeightPublisher:
                 self._mark_dead(address, f"handshake failed: {_why(err)}")
         if not self.replicas:
             raise RuntimeError(f"no inference process answered the weights handshake: {self.dead}")
+
+    def _next_process(self) -> int:
+        """The next transfer process index, cycling through 1..1023 (0 is the learner's)."""
+        process = 1 + self._handshakes % (_MAX_PROCESSES - 1)
+        self._handshakes += 1
+        return process
 
     def _handshake(self, address: str, process: int, channel) -> _Replica:
         request = {"layout": self.layout, "process_index": process,
@@ -414,10 +425,7 @@ class WeightPublisher:
                 self.replicas.remove(stale)
                 stale.channel.close()
             channel = open_channel(address)
-            # Transfer ids hold a process index < 1024: readmissions cycle above the originals.
-            spare = _MAX_PROCESSES - 1 - len(self.addresses)
-            process = len(self.addresses) + 1 + self._readmissions % spare
-            self._readmissions += 1
+            process = self._next_process()  # a fresh one: no id of an interrupted push reused
             try:
                 replica = self._handshake(address, process, channel)
             except (grpc.RpcError, ValueError) as err:
@@ -471,6 +479,7 @@ class WeightsServicer:
         self.weights = VersionedWeights()
         self.expected_bytes = 0
         self.served: list[dict] = []
+        self._new_session = False  # no version pulled since the last Handshake
         self._lock = threading.Lock()  # one handshake or pull at a time
 
     def handshake(self, data: bytes, context) -> bytes:
@@ -495,6 +504,9 @@ class WeightsServicer:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
             self.expected_bytes = sum(e.nbytes for e in entries)
             self.weights = VersionedWeights()  # a new learner session
+            # whose first version may be older than the one served (the learner restarted from
+            # a checkpoint): the server takes it back.
+            self._new_session = True
         return json.dumps({"layout": self.layout, "transfer_address": self.backend.address,
                            "expected_bytes": self.expected_bytes,
                            "plan_fingerprint": plan_fingerprint(plan)}).encode()
@@ -514,13 +526,17 @@ class WeightsServicer:
                 result = receiver.receive(version)
                 received["bytes"] = result.bytes_moved
                 tree = jax.tree.unflatten(self.treedef, [result.leaves[p] for p in self.paths])
-                self.server.update_weights(tree, version)
+                if self._new_session and version < getattr(self.server, "version", version):
+                    self.server.update_weights(tree, version, rollback=True)
+                else:
+                    self.server.update_weights(tree, version)
                 return tree
 
             try:
                 self.weights.update(build, version)
             except Exception as err:  # the previous version keeps serving
                 context.abort(grpc.StatusCode.INTERNAL, str(err))
+            self._new_session = False
             self.served.append({"version": version, "bytes": received["bytes"]})
         return json.dumps({"version": version, "bytes": received["bytes"]}).encode()
 

@@ -137,6 +137,14 @@ class PrefixCache:
         del self._blocks[key]
         self.evicted += 1
 
+    def clear(self) -> None:
+        """Forget every block (weights went back to an older version: a restarted learner
+        reuses version numbers, so a stored block's version no longer names its weights)."""
+        with self._lock:
+            for key in list(self._blocks):
+                self._drop(key)
+            self._newest_version = None
+
 
 # Cache layout ---------------------------------------------------------------------------------
 def _is_pos(path) -> bool:

@@ -17,6 +17,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 
 import grpc
 
@@ -113,6 +114,32 @@ class Router:
                 self._open(rep, why)
         if rep is not None and hasattr(rep.client, "cancel_inflight"):
             rep.client.cancel_inflight()
+
+    def mark_down_unresponsive(self, timeout: float,
+                               among: Sequence[str] | None = None) -> list[str]:
+        """Ask the replicas `among` (default: all) for Health at once; mark down each that does
+        not answer SERVING within `timeout` s, provided another one does (with none answering
+        there is nobody to route to instead). Returns the addresses it marked down."""
+        with self._cond:
+            clients = {a: r.client for a, r in self._replicas.items()
+                       if among is None or a in among}
+        if len(clients) < 2:
+            return []
+
+        def answers(client) -> bool:
+            try:
+                return client.health(timeout=timeout).get("status") == "SERVING"
+            except Exception:  # noqa: BLE001 - no answer in time, or an error: unresponsive
+                return False
+
+        with futures.ThreadPoolExecutor(len(clients)) as pool:
+            ok = dict(zip(clients, pool.map(answers, clients.values()), strict=True))
+        if not any(ok.values()):
+            return []
+        down = [a for a, answered in ok.items() if not answered]
+        for address in down:
+            self.mark_down(address, f"no Health answer within {timeout} s")
+        return down
 
     def is_up(self, address: str) -> bool:
         with self._cond:

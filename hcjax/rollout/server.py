@@ -257,11 +257,19 @@ class RolloutServer:
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> list:
         return self.submit(request).result(timeout)
 
-    def update_weights(self, params: Any, version: int) -> None:
-        """Serve `params` as `version` from the next generate step on (atomic swap)."""
+    def update_weights(self, params: Any, version: int, *, rollback: bool = False) -> None:
+        """Serve `params` as `version` from the next generate step on (atomic swap).
+
+        Versions only move forward, except with `rollback`: the first version of a new learner
+        session (a learner restarted from a checkpoint numbers its versions from there), which
+        also empties the engine's prefix cache, whose blocks are keyed by version."""
         with self._weights_lock:
-            if version < self._version:
-                raise ValueError(f"version={version} is older than the served {self._version}")
+            # The newest version given, served or still waiting for the next generate step.
+            newest = self._pending_weights[1] if self._pending_weights else self._version
+            if version < newest and not rollback:
+                raise ValueError(f"version={version} is older than the served {newest}")
+            if version < newest and getattr(self.engine, "prefix_cache", None) is not None:
+                self.engine.prefix_cache.clear()
             self._pending_weights = (params, int(version))
 
     @property

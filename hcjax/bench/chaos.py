@@ -1,0 +1,885 @@
+"""`python -m hcjax.bench.chaos`: the tiny climb in the multi-process placement (a climb process and
+two `python -m hcjax.serve` replicas on 127.0.0.1, one shared token) with faults injected one at a
+time: SIGKILL a replica mid-generation (restarted on its port), SIGSTOP a replica, kill the learner
+during a weights transfer (restarted with the same command), corrupt the latest checkpoint before
+a restart, malformed and unauthenticated RPCs. For each fault it measures accepted rollouts lost,
+retries, time to recover and whether the climb kept stepping; one JSON object is the last stdout
+line, progress goes to stderr. It observes the climb only from outside (files, RPCs, signals) and
+never asserts: a loss or a hang is reported as measured."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A model and task small enough that a climb step takes well under a second on a shared CPU core:
+# 1-digit addition in the reasoning template ("<think>51</think><answer>15</answer>", 36 bytes),
+# so max_tokens = 40 lets a correct answer finish.
+MODEL = [
+    "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2", "ModelConfig.num_heads = 2",
+    "ModelConfig.num_kv_heads = 1", "ModelConfig.head_dim = 16",
+    "ModelConfig.attention_pattern = ('local', 'global')", "ModelConfig.window = 16",
+    "ModelConfig.d_ff = 64", "ModelConfig.num_experts = 4", "ModelConfig.moe_latent_dim = 16",
+    "ModelConfig.moe_d_ff = 32", "ModelConfig.max_seq_len = 96",
+    "ArithmeticSuite.kinds = ('add',)", "ArithmeticSuite.max_digits = 1",
+    "ArithmeticSuite.num_heldout = 32", "DataConfig.row_len = 64",
+]
+SFT = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
+MAX_PROMPT, MAX_TOKENS = 32, 40
+CLIMB = [
+    "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
+    "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
+    f"ClimbConfig.max_tokens = {MAX_TOKENS}", f"ClimbConfig.max_prompt_len = {MAX_PROMPT}",
+    "ClimbConfig.eval_problems = 32", "ClimbConfig.max_concurrent_decodes = 16",
+    "ClimbConfig.max_minutes = None", "ClimbConfig.num_steps = 100000",
+    "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
+    "ControllerConfig.max_inflight = None", "LearnerConfig.seq_len = 96",
+    "LearnerConfig.learning_rate = 1e-3",
+]
+# Weights move every SYNC steps; a checkpoint every CKPT steps, so the last checkpoint usually
+# lags the step a learner is killed at, and the restarted learner redoes steps the killed one
+# logged (the comparison of "its next step equals an uninterrupted run's").
+SYNC, CKPT = 2, 3
+# The learner-step metrics compared between the killed learner and the restarted one.
+COMPARED = ("loss", "policy_loss", "grad_norm", "entropy", "logp_gap_mean", "reward_mean",
+            "ratio_mean", "k")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One bench mode: base pre-training steps, climb steps around each fault, stop length."""
+
+    sft_steps: int
+    sft_batch: int
+    warmup_steps: int
+    steps_after_fault: int
+    stop_seconds: float
+    eval_every: int
+    final_steps: int
+    timeout: float  # the longest wait for any one thing (a step, a restart, a readmission)
+
+
+FULL = Settings(sft_steps=300, sft_batch=32, warmup_steps=6, steps_after_fault=6,
+                stop_seconds=30.0, eval_every=10, final_steps=10, timeout=600.0)
+QUICK = Settings(sft_steps=40, sft_batch=8, warmup_steps=2, steps_after_fault=2,
+                 stop_seconds=6.0, eval_every=1000, final_steps=2, timeout=240.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gin(bindings: Sequence[str]) -> list[str]:
+    return [arg for b in bindings for arg in ("--gin_param", b)]
+
+
+def _env(devices: int, token: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HCJAX_TOKEN"] = token
+    env.pop("HCJAX_TOKEN_FILE", None)
+    return env
+
+
+class Process:
+    """A child process with its command kept (to restart it) and its output in log files."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], logs: Path) -> None:
+        self.name, self.cmd, self.env, self.logs = name, cmd, env, logs
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        stem = self.logs / f"{self.name}.{self.starts}"
+        self.stdout_path, self.stderr_path = Path(f"{stem}.out"), Path(f"{stem}.err")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env,
+                                     stdout=open(self.stdout_path, "w"),  # noqa: SIM115
+                                     stderr=open(self.stderr_path, "w"))  # noqa: SIM115
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def alive(self) -> bool:
+        """Running, and its main thread has not died (a climb whose main thread raised can hang
+        in interpreter shutdown, waiting on a transfer thread)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        return 'File "<frozen runpy>"' not in self.stderr_tail(20000)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout) if self.proc is not None else None
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        """SIGCONT (it may be stopped), then SIGTERM, then SIGKILL."""
+        if not self.alive():
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        if self.wait(20) is None:
+            self.signal(signal.SIGKILL)
+            self.wait(20)
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        try:
+            with open(self.stderr_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - n))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stdout_text(self) -> str:
+        try:
+            return self.stdout_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+class Replica(Process):
+    """`python -m hcjax.serve` on a fixed port of 127.0.0.1 (a restart binds the same one)."""
+
+    def __init__(self, name: str, port: int, token: str, logs: Path) -> None:
+        cmd = [sys.executable, "-m", "hcjax.serve", "--port", str(port),
+               "--gin_file", "climb_tiny.gin", "--max_prefill_length", str(MAX_PROMPT),
+               "--max_target_length", str(MAX_PROMPT + MAX_TOKENS + 8),
+               "--max_concurrent_decodes", "16", "--version", "-1", "--max_queue", "4096",
+               "--max_request_mb", "1024", "--status_every", "3600", *_gin(MODEL)]
+        super().__init__(name, cmd, _env(2, token), logs)
+        self.address = f"127.0.0.1:{port}"
+
+    def wait_serving(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if '"event": "serving"' in self.stdout_text():
+                return
+            if not self.alive():
+                break
+            time.sleep(0.2)
+        raise RuntimeError(f"replica {self.name} ({self.address}) never served:\n"
+                           f"{self.stderr_tail()}")
+
+
+@dataclasses.dataclass
+class Seen:
+    """A line of a climb file, with the time this bench first saw it."""
+
+    t: float
+    record: dict[str, Any]
+
+
+class ClimbWatch:
+    """Tails the climb's metrics.jsonl (learner steps) and rollouts/groups.jsonl (finished groups,
+    accepted or not) from a thread, timestamping every new complete line."""
+
+    def __init__(self, out: Path) -> None:
+        self.files = {"steps": out / "metrics.jsonl", "groups": out / "rollouts" / "groups.jsonl"}
+        self.offsets = {k: 0 for k in self.files}
+        self.steps: list[Seen] = []
+        self.groups: list[Seen] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="climb-watch")
+        self._thread.start()
+
+    def _read(self, key: str) -> list[dict]:
+        path = self.files[key]
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.offsets[key])
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offsets[key] += end + 1
+        out = []
+        for line in data[: end + 1].splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.1):
+            self.poll()
+
+    def poll(self) -> None:
+        steps, groups = self._read("steps"), self._read("groups")
+        now = time.monotonic()
+        with self._lock:
+            self.steps += [Seen(now, r) for r in steps if "reward_mean" in r]
+            self.groups += [Seen(now, {"task_id": g["task_id"], "accepted": g["accepted"],
+                                       "rollouts": len(g["rollouts"]), "step": g["step"]})
+                            for g in groups]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.poll()
+
+    def snapshot(self) -> tuple[list[Seen], list[Seen]]:
+        with self._lock:
+            return list(self.steps), list(self.groups)
+
+    def last_step(self) -> int:
+        with self._lock:
+            return self.steps[-1].record["step"] if self.steps else 0
+
+    def steps_after(self, t: float) -> list[Seen]:
+        with self._lock:
+            return [s for s in self.steps if s.t > t]
+
+    def groups_after(self, t: float) -> list[Seen]:
+        with self._lock:
+            return [g for g in self.groups if g.t > t]
+
+    def wait(self, predicate: Callable[[], bool], timeout: float, what: str,
+             alive: Callable[[], bool] | None = None) -> float:
+        """Wait for `predicate`; returns the time it came true. TimeoutError names `what`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return time.monotonic()
+            if alive is not None and not alive():
+                raise RuntimeError(f"the climb process exited while waiting for {what}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no {what} within {timeout:.0f} s")
+
+    def wait_steps_after(self, t: float, n: int, timeout: float, alive=None) -> float:
+        return self.wait(lambda: len(self.steps_after(t)) >= n, timeout,
+                         f"{n} learner steps", alive)
+
+
+def _round(x: float | None, nd: int = 2) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def _since(t0: float, seen: list[Seen]) -> float | None:
+    return _round(seen[0].t - t0) if seen else None
+
+
+def _reward(seen: list[Seen]) -> float | None:
+    rewards = [s.record["reward_mean"] for s in seen if s.record.get("reward_mean") is not None]
+    return _round(sum(rewards) / len(rewards), 3) if rewards else None
+
+
+def _stepping(watch: ClimbWatch, t_fault: float, before: int) -> dict[str, Any]:
+    """Whether the climb kept stepping after the fault, and the train reward around it."""
+    steps, _ = watch.snapshot()
+    prior = [s for s in steps if s.t <= t_fault][-before:]
+    after = [s for s in steps if s.t > t_fault]
+    return {"kept_stepping": bool(after), "steps_after_fault": len(after),
+            "reward_mean_before": _reward(prior), "reward_mean_after": _reward(after)}
+
+
+def _failures(watch: ClimbWatch, t: float, after: bool) -> int:
+    """The climb's cumulative worker failure count (requests retried by the rollout workers) at
+    the last step line seen before (after=False) or the last seen at all (after=True)."""
+    steps, _ = watch.snapshot()
+    pick = steps if after else [s for s in steps if s.t <= t]
+    return int(pick[-1].record.get("failures", 0)) if pick else 0
+
+
+# Replicas as the bench sees them ------------------------------------------------------------------
+
+
+def _health(address: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    from hcjax.rollout.service import RolloutClient
+
+    try:
+        with RolloutClient(address) as client:
+            return client.health(timeout=timeout)
+    except Exception:  # noqa: BLE001 - down, stopped or refusing: no answer
+        return None
+
+
+def _replica_metrics(address: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    from hcjax.rollout.service import RolloutClient
+
+    try:
+        with RolloutClient(address) as client:
+            return client.metrics(timeout=timeout)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _weights_version(address: str, timeout: float = 2.0) -> int | None:
+    from hcjax.rl.weight_sync import weights_status
+
+    try:
+        return int(weights_status(address, timeout=timeout)["version"])
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _good_request(address: str, timeout: float = 60.0) -> dict[str, Any]:
+    """One authenticated greedy request; its outcome and the weight versions that produced it."""
+    from hcjax.rollout import GenerateRequest
+    from hcjax.rollout.service import RolloutClient
+
+    t0 = time.monotonic()
+    try:
+        with RolloutClient(address) as client:
+            records = client.generate(GenerateRequest(prompt=[1, 2, 3], max_tokens=2,
+                                                      temperature=0.0, seed=0), timeout=timeout)
+    except Exception as err:  # noqa: BLE001 - reported
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}
+    versions = sorted({int(v) for r in records for v in r.versions.tolist()})
+    return {"ok": True, "seconds": _round(time.monotonic() - t0, 3), "versions": versions}
+
+
+# The faults ---------------------------------------------------------------------------------------
+
+
+class Chaos:
+    """The processes of one chaos run and the faults, each a method returning its figures."""
+
+    def __init__(self, work: Path, settings: Settings, phases: Any) -> None:
+        self.work, self.s, self.phases = work, settings, phases
+        self.token = secrets.token_hex(24)
+        os.environ["HCJAX_TOKEN"] = self.token  # this process's clients (health, status)
+        os.environ.pop("HCJAX_TOKEN_FILE", None)
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.replicas = [Replica(n, _free_port(), self.token, self.logs) for n in ("a", "b")]
+        self.base = work / "base"
+        self.out = work / "climb"
+        cmd = [sys.executable, "-m", "hcjax.climb", "--output_dir", str(self.out), "--quiet",
+               "--base_checkpoint", str(self.base),
+               *_gin([*MODEL, *CLIMB, f"ClimbConfig.eval_every = {settings.eval_every}",
+                      f"ClimbConfig.checkpoint_every = {CKPT}",
+                      f"ControllerConfig.sync_every = {SYNC}"]),
+               *[arg for r in self.replicas for arg in ("--inference_address", r.address)]]
+        self.climb = Process("climb", cmd, _env(2, self.token), self.logs)
+        self.watch: ClimbWatch | None = None
+        self.fault_marks: dict[str, int] = {}  # fault -> groups seen in the store at the fault
+
+    # Set-up -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self.phases.phase("starting 2 replicas and pre-training the base"):
+            for r in self.replicas:
+                r.start()
+            sft = Process("sft", [sys.executable, "-m", "hcjax.sft", "--output_dir",
+                                  str(self.base),
+                                  *_gin([b for b in MODEL if b.startswith(SFT)]),
+                                  *_gin([f"SFTConfig.num_steps = {self.s.sft_steps}",
+                                         f"SFTConfig.batch_size = {self.s.sft_batch}",
+                                         "run_sft.eval_problems = 0"])],
+                          _env(1, self.token), self.logs)
+            sft.start()
+            if sft.wait(900) != 0:
+                raise RuntimeError(f"base pre-training failed:\n{sft.stderr_tail()}")
+            for r in self.replicas:
+                r.wait_serving()
+        with self.phases.phase("starting the climb"):
+            self.climb.start()
+            self.watch = ClimbWatch(self.out)
+            self.watch.wait_steps_after(0.0, self.s.warmup_steps, self.s.timeout, self.climb.alive)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+        for p in [self.climb, *self.replicas]:
+            p.stop()
+
+    def _mark(self, fault: str) -> float:
+        _, groups = self.watch.snapshot()
+        self.fault_marks[fault] = len(groups)
+        return time.monotonic()
+
+    def _after(self, t: float, steps: int | None = None) -> None:
+        """Let the climb take `steps` (default: steps_after_fault) more steps after `t`."""
+        self.watch.wait_steps_after(t, steps or self.s.steps_after_fault, self.s.timeout,
+                                    self.climb.alive)
+
+    # (1) ---------------------------------------------------------------------------------------
+    def kill_replica(self) -> dict[str, Any]:
+        """SIGKILL replica a while it has requests in flight; restart it on its port."""
+        rep = self.replicas[0]
+        inflight = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # mid-generation: requests in flight on it
+            h = _health(rep.address)
+            if h and h.get("inflight", 0) > 0:
+                inflight = int(h["inflight"])
+                break
+            time.sleep(0.05)
+        failures0 = _failures(self.watch, time.monotonic(), after=True)
+        t_fault = self._mark("replica_sigkill")
+        rep.signal(signal.SIGKILL)
+        rep.wait(30)
+        self.watch.wait(lambda: bool(self.watch.steps_after(t_fault)), self.s.timeout,
+                        "learner step",
+                        self.climb.alive)
+        # Restart on the same port: readmitted (router) once it holds the current weights.
+        t_restart = time.monotonic()
+        rep.start()
+        rep.wait_serving()
+        t_serving = time.monotonic()
+        requests0 = (_replica_metrics(rep.address) or {}).get("requests_total", 0)
+
+        def readmitted() -> bool:
+            m = _replica_metrics(rep.address) or {}
+            return m.get("version", -1) >= 0 and m.get("requests_total", 0) > requests0
+
+        t_readmitted = self.watch.wait(readmitted, self.s.timeout,
+                                       "readmission of the restarted replica",
+                                       self.climb.alive)
+        served = _weights_version(rep.address)
+        steps, _ = self.watch.snapshot()
+        learner_version = steps[-1].record["version"] if steps else None
+        self._after(t_readmitted)
+        return {
+            "requests_in_flight_at_kill": inflight,
+            "worker_retries": _failures(self.watch, 0, after=True) - failures0,
+            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
+            "recover_next_generation_s": _since(t_fault, self.watch.groups_after(t_fault)),
+            "restart_to_serving_s": _round(t_serving - t_restart),
+            "restart_to_readmitted_s": _round(t_readmitted - t_restart),
+            "readmitted_with_version": served,
+            "learner_version_at_readmission": learner_version,
+            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+        }
+
+    # (2) ---------------------------------------------------------------------------------------
+    def stop_replica(self) -> dict[str, Any]:
+        """SIGSTOP replica b for stop_seconds, then SIGCONT."""
+        rep = self.replicas[1]
+        inflight = (_health(rep.address) or {}).get("inflight")
+        failures0 = _failures(self.watch, time.monotonic(), after=True)
+        t_fault = self._mark("replica_sigstop")
+        rep.signal(signal.SIGSTOP)
+        time.sleep(self.s.stop_seconds)
+        steps_during = len(self.watch.steps_after(t_fault))
+        groups_during = len(self.watch.groups_after(t_fault))
+        t_cont = time.monotonic()
+        rep.signal(signal.SIGCONT)
+        requests0 = (_replica_metrics(rep.address, timeout=30) or {}).get("requests_total", 0)
+
+        def serving_again() -> bool:
+            m = _replica_metrics(rep.address) or {}
+            h = _health(rep.address) or {}
+            return h.get("status") == "SERVING" and m.get("requests_total", 0) > requests0
+
+        try:
+            t_back = self.watch.wait(serving_again, 300, "new requests on the resumed replica",
+                                     self.climb.alive)
+        except TimeoutError:
+            t_back = None
+        self._after(t_cont)
+        return {
+            "stopped_s": self.s.stop_seconds,
+            "requests_in_flight_at_stop": inflight,
+            "learner_steps_during_stop": steps_during,
+            "groups_finished_during_stop": groups_during,
+            "worker_retries": _failures(self.watch, 0, after=True) - failures0,
+            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
+            "recover_next_generation_s": _since(t_fault, self.watch.groups_after(t_fault)),
+            "cont_to_taking_requests_s": None if t_back is None else _round(t_back - t_cont),
+            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+        }
+
+    # (5) ---------------------------------------------------------------------------------------
+    def bad_rpcs(self) -> dict[str, Any]:
+        """Malformed and unauthenticated RPCs to replica a during the climb; after each, one good
+        authenticated request."""
+        import grpc
+
+        from hcjax.rollout import GenerateRequest
+        from hcjax.rollout.service import _request_to_bytes
+        from hcjax.rollout.wire import encode
+
+        rep = self.replicas[0]
+        auth = (("authorization", f"Bearer {self.token}"),)
+        wrong = (("authorization", "Bearer " + "0" * 48),)
+        good = _request_to_bytes(GenerateRequest(prompt=[1, 2], max_tokens=2, seed=0))
+
+        def msg(options: dict, **kw) -> bytes:
+            return encode({"options": {"prompt": [1, 2], "max_tokens": 2, **options},
+                           "continue_from": []}, **kw)
+
+        def header(obj: bytes) -> bytes:
+            return b"HCJ1" + struct.pack("<I", len(obj)) + obj
+
+        cases = [  # (what, method, payload, metadata, expected status)
+            ("no token", "Generate", good, None, "UNAUTHENTICATED"),
+            ("wrong token", "Generate", good, wrong, "UNAUTHENTICATED"),
+            ("Health without token", "Health", b"", None, "UNAUTHENTICATED"),
+            ("Metrics with a wrong token", "Metrics", b"", wrong, "UNAUTHENTICATED"),
+            ("temperature NaN", "Generate", msg({"temperature": float("nan")}), auth,
+             "INVALID_ARGUMENT"),
+            ("n = 10**9", "Generate", msg({"n": 10**9}), auth, "INVALID_ARGUMENT"),
+            ("float token ids", "Generate", msg({"prompt": [1.0, 2.0]}), auth,
+             "INVALID_ARGUMENT"),
+            ("token id past the vocabulary", "Generate", msg({"prompt": [2**40]}), auth,
+             "INVALID_ARGUMENT"),
+            ("prompt too long", "Generate", msg({"prompt": list(range(200))}), auth,
+             "INVALID_ARGUMENT"),
+            ("unknown option", "Generate", msg({"beam": 2}), auth, "INVALID_ARGUMENT"),
+            ("empty message", "Generate", b"", auth, "INVALID_ARGUMENT"),
+            ("length past the message", "Generate",
+             b"HCJ1" + struct.pack("<I", 1 << 30) + b"{}", auth, "INVALID_ARGUMENT"),
+            ("not JSON", "Generate", header(b"\xff\xfe{}"), auth, "INVALID_ARGUMENT"),
+            ("nested too deeply", "Generate", header(b"[" * 100_000), auth, "INVALID_ARGUMENT"),
+            ("bad array header", "Generate", header(b'{"arrays": [["a", "float64", [1]]]}'),
+             auth, "INVALID_ARGUMENT"),
+        ]
+        t_fault = self._mark("bad_rpcs")
+        results = []
+        with grpc.insecure_channel(rep.address) as channel:
+            for what, method, payload, metadata, expected in cases:
+                try:
+                    if method == "Generate":
+                        list(channel.unary_stream(f"/hcjax.Rollout/{method}")(
+                            payload, timeout=30, metadata=metadata))
+                    else:
+                        channel.unary_unary(f"/hcjax.Rollout/{method}")(
+                            payload, timeout=30, metadata=metadata)
+                    code, details = "OK", ""
+                except grpc.RpcError as err:
+                    code, details = err.code().name, err.details() or ""
+                after = _good_request(rep.address)
+                results.append({"what": what, "status": code, "expected": expected,
+                                "rejected": code == expected, "reason": details[:120],
+                                "good_request_after": after["ok"],
+                                "good_request_seconds": after.get("seconds")})
+        codes: dict[str, int] = {}
+        for r in results:
+            codes[r["status"]] = codes.get(r["status"], 0) + 1
+        health = _health(rep.address) or {}
+        return {
+            "sent": len(results),
+            "rejected": sum(r["rejected"] for r in results),
+            "status_codes": codes,
+            "good_request_succeeded_after_each": all(r["good_request_after"] for r in results),
+            "replica_serving_after": health.get("status") == "SERVING",
+            "cases": results,
+            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+        }
+
+    # (3) ---------------------------------------------------------------------------------------
+    def kill_learner_in_transfer(self) -> dict[str, Any]:
+        """SIGKILL the climb inside a weights push: right after one replica installs the new
+        version the learner is frozen (SIGSTOP); if the other replica still lacks it a second
+        later (its pull waits on the frozen learner) the learner is killed, else resumed and the
+        next push tried. Then the same command is restarted."""
+        import grpc
+
+        from hcjax.rl.weight_sync import WEIGHTS_SERVICE
+        from hcjax.rollout.auth import open_channel
+
+        channels = {r.address: open_channel(r.address) for r in self.replicas}
+        status = {a: c.unary_unary(f"/{WEIGHTS_SERVICE}/Status") for a, c in channels.items()}
+
+        def version_of(address: str) -> int | None:
+            try:
+                return int(json.loads(status[address](b"{}", timeout=2.0))["version"])
+            except grpc.RpcError:
+                return None
+
+        attempt, tries = None, 0
+        try:
+            while attempt is None and tries < 40:
+                tries += 1
+                # A step s after which the next step pushes, and which lies after the last
+                # checkpoint (so the restarted learner redoes it: it can be compared).
+                last = self.watch.last_step()
+                target = next(s for s in range(last + 1, last + 2 * SYNC * CKPT + 2)
+                              if (s + 1) % SYNC == 0 and s % CKPT != 0)
+                self.watch.wait(lambda t=target: self.watch.last_step() >= t, self.s.timeout,
+                                f"learner step {target}", self.climb.alive)
+                if self.watch.last_step() != target:
+                    continue  # overshot: try the next one
+                version = int(self.watch.snapshot()[0][-1].record["version"])
+                frozen = False
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and self.watch.last_step() == target:
+                    if any(version_of(a) == version + 1 for a in status):
+                        self.climb.signal(signal.SIGSTOP)
+                        frozen = True
+                        break
+                if not frozen:
+                    continue
+                time.sleep(1.0)
+                versions = {a: version_of(a) for a in status}
+                behind = [a for a, v in versions.items() if v == version]
+                if behind and self.watch.last_step() == target:
+                    ahead = [a for a in versions if a not in behind]
+                    attempt = {"after_step": target, "old_version": version,
+                               "new_version": version + 1, "tries": tries,
+                               "behind": behind[0], "ahead": ahead[0] if ahead else None}
+                else:
+                    self.climb.signal(signal.SIGCONT)  # the push had finished: try the next
+        finally:
+            for c in channels.values():
+                c.close()
+        if attempt is None:
+            return {"error": f"could not catch the learner inside a weights push in {tries} "
+                             "tries"}
+        t_fault = self._mark("learner_kill_in_transfer")
+        self.climb.signal(signal.SIGKILL)
+        self.climb.wait(30)
+        # The push failed mid-way: the replica that never got the new version serves the old
+        # one (checked again 5 s later: its pull fails with the learner gone).
+        behind, ahead = attempt.pop("behind"), attempt.pop("ahead")
+        time.sleep(1.0)
+        served_b = _weights_version(behind)
+        good_b = _good_request(behind)
+        good_a = _good_request(ahead) if ahead else {}
+        time.sleep(5.0)
+        served_b_later = _weights_version(behind)
+        killed_steps = [s.record for s in self.watch.snapshot()[0]]
+        t_restart = time.monotonic()
+        self.climb.start()
+        restart = self._await_restart(t_restart)
+        redone = self._compare_redone(killed_steps, restart, t_restart)
+        return {
+            **attempt,
+            "during_failed_transfer": {
+                "replica_without_new_version_serves": served_b,
+                "its_answer_versions": good_b.get("versions"),
+                "serves_5s_later": served_b_later,
+                "other_replica_answer_versions": good_a.get("versions"),
+                "keeps_serving_old_version": (good_b["ok"] and served_b == attempt["old_version"]
+                                              and served_b_later == attempt["old_version"]
+                                              and good_b.get("versions") ==
+                                              [attempt["old_version"]]),
+            },
+            **restart,
+            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
+            "next_step_equals_uninterrupted": redone,
+            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+        }
+
+    def _await_restart(self, t_restart: float) -> dict[str, Any]:
+        """After restarting the climb: the step it resumed from (its first new step - 1), the
+        time to its first step, and what it said about checkpoints on stderr."""
+        try:
+            t_step = self.watch.wait(lambda: bool(self.watch.steps_after(t_restart)),
+                                     self.s.timeout,
+                                     "learner step after the restart", self.climb.alive)
+        except (TimeoutError, RuntimeError) as err:
+            return {"restarted": False, "error": str(err),
+                    "climb_stderr": self.climb.stderr_tail(1500)}
+        first = self.watch.steps_after(t_restart)[0].record["step"]
+        self._after(t_restart)
+        stderr = self.climb.stderr_tail(20000)
+        dropped = [line.strip()[:200] for line in stderr.splitlines()
+                   if "dropped from weight sync" in line]
+        return {"restarted": True, "resumed_from_step": first - 1,
+                "restart_to_first_step_s": _round(t_step - t_restart),
+                "replicas_dropped_after_restart": dropped}
+
+    def _compare_redone(self, killed: list[dict], restart: dict[str, Any],
+                        t_restart: float) -> dict[str, Any]:
+        """Steps the killed learner logged after its last checkpoint, redone by the restarted
+        one from that checkpoint on the same accepted groups (read back from the store)."""
+        if not restart.get("restarted"):
+            return {"compared_steps": [], "note": "the climb did not restart"}
+        resumed = restart["resumed_from_step"]
+        mine = {r["step"]: r for r in killed if r["step"] > resumed}
+        again = {}
+        for s in self.watch.steps_after(t_restart):
+            if s.record["step"] in mine:
+                again.setdefault(s.record["step"], s.record)
+        common = sorted(set(mine) & set(again))
+        diffs = {}
+        for key in COMPARED:
+            pairs = [(mine[s].get(key), again[s].get(key)) for s in common]
+            pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+            if pairs:
+                diffs[key] = max(abs(float(x) - float(y)) for x, y in pairs)
+        return {"compared_steps": common, "max_abs_diff": diffs,
+                "equal": bool(common) and all(d == 0.0 for d in diffs.values())}
+
+    # (4) ---------------------------------------------------------------------------------------
+    def corrupt_checkpoint(self) -> dict[str, Any]:
+        """Let the climb write a checkpoint, kill it, damage its latest step (every data file
+        cut to half) and restart: it should warn naming the step and resume from the previous
+        kept one."""
+        ckpts = self.out / "checkpoints"
+
+        def steps() -> list[int]:
+            return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+
+        t0 = time.monotonic()
+        self.watch.wait(lambda: len(self.watch.steps_after(t0)) >= CKPT + 1, self.s.timeout,
+                        "a new checkpoint", self.climb.alive)
+        time.sleep(1.0)  # let an asynchronous save commit
+        self.climb.signal(signal.SIGKILL)
+        self.climb.wait(30)
+        kept = steps()
+        if len(kept) < 2:
+            return {"error": f"need two kept checkpoints to fall back, have {kept}"}
+        bad, previous = kept[-1], kept[-2]
+        damaged = 0
+        for p in (ckpts / str(bad)).rglob("*"):
+            if p.is_file() and p.parent.name == "d":
+                with open(p, "r+b") as f:
+                    f.truncate(p.stat().st_size // 2)
+                damaged += 1
+        t_fault = self._mark("corrupt_checkpoint")
+        self.climb.start()
+        restart = self._await_restart(t_fault)
+        stderr = self.climb.stderr_tail(50000)
+        warning = next((line.strip() for line in stderr.splitlines()
+                        if "CheckpointFallback" in line or "is corrupt or partial" in line), "")
+        return {
+            "corrupted_step": bad, "data_files_truncated": damaged, "previous_kept_step": previous,
+            **restart,
+            "fell_back_to_previous": restart.get("resumed_from_step") == previous,
+            "warning_names_bad_step": f"step {bad} is corrupt" in warning,
+            "warning": warning[:300],
+            "set_aside": sorted(p.name for p in ckpts.glob(f"corrupt-{bad}-*")),
+            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
+            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+        }
+
+    # End ----------------------------------------------------------------------------------------
+    def finish(self) -> dict[str, Any]:
+        """Ctrl-C the climb (it ends as a finished climb does: final evaluation, summary) and
+        account for every accepted group the store holds."""
+        from hcjax.rl.store import read_groups
+
+        self._after(time.monotonic(), self.s.final_steps)
+        self.climb.signal(signal.SIGINT)
+        code = self.climb.wait(600)
+        self.watch.close()
+        summary_path = self.out / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        stored = read_groups(str(self.out / "rollouts"))
+        accepted = [g for g in stored if g.accepted]
+        consumed = summary.get("accepted_groups_consumed")
+        buffered = summary.get("buffered_groups")
+        lost_groups = (None if consumed is None else len(accepted) - consumed - buffered)
+        # Every fault: the groups the bench saw logged before it are still the store's first
+        # lines, in order, with the same accepted flag.
+        _, seen = self.watch.snapshot()
+        per_fault = {}
+        for fault, n in self.fault_marks.items():
+            before = [(g.record["task_id"], g.record["accepted"]) for g in seen[:n]]
+            now = [(g.task_id, g.accepted) for g in stored[:n]]
+            missing = [i for i, (x, y) in enumerate(zip(before, now + [None] * n)) if x != y]
+            per_fault[fault] = {
+                "accepted_before_fault": sum(a for _, a in before),
+                "accepted_rollouts_missing_after": sum(
+                    seen[i].record["rollouts"] for i in missing if seen[i].record["accepted"]),
+            }
+        evals = [{"step": e["step"], "pass_at_1": e["pass_at_1"]}
+                 for e in summary.get("evals", [])]
+        return {
+            "climb_exit_code": code,
+            "steps": summary.get("steps"),
+            "base_pass_at_1": summary.get("base_pass_at_1"),
+            "final_pass_at_1": summary.get("final_pass_at_1"),
+            "evals": evals,
+            "store_accepted_groups": len(accepted),
+            "store_accepted_rollouts": sum(len(g.rollouts) for g in accepted),
+            "accepted_groups_consumed": consumed,
+            "buffered_groups": buffered,
+            "accepted_groups_lost": lost_groups,
+            "accepted_rollouts_lost": (None if lost_groups is None else
+                                       lost_groups * (len(accepted[0].rollouts)
+                                                      if accepted else 0)),
+            "per_fault": per_fault,
+        }
+
+
+def run(settings: Settings, work: Path, scenarios: Sequence[str]) -> dict[str, Any]:
+    from hcjax.display import Phases
+
+    phases = Phases("hcjax.bench.chaos")
+    chaos = Chaos(work, settings, phases)
+    faults: dict[str, Any] = {}
+    t0 = time.monotonic()
+    methods = {"replica_sigkill": chaos.kill_replica, "replica_sigstop": chaos.stop_replica,
+               "bad_rpcs": chaos.bad_rpcs,
+               "learner_kill_in_transfer": chaos.kill_learner_in_transfer,
+               "corrupt_checkpoint": chaos.corrupt_checkpoint}
+    end: dict[str, Any] = {}
+    try:
+        chaos.start()
+        with phases.phase("injecting faults", total=len(scenarios)) as phase:
+            for name in scenarios:
+                phase.now(name)
+                try:
+                    faults[name] = methods[name]()
+                except Exception as err:  # noqa: BLE001 - a hang or crash is a result
+                    faults[name] = {"error": f"{type(err).__name__}: {err}"[:500],
+                                    "climb_alive": chaos.climb.alive(),
+                                    "climb_stderr": chaos.climb.stderr_tail(1500)}
+                print(json.dumps({"fault": name, **faults[name]}), file=sys.stderr, flush=True)
+                phase.advance()
+                if not chaos.climb.alive():
+                    break
+        with phases.phase("finishing the climb"):
+            if chaos.climb.alive():
+                end = chaos.finish()
+            else:
+                end = {"error": "the climb process is not running",
+                       "climb_stderr": chaos.climb.stderr_tail(1500)}
+    finally:
+        chaos.close()
+    for name, figures in faults.items():
+        figures.update(end.get("per_fault", {}).get(name, {}))
+    return {"bench": "chaos", "wall_seconds": _round(time.monotonic() - t0, 1),
+            "token_auth": True, "work_dir": str(work),
+            "faults": faults, "climb": {k: v for k, v in end.items() if k != "per_fault"}}
+
+
+SCENARIOS = ("replica_sigkill", "replica_sigstop", "bad_rpcs", "learner_kill_in_transfer",
+             "corrupt_checkpoint")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="CI size: a short base, 2 steps after each fault, a 6 s SIGSTOP")
+    parser.add_argument("--stop_seconds", type=float, default=None,
+                        help="how long replica b stays SIGSTOPped (default 30, quick 6)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated, in order, from {SCENARIOS}")
+    parser.add_argument("--work_dir", default=None, help="default: a new temporary folder")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    if args.stop_seconds is not None:
+        settings = dataclasses.replace(settings, stop_seconds=args.stop_seconds)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        parser.error(f"--scenarios has {unknown}; expected names from {SCENARIOS}")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_chaos_"))
+    result = {"mode": "quick" if args.quick else "full",
+              **run(settings, work, scenarios)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

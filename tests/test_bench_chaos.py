@@ -1,0 +1,58 @@
+"""`python -m hcjax.bench.chaos --quick` end to end: the multi-process climb (a climb process and
+two `hcjax.serve` replicas on 127.0.0.1 with a shared token) under each fault loses no accepted
+rollout, rejects every bad RPC while answering a good one after each, and recovers."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_chaos_quick(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hcjax.bench.chaos", "--quick",
+                           "--work_dir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    faults, climb = result["faults"], result["climb"]
+    assert set(faults) == {"replica_sigkill", "replica_sigstop", "bad_rpcs",
+                           "learner_kill_in_transfer", "corrupt_checkpoint"}
+    for name, f in faults.items():
+        assert "error" not in f, (name, f)
+        assert f["kept_stepping"], (name, f)
+        assert f["accepted_rollouts_missing_after"] == 0, (name, f)
+    # Every accepted group in the store was trained on or is still buffered at the end.
+    assert climb["climb_exit_code"] == 0 and climb["accepted_rollouts_lost"] == 0, climb
+    assert climb["store_accepted_groups"] > 0
+
+    kill = faults["replica_sigkill"]
+    assert kill["recover_next_learner_step_s"] is not None
+    assert kill["readmitted_with_version"] is not None and kill["readmitted_with_version"] >= 0
+
+    stop = faults["replica_sigstop"]
+    # The stopped replica is left out of weight pushes: the learner steps on while it is stopped.
+    assert stop["learner_steps_during_stop"] > 0
+    assert stop["cont_to_taking_requests_s"] is not None
+
+    bad = faults["bad_rpcs"]
+    assert bad["rejected"] == bad["sent"] > 0
+    assert set(bad["status_codes"]) == {"UNAUTHENTICATED", "INVALID_ARGUMENT"}
+    assert bad["good_request_succeeded_after_each"] and bad["replica_serving_after"]
+
+    learner = faults["learner_kill_in_transfer"]
+    assert learner["restarted"] and learner["during_failed_transfer"]["keeps_serving_old_version"]
+    assert learner["resumed_from_step"] < learner["after_step"]
+    assert learner["replicas_dropped_after_restart"] == []
+    # The restarted learner redoes the steps the killed one logged after its last checkpoint, on
+    # the same accepted groups from the store: bit for bit the same step.
+    redone = learner["next_step_equals_uninterrupted"]
+    assert redone["compared_steps"] and redone["equal"], redone
+
+    corrupt = faults["corrupt_checkpoint"]
+    assert corrupt["restarted"] and corrupt["fell_back_to_previous"]
+    assert corrupt["warning_names_bad_step"] and corrupt["set_aside"]
