@@ -99,3 +99,16 @@ def test_every_gin_configurable_module_is_registered_for_binding():
     assert found, "no gin-configurable module found under hcjax/"
     missing = sorted(found - set(hcfg._CONFIGURABLE_MODULES))
     assert not missing, f"add {missing} to hcjax.config._CONFIGURABLE_MODULES"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in
+                                        (Path(__file__).parent.parent / "configs").glob("*.gin")))
+def test_every_config_binds(name):
+    # Every shipped gin file parses and binds against the registered configurables (a renamed
+    # field or a typo in a config nobody ran would otherwise surface only when a user runs it).
+    import hcjax.climb  # noqa: F401  (registers the climb's configurables)
+    import hcjax.consolidate  # noqa: F401
+    import hcjax.distill.dpo  # noqa: F401
+    import hcjax.distill.rejection  # noqa: F401
+
+    hcfg.bind([name], [])
