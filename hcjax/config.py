@@ -74,6 +74,12 @@ def hf_checkpoint_folder(path: str) -> str:
     return folder
 
 
+def set_examples(parser: argparse.ArgumentParser, examples: str) -> None:
+    """End `--help` with `examples` (an "examples:" block of command lines), kept as written."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = examples
+
+
 def add_hf_checkpoint_flag(parser: argparse.ArgumentParser | argparse._ActionsContainer) -> None:
     """`--hf_checkpoint DIR`: model (config.json + safetensors) and tokenizer from a Hugging Face
     folder instead of the gin ModelConfig and the byte tokenizer."""

@@ -285,10 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             "first climb's OUT/base")
         parser.add_argument("--quiet", action="store_true",
                             help="no phase line, no climb panel, no report on stdout")
-        import argparse
-
-        parser.formatter_class = argparse.RawDescriptionHelpFormatter
-        parser.epilog = EXAMPLES
+        config.set_examples(parser, EXAMPLES)
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["consolidate_tiny.gin"], extra_args=extra)

@@ -34,6 +34,13 @@ def compare(results: dict[str, dict[str, float]], *, min_cut: float = 0.25,
     return out
 
 
+EXAMPLES = """examples:
+  python -m hcjax.long2short --checkpoint long=runs/long --checkpoint merge=runs/l2s_merge
+  python -m hcjax.long2short --gin_file long2short_base_tiny.gin --checkpoint long=runs/long \\
+      --checkpoint rl=runs/l2s_rl --checkpoint dpo=runs/l2s_dpo --output_dir runs/l2s_compare
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`python -m hcjax.long2short --checkpoint long=runs/long --checkpoint merge=runs/l2s_merge
     ... [--gin_file F] [--output_dir OUT]`; the first checkpoint is the reference."""
@@ -48,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             help="default: the reference's budget, ClimbConfig.max_tokens")
         parser.add_argument("--min_cut", type=float, default=0.25)
         parser.add_argument("--max_drop", type=float, default=0.02)
+        config.set_examples(parser, EXAMPLES)
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=extra)

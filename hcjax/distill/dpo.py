@@ -351,6 +351,13 @@ def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: s
     return summary
 
 
+EXAMPLES = """examples:
+  python -m hcjax.distill.dpo --climb runs/climb --init_checkpoint runs/climb --output_dir runs/dpo
+  python -m hcjax.distill.dpo --gin_file long2short_dpo_tiny.gin --samples runs/l2s_rejection/samples.jsonl \\
+      --init_checkpoint runs/long --output_dir runs/l2s_dpo
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`python -m hcjax.distill.dpo (--climb DIR | --samples FILE) [...] --init_checkpoint RUN
     --output_dir OUT [--gin_file F] [--gin_param B]`: pairs from each climb's rollout store and
@@ -366,6 +373,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             help="the starting params and the frozen reference (any hcjax run; "
                             "default: the optimiser's SFTConfig.init_checkpoint)")
         parser.add_argument("--quiet", action="store_true")
+        config.set_examples(parser, EXAMPLES)
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0], extra_args=extra)
     config.bind(flags.gin_files, flags.gin_params)

@@ -321,11 +321,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             help="the common base: merge by task vectors base + Σ λ_i (θ_i − base)")
 
     def extra_with_examples(parser):
-        import argparse
-
         extra(parser)
-        parser.formatter_class = argparse.RawDescriptionHelpFormatter
-        parser.epilog = EXAMPLES
+        config.set_examples(parser, EXAMPLES)
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                extra_args=extra_with_examples)

@@ -140,6 +140,14 @@ def run_rejection(checkpoint: str, output_dir: str, suite: Any, *, k: int = 8,
     return summary
 
 
+EXAMPLES = """examples:
+  python -m hcjax.distill.rejection --checkpoint runs/long --k 8 --output_dir runs/l2s_samples
+  python -m hcjax.distill.rejection --gin_file long2short_base_tiny.gin --checkpoint runs/long \\
+      --num_problems 512 --output_dir runs/l2s_samples
+then SFT on OUT/rejection.jsonl (hcjax.sft --gin_file long2short_rejection_tiny.gin ...).
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`python -m hcjax.distill.rejection --checkpoint RUN --output_dir OUT [--k 8]
     [--num_problems N] [--gin_file F]`: the suite is ClimbConfig.suite of the gin files."""
@@ -155,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             help="default: ClimbConfig.max_tokens")
         parser.add_argument("--temperature", type=float, default=1.0)
         parser.add_argument("--seed", type=int, default=0)
+        config.set_examples(parser, EXAMPLES)
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["tiny_cpu.gin"], extra_args=extra)
