@@ -7,7 +7,7 @@ transfer plan. What to climb (`ClimbConfig.suite`, rewards per suite), where eac
 (`Placement`) and how problems are drawn (`SourceConfig`) are gin bindings. `--hf_checkpoint DIR`
 climbs a Hugging Face folder with its tokenizer and chat template; `--inference_address` sends
 rollouts to remote `python -m hcjax.serve` processes; `Placement.backend = "ray"` runs the learner
-and the replicas as Ray actors (hcjax.rl.ray_placement).
+and the replicas as Ray actors (hcjax.ray_placement).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def _extra_args(parser) -> None:
 
 def _climb_on_ray(flags, output_dir: str):
     """Placement.backend = "ray": the learner and the replicas as Ray actors
-    (hcjax.rl.ray_placement), which bind the same gin files and parameters."""
-    from hcjax.rl.ray_placement import climb_on_ray
+    (hcjax.ray_placement), which bind the same gin files and parameters."""
+    from hcjax.ray_placement import climb_on_ray
 
     args = flags.extra
     for flag, value in (("--inference_address", args.inference_address),

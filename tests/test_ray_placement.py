@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hcjax import config
+from hcjax.ray_placement import check_fits
 from hcjax.rl.placement import Placement, RayPlacement
-from hcjax.rl.ray_placement import check_fits
 from hcjax.sharding import MeshConfig
 
 REPO = Path(__file__).resolve().parent.parent

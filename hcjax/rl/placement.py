@@ -19,7 +19,7 @@ __all__ = ["BACKENDS", "Placement", "RayBundle", "RayPlacement", "ResolvedPlacem
 
 _IN_PROCESS = {"fsdp": -1, "num_devices": 1}
 # "local": the learner in this process, inference in-process or at inference_addresses;
-# "ray": every role a Ray actor (hcjax.rl.ray_placement), the bundles from RayPlacement.
+# "ray": every role a Ray actor (hcjax.ray_placement), the bundles from RayPlacement.
 BACKENDS = ("local", "ray")
 
 
@@ -131,7 +131,7 @@ class Placement:
                 "python -m hcjax.climb)") from None
 
 
-# The Ray placement's bundles (no Ray here: hcjax.rl.ray_placement starts the actors) -----------
+# The Ray placement's bundles (no Ray here: hcjax.ray_placement starts the actors) -----------
 
 _ACCELERATORS = ("CPU", "GPU", "TPU")
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -174,7 +174,7 @@ def _device_count(cfg: MeshConfig, binding: str) -> int:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class RayPlacement:
-    """How `Placement.backend = "ray"` runs (hcjax.rl.ray_placement): one bundle per learner
+    """How `Placement.backend = "ray"` runs (hcjax.ray_placement): one bundle per learner
     process and per inference replica (`Placement.inference_meshes`), each mesh's devices
     expressed as Ray resources.
 
