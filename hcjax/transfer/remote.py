@@ -241,8 +241,26 @@ class PlanSender:
                 self._wait_ack(version, dst, unacked.popleft(), ack_device)
             return sent
 
-        with ThreadPoolExecutor(max_workers=max(1, len(self.chunks))) as pool:
-            sent = sum(pool.map(serve, sorted(self.chunks)))
+        # Daemon threads, not an executor: a receiver that died leaves its ack pull blocked
+        # forever, and the interpreter joins executor threads at exit (a hang, not an error).
+        results: dict[int, int] = {}
+        errors: list[BaseException] = []
+
+        def run(c: int) -> None:
+            try:
+                results[c] = serve(c)
+            except BaseException as err:  # re-raised on the calling thread below
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(c,), daemon=True, name=f"plan-send-{c}")
+                   for c in sorted(self.chunks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        sent = sum(results.values())
         self.bytes_sent += sent
         return sent
 
