@@ -2,6 +2,7 @@
 # The after-the-climb pipelines end to end on the tiny CPU model (issue D1, README "Pipelines"):
 #
 #   launch/pipelines_demo.sh [OUT]        # default OUT=runs/d1
+#   PIPELINES=long2short launch/pipelines_demo.sh [OUT]   # one of the two (default: both)
 #
 # Measured on the shared 2-core CPU (load average 15-20 from other work): 42 minutes in all
 # (base 80 s, specialists 328 + 370 s, consolidation 747 s, long model 231 s, short fine-tune
@@ -19,6 +20,7 @@ cd "$(dirname "$0")/.."
 
 OUT=${1:-runs/d1}
 PY=${PYTHON:-.venv/bin/python}
+PIPELINES=${PIPELINES:-consolidation,long2short}
 mkdir -p "$OUT"
 
 # step NAME MARKER CMD...: run CMD (its output also in OUT/NAME.log) unless MARKER exists.
@@ -42,6 +44,7 @@ step() {
 # split fell 0.355 -> 0.29 in 5 minutes: one-digit facts 0.52 -> 0.35, 2-digit + 1-digit 0.40 ->
 # 0.53, 2-digit + 2-digit 0.05 -> 0.00).
 HELDOUT="ArithmeticSuite.heldout_min_digits = 2"
+if [[ $PIPELINES == *consolidation* ]]; then
 step base "$OUT/base/summary.txt" \
   "$PY" -m hcjax.sft --output_dir "$OUT/base" --log_format json
 for kind in add sub; do
@@ -54,8 +57,10 @@ step consolidate "$OUT/consolidated/report.json" \
   "$PY" -m hcjax.consolidate --gin_file consolidate_tiny.gin --base_checkpoint "$OUT/base" \
     --climb "$OUT/spec_add" --climb "$OUT/spec_sub" --gin_param "$HELDOUT" \
     --output_dir "$OUT/consolidated"
+fi
 
 # --- long2short ----------------------------------------------------------------------------------
+if [[ $PIPELINES == *long2short* ]]; then
 step long "$OUT/long/summary.txt" \
   "$PY" -m hcjax.sft --gin_file long2short_base_tiny.gin --output_dir "$OUT/long" \
     --log_format json
@@ -88,6 +93,7 @@ step long2short "$OUT/long2short/long2short.json" \
     --checkpoint "long=$OUT/long" --checkpoint "merge=$OUT/l2s_merge" \
     --checkpoint "rejection=$OUT/l2s_rejection" --checkpoint "dpo=$OUT/l2s_dpo" \
     --checkpoint "rl=$OUT/l2s_rl"
+fi
 
 echo
 echo "consolidation: $OUT/consolidated/report.md"

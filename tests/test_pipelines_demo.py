@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hcjax.data.tasks import ArithmeticSuite, steps_thought
+from hcjax.data.tasks import ArithmeticSuite, operands, recheck_thought, steps_thought
 from hcjax.distill.dpo import DPOConfig, pairs_from_samples
 from hcjax.distill.rejection import Sample, sample_records
 from hcjax.tasks.base import TaskProblem
@@ -30,6 +30,23 @@ def test_steps_thought_ends_with_the_reversed_answer():
         p = suite.train_problem(i)
         assert p.thought.split(" ")[-1] == p.answer[::-1]
         assert p.check(p.target())
+
+
+def test_recheck_thought_repeats_the_working():
+    assert recheck_thought("add", 47, 85) == "7+5+0=12 4+8+1=13 231 check 7+5+0=12 4+8+1=13 231"
+    suite = ArithmeticSuite(kinds=("add", "sub"), max_digits=2, thought="recheck",
+                            short_fraction=0.2)
+    ps = [suite.train_problem(i) for i in range(500)]
+    short = [p for p in ps if " check " not in p.thought]
+    assert 0.14 < len(short) / len(ps) < 0.26
+    for p in ps:
+        a, b = map(int, operands(p))
+        steps = steps_thought(p.kind, a, b)
+        assert p.thought == (steps if p in short else f"{steps} check {steps}")
+        assert p.check(p.target())
+    # The long form is the short one plus a redundant second pass: more than twice its length.
+    assert (sum(len(p.thought) for p in ps if p not in short) / (len(ps) - len(short))
+            > 2 * sum(len(p.thought) for p in short) / len(short))
 
 
 def test_steps_keeps_the_problems_and_the_default():
@@ -58,7 +75,7 @@ def test_short_fraction_mix():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"thought": "steps", "short_fraction": 1.5}, "short_fraction=1.5"),
-    ({"thought": "reversed", "short_fraction": 0.2}, "unless thought='steps'"),
+    ({"thought": "reversed", "short_fraction": 0.2}, "unless thought is 'steps' or 'recheck'"),
     ({"thought": "long"}, "thought='long'"),
 ])
 def test_bad_steps_config(kwargs, match):

@@ -13,7 +13,7 @@ import numpy as np
 from hcjax.data.template import parse_answer, reasoning_response
 
 KINDS = ("add", "sub", "mul", "mod")
-THOUGHTS = ("reversed", "none", "steps")
+THOUGHTS = ("reversed", "none", "steps", "recheck")
 _SPLIT_CODES = {"train": 0, "heldout": 1}
 
 
@@ -57,9 +57,12 @@ class ArithmeticSuite:
     `thought="reversed"` writes the answer's digits least-significant first inside <think>, a
     scratchpad that lets small models carry left to right; "none" leaves <think> empty;
     "steps" writes the column-by-column working before those reversed digits (`steps_thought`:
-    "47+85=" thinks "7+5+0=12 4+8+1=13 231"), a long chain of thought for long2short.
-    `short_fraction` (with "steps" only): that share of problems, fixed per problem id, gets the
-    "reversed" thought instead, so a model pre-trained on the mix samples both lengths.
+    "47+85=" thinks "7+5+0=12 4+8+1=13 231"), a long chain of thought for long2short;
+    "recheck" writes that working, then " check " and the same working again: an overthinking
+    chain whose second half is redundant (`recheck_thought`).
+    `short_fraction` (with "steps" or "recheck" only): that share of problems, fixed per problem
+    id, gets the next shorter thought instead ("steps": "reversed"; "recheck": "steps"), so a model
+    pre-trained on the mix samples both lengths.
     The held-out split is problems 0..num_heldout-1 of the held-out stream (fixed by `seed`);
     the training stream never yields a problem that is in the held-out set.
     `heldout_min_digits` draws the held-out split only from problems whose first operand has at
@@ -89,9 +92,9 @@ class ArithmeticSuite:
         if self.thought not in THOUGHTS:
             raise ValueError(f"thought={self.thought!r} is not one of {THOUGHTS}")
         if not 0.0 <= self.short_fraction <= 1.0 or (
-                self.short_fraction and self.thought != "steps"):
+                self.short_fraction and self.thought not in ("steps", "recheck")):
             raise ValueError(f"short_fraction={self.short_fraction} must be in [0, 1], and 0 "
-                             f"unless thought='steps' (thought={self.thought!r})")
+                             f"unless thought is 'steps' or 'recheck' (thought={self.thought!r})")
         if self.heldout_min_digits is not None and not (
                 self.min_digits <= self.heldout_min_digits <= self.max_digits):
             raise ValueError(
@@ -125,10 +128,13 @@ class ArithmeticSuite:
         value = {"add": a + b, "sub": a - b, "mul": a * b, "mod": a % b if b else 0}[kind]
         answer = str(value)
         thought = answer[::-1] if self.thought == "reversed" else ""
-        if self.thought == "steps":
+        if self.thought in ("steps", "recheck"):
             # crc32 of the id: a fixed per-problem draw that leaves the operand streams alone.
             short = zlib.crc32(pid.encode()) / 2**32 < self.short_fraction
-            thought = answer[::-1] if short else steps_thought(kind, a, b)
+            if self.thought == "steps":
+                thought = answer[::-1] if short else steps_thought(kind, a, b)
+            else:
+                thought = (steps_thought if short else recheck_thought)(kind, a, b)
         return Problem(pid, f"{a}{op}{b}=", answer, thought, kind, d)
 
     @property
@@ -185,6 +191,15 @@ def steps_thought(kind: str, a: int, b: int) -> str:
         steps.append(f"{x}{op}{y}{'-' if kind == 'sub' else '+'}{c}={v}")
         c = int(v < 0) if kind == "sub" else v // 10
     return " ".join([*steps, str(value)[::-1]])
+
+
+def recheck_thought(kind: str, a: int, b: int) -> str:
+    """`steps_thought`, then " check " and the same working once more: a chain of thought whose
+    second half adds nothing ("47+85=" -> "7+5+0=12 4+8+1=13 231 check 7+5+0=12 4+8+1=13 231").
+    The answer needs only the first half, so a model can drop the second without losing accuracy:
+    the overthinking that long2short removes."""
+    steps = steps_thought(kind, a, b)
+    return f"{steps} check {steps}"
 
 
 def operands(p: Problem) -> tuple[str, str]:
