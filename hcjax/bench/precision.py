@@ -1,0 +1,274 @@
+"""`python -m hcjax.bench.precision`: the train-inference log-prob gap, fp32 vs bf16 compute, with
+and without routing replay and top-p replay.
+
+Rollouts are sampled by the rollout engine (cached decode, top-p, routing and kept-set records);
+the learner's log-probs of the same tokens are recomputed with its own forward (the packed batch,
+`token_logprobs`, the recorded routing forced or not). Δ = learner logp − sampler logp is exactly
+the log of the ratio the GRPO loss sees at the first step after sampling (RECIPE §3), so an ideal
+pipeline has Δ = 0. Prints one JSON object as its last line; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hcjax import config as hcfg
+from hcjax.display import Phases
+from hcjax.model import ModelConfig, Transformer
+from hcjax.rl.batch import LearnerBatch, pack_rollouts
+from hcjax.rl.learner import token_logprobs
+from hcjax.rl.losses import LossConfig
+from hcjax.rollout import Engine, generate
+from hcjax.rollout.testing import perturbed
+
+# (sampler compute dtype, learner compute dtype): RECIPE §3 runs both in bf16; bf16 inference
+# against an fp32 learner is the other common setup.
+PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"))
+# Perturbation of the initial weights: large enough that the untrained policy is peaked (mean
+# sampled log-prob around -1 on the tiny config) rather than nearly uniform over the vocabulary.
+WEIGHT_NOISE = 2.0
+# |r - 1| above this counts as a visibly off-policy token; the loss's own clip interval
+# [1 - ε, 1/(1 - ε)] (RECIPE §3, ε = LossConfig.eps) is the other threshold reported.
+RATIO_TOLERANCE = 0.2
+
+
+def larger_config(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` widened to the size of bench.learner's larger model (still CPU-sized)."""
+    return dataclasses.replace(
+        cfg, d_model=256, num_heads=4, num_kv_heads=2, head_dim=64, window=128, d_ff=768,
+        num_experts=16, experts_per_token=2, moe_latent_dim=128, moe_d_ff=256,
+        max_seq_len=max(cfg.max_seq_len, 512),
+    )
+
+
+def make_learner_logprobs(model: Transformer):
+    """jit fn(batch, replay_routing) -> (logp with top-p replay, support_miss, logp without,
+    recomputed routing [L, b, T, k] or None), all [b, T].
+
+    The learner's forward of one micro-batch (rl/learner.py `make_loss_and_grad.forward`): the
+    model on the packed rows, the sampler's expert choices forced when routing is replayed, then
+    `token_logprobs` with the temperature, with and without the recorded top-p kept set.
+    """
+    graphdef, params = nnx.split(model)
+
+    def fn(mb: LearnerBatch, replay_routing: bool):
+        routing = None
+        if replay_routing:
+            routing = tuple(mb.routing[layer] for layer in range(mb.routing.shape[0]))
+        out = nnx.merge(graphdef, params)(
+            mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, routing=routing)
+        args = (out.logits, mb.targets, mb.temperature, mb.n_kept)
+        logp_top_p, miss = token_logprobs(*args, replay_top_p=True)
+        logp_full, _ = token_logprobs(*args, replay_top_p=False)
+        return logp_top_p, miss, logp_full, jnp.stack(out.routing) if out.routing else None
+
+    return jax.jit(fn, static_argnums=1)
+
+
+def _first_micro_batch(batch: LearnerBatch) -> LearnerBatch:
+    """Micro-batch 0 of a one-micro-batch batch (leading axis dropped), as jnp arrays."""
+    def take(name, x):
+        if x is None or name in ("num_tokens", "num_sequences"):
+            return x
+        return jnp.asarray(x[0])
+
+    return LearnerBatch(**{f.name: take(f.name, getattr(batch, f.name))
+                           for f in dataclasses.fields(batch)})
+
+
+def gap_stats(learner_logp: np.ndarray, sampler_logp: np.ndarray, eps: float) -> dict:
+    """Statistics of Δ = learner − sampler log-prob over the loss tokens, and of r = exp(Δ)."""
+    delta = np.asarray(learner_logp, np.float64) - np.asarray(sampler_logp, np.float64)
+    ratio = np.exp(delta)
+    low, high = 1.0 - eps, 1.0 / (1.0 - eps)
+    return {
+        "tokens": int(delta.size),
+        "mean_sampler_logp": float(np.mean(sampler_logp)),  # how peaked the policy is
+        "mean_abs_dlogp": float(np.mean(np.abs(delta))),
+        "max_abs_dlogp": float(np.max(np.abs(delta))),
+        "mean_dlogp": float(np.mean(delta)),
+        "mean_ratio_minus_1": float(np.mean(ratio - 1.0)),
+        "mean_abs_ratio_minus_1": float(np.mean(np.abs(ratio - 1.0))),
+        f"frac_abs_ratio_minus_1_gt_{RATIO_TOLERANCE}": float(
+            np.mean(np.abs(ratio - 1.0) > RATIO_TOLERANCE)),
+        "frac_outside_clip": float(np.mean((ratio < low) | (ratio > high))),
+    }
+
+
+def _routing_mismatch(recomputed_lbtk, recorded_lbtk, valid_bt) -> float:
+    """Fraction of (MoE layer, fed token) whose expert set differs from the sampler's record."""
+    a = np.sort(np.asarray(recomputed_lbtk), -1)
+    b = np.sort(np.asarray(recorded_lbtk), -1)
+    differ = np.any(a != b, -1)  # [L, b, T]
+    return float(np.mean(differ[:, np.asarray(valid_bt)])) if differ.size else 0.0
+
+
+def sample_rollouts(model: Transformer, *, prompts: int, prompt_len: int, samples: int,
+                    max_tokens: int, temperature: float, top_p: float, slots: int, seed: int):
+    """Rollouts sampled by the rollout engine (continuous batching over `slots` decode slots)."""
+    cfg = model.config
+    if prompt_len + max_tokens > cfg.max_seq_len:
+        raise ValueError(f"prompt_len={prompt_len} + max_tokens={max_tokens} exceeds "
+                         f"max_seq_len={cfg.max_seq_len}")
+    engine = Engine(model, max_concurrent_decodes=slots, max_prefill_length=prompt_len,
+                    max_target_length=cfg.max_seq_len)
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(1, cfg.vocab_size, (prompts, prompt_len)).tolist()
+    recs = generate(None, prompt_ids, n=samples, max_tokens=max_tokens, temperature=temperature,
+                    top_p=top_p, seed=seed, engine=engine)
+    # Only the log-probs matter here; an advantage is what packing asks of every rollout.
+    return [dataclasses.replace(r, reward=0.0, advantage=0.0) for r in recs]
+
+
+def with_dtype(cfg: ModelConfig, state: nnx.State, dtype: str) -> Transformer:
+    """The model of `cfg` with the weights `state` (fp32 masters) computing in `dtype`: the
+    ModelConfig.dtype knob, so parameters stay fp32 and activations and matmuls run in `dtype`."""
+    shaped = nnx.eval_shape(lambda: Transformer(dataclasses.replace(cfg, dtype=dtype),
+                                                rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(shaped)
+    return nnx.merge(graphdef, state)
+
+
+def logprob_gap(
+    cfg: ModelConfig,
+    *,
+    pairs: Sequence[tuple[str, str]] = PAIRS,
+    prompts: int = 8,
+    prompt_len: int = 16,
+    samples: int = 2,
+    max_tokens: int = 48,
+    temperature: float = 1.0,
+    top_p: float = 0.97,
+    slots: int = 8,
+    seed: int = 0,
+    weight_noise: float = WEIGHT_NOISE,
+    phases: Phases | None = None,
+) -> dict:
+    """Train-inference gap table. For each (sampler dtype, learner dtype) pair, same fp32 master
+    weights: rollouts from the engine computing in the first, then the learner's log-probs
+    computing in the second, with routing replay on/off x top-p replay on/off.
+
+    `weight_noise` perturbs the freshly initialised weights (as the rollout tests do): at init
+    the attention output gains are 0 and the next-token distribution is nearly uniform.
+    Returns {"rows": [one dict per (pair, replay_routing, replay_top_p)], ...}.
+    """
+    phases = phases or Phases("hcjax.bench.precision", mode="off")
+    eps = LossConfig().eps
+    _, state = nnx.split(Transformer(dataclasses.replace(cfg, dtype="float32"),
+                                     rngs=nnx.Rngs(seed)))
+    state = perturbed(state, seed + 1, weight_noise)
+    models = {dtype: with_dtype(cfg, state, dtype) for pair in pairs for dtype in pair}
+    recompute = {dtype: make_learner_logprobs(model) for dtype, model in models.items()}
+    sampled: dict[str, tuple] = {}
+    rows = []
+    steps = len(set(s for s, _ in pairs)) + 2 * len(pairs)
+    with phases.phase("sampling and recomputing", total=steps) as ph:
+        for sampler_dtype, learner_dtype in pairs:
+            if sampler_dtype not in sampled:
+                ph.now(f"sampling in {sampler_dtype}")
+                t0 = time.perf_counter()
+                rollouts = sample_rollouts(
+                    models[sampler_dtype], prompts=prompts, prompt_len=prompt_len,
+                    samples=samples, max_tokens=max_tokens, temperature=temperature,
+                    top_p=top_p, slots=slots, seed=seed)
+                packed = pack_rollouts(rollouts, seq_len=max(r.input_len for r in rollouts),
+                                       micro_batches=1, with_routing=True, mask_truncated=False)
+                sampled[sampler_dtype] = (_first_micro_batch(packed), len(rollouts),
+                                          time.perf_counter() - t0)
+                ph.advance()
+            mb, _, _ = sampled[sampler_dtype]
+            mask = np.asarray(mb.loss_mask)
+            valid = np.asarray(mb.segment_ids) > 0
+            old = np.asarray(mb.old_logp)[mask]
+            for replay_routing in (True, False):
+                ph.now(f"{sampler_dtype} sampler, {learner_dtype} learner, "
+                       f"routing replay {replay_routing}")
+                with_top_p, miss, without_top_p, routing = jax.device_get(
+                    recompute[learner_dtype](mb, replay_routing))
+                for replay_top_p, logp in ((True, with_top_p), (False, without_top_p)):
+                    row = {"sampler_dtype": sampler_dtype, "learner_dtype": learner_dtype,
+                           "replay_routing": replay_routing, "replay_top_p": replay_top_p,
+                           **gap_stats(logp[mask], old, eps)}
+                    if replay_top_p:
+                        # Sampled tokens outside the learner's own top-n_kept (kept anyway).
+                        row["support_miss_frac"] = float(np.mean(miss[mask]))
+                    if not replay_routing and routing is not None:
+                        row["routing_mismatch_frac"] = _routing_mismatch(routing, mb.routing,
+                                                                         valid)
+                    rows.append(row)
+                ph.advance()
+    return {
+        "rows": rows,
+        "rollouts_per_sampler": {d: n for d, (_, n, _) in sampled.items()},
+        "sample_s": {d: round(t, 3) for d, (_, _, t) in sampled.items()},
+        "weight_noise": weight_noise,
+        "ratio_tolerance": RATIO_TOLERANCE,
+        "clip_interval": [1.0 - eps, 1.0 / (1.0 - eps)],
+        "sampling": {"prompts": prompts, "prompt_len": prompt_len, "samples": samples,
+                     "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
+    }
+
+
+EXAMPLES = """examples:
+  python -m hcjax.bench.precision                      # tiny_cpu.gin model, fp32 and bf16
+  python -m hcjax.bench.precision --larger --max_tokens 96
+  python -m hcjax.bench.precision --reduced            # a few short rollouts (the test's run)
+
+The last line on stdout is one JSON object; progress goes to stderr.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    hcfg.set_examples(parser, EXAMPLES)
+    parser.add_argument("--gin_file", action="append", default=None,
+                        help="model config (default tiny_cpu.gin)")
+    parser.add_argument("--larger", action="store_true",
+                        help="the gin model widened to bench.learner's larger size")
+    parser.add_argument("--reduced", action="store_true",
+                        help="4 prompts x 2 samples x 16 tokens: well under a minute on CPU")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt_len", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--top_p", type=float, default=0.97)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weight_noise", type=float, default=WEIGHT_NOISE)
+    args = parser.parse_args(argv)
+    hcfg.bind(args.gin_file or ["tiny_cpu.gin"], [])
+    cfg = ModelConfig()
+    if args.larger:
+        cfg = larger_config(cfg)
+    sizes = dict(prompts=args.prompts, prompt_len=args.prompt_len, samples=args.samples,
+                 max_tokens=args.max_tokens)
+    if args.reduced:
+        sizes = dict(prompts=2, prompt_len=8, samples=2, max_tokens=12)
+    table = logprob_gap(cfg, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                        weight_noise=args.weight_noise, phases=Phases("hcjax.bench.precision"), **sizes)
+    out = {
+        "bench": "precision",
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "jax_version": jax.__version__,
+        "config": {"d_model": cfg.d_model, "num_layers": cfg.num_layers,
+                   "num_experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
+                   "vocab_size": cfg.vocab_size, "larger": args.larger},
+        "dtype_knob": "ModelConfig.dtype (compute dtype; fp32 master parameters in both)",
+        **table,
+    }
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

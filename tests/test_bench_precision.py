@@ -1,0 +1,54 @@
+"""`python -m hcjax.bench.precision --reduced` on CPU: the gap table has every (sampler dtype,
+learner dtype, routing replay, top-p replay) row with finite figures, matched dtypes with both
+replays reproduce the sampler's log-probs, and dropping top-p replay costs exactly the mass
+outside the nucleus."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_precision_reduced():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "hcjax.bench.precision", "--reduced"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = {(r["sampler_dtype"], r["learner_dtype"], r["replay_routing"], r["replay_top_p"]): r
+            for r in out["rows"]}
+    pairs = [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")]
+    assert set(rows) == {(*p, rr, rp) for p in pairs for rr in (True, False)
+                         for rp in (True, False)}
+    for key, row in rows.items():
+        assert row["tokens"] > 0, key
+        for name, value in row.items():
+            if isinstance(value, float):
+                assert math.isfinite(value), (key, name, value)
+
+    # Engine and learner computing alike, routing and support replayed: Δ is rounding only.
+    for dtype in ("float32", "bfloat16"):
+        both = rows[(dtype, dtype, True, True)]
+        assert both["mean_abs_dlogp"] < 1e-3 and both["max_abs_dlogp"] < 1e-2, both
+        assert both["support_miss_frac"] == 0.0 and both["frac_outside_clip"] == 0.0, both
+    fp32 = rows[("float32", "float32", True, True)]["mean_abs_dlogp"]
+    # Smallest of every fp32-learner row (bf16/bf16 can tie or beat it on CPU: bf16 rounding
+    # absorbs the sub-ulp differences of the two compute paths, so its Δ is mostly exactly 0).
+    for key, row in rows.items():
+        if key[1] == "float32":
+            assert fp32 <= row["mean_abs_dlogp"] + 1e-7, (key, row)
+
+    # Without top-p replay the learner normalises over the whole vocabulary: log π_full =
+    # log π_nucleus + log(nucleus mass), and the mass is in [top_p, 1], so Δ ∈ [log top_p, 0].
+    log_top_p = math.log(out["sampling"]["top_p"])
+    for dtype in ("float32", "bfloat16"):
+        row = rows[(dtype, dtype, True, False)]
+        assert log_top_p - 1e-3 <= row["mean_dlogp"] < 0.0, row
+        assert row["max_abs_dlogp"] <= -log_top_p + 1e-3, row
