@@ -52,3 +52,14 @@ def test_precision_reduced():
         row = rows[(dtype, dtype, True, False)]
         assert log_top_p - 1e-3 <= row["mean_dlogp"] < 0.0, row
         assert row["max_abs_dlogp"] <= -log_top_p + 1e-3, row
+
+
+def test_help_ends_with_examples(capsys):
+    from hcjax.bench.precision import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    examples = out[out.index("examples:"):].splitlines()
+    assert sum("python -m hcjax.bench.precision" in line for line in examples) >= 2, out
