@@ -54,6 +54,23 @@ def test_dpo_loss_hand_computed():
         dpo_loss(PC, PR, RC, RR, beta=0)
 
 
+def test_dpo_loss_with_the_chosen_nll_term():
+    # Chosen lengths 2 and 4: per-token NLL 1/2 and 2/4; α = 0.3 adds 0.3 · mean(0.5, 0.5).
+    base, _ = dpo_loss(PC, PR, RC, RR, beta=0.5)
+    lengths = jnp.array([2.0, 4.0])
+    loss, m = dpo_loss(PC, PR, RC, RR, beta=0.5, chosen_lengths=lengths, nll_weight=0.3)
+    assert float(m["chosen_nll"]) == pytest.approx(0.5)
+    assert float(loss) == pytest.approx(float(base) + 0.3 * 0.5, abs=1e-6)
+    # Its gradient on π_c of pair 1: the DPO part plus −α / (length · P).
+    g = jax.grad(lambda pc: dpo_loss(pc, PR, RC, RR, beta=0.5, chosen_lengths=lengths,
+                                     nll_weight=0.3)[0])(PC)
+    assert float(g[0]) == pytest.approx(-0.5 / (1 + math.e) / 2 - 0.3 / 2 / 2, abs=1e-6)
+    same, _ = dpo_loss(PC, PR, RC, RR, beta=0.5, chosen_lengths=lengths)
+    assert float(same) == pytest.approx(float(base), abs=1e-7)
+    with pytest.raises(ValueError, match="nll_weight=0.3"):
+        dpo_loss(PC, PR, RC, RR, beta=0.5, nll_weight=0.3)
+
+
 def test_select_pairs_exact():
     lengths = [10, 6, 9, 6, 20, 4]
     correct = [True, True, True, True, False, False]

@@ -54,7 +54,8 @@ __all__ = [
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class DPOConfig:
-    """beta, label_smoothing: of `dpo_loss`. Pairs (`select_pairs`): min_ratio (a correct
+    """beta, label_smoothing, nll_weight (RPO's per-token NLL of the chosen response): of
+    `dpo_loss`. Pairs (`select_pairs`): min_ratio (a correct
     response at least this many times the shortest correct one's length is rejected),
     long_pairs / wrong_pairs (which rejections to use), max_pairs_per_group, and the store
     filter min_step_fraction (rollouts of learner steps >= this fraction of the last).
@@ -65,6 +66,7 @@ class DPOConfig:
 
     beta: float = 0.1
     label_smoothing: float = 0.0
+    nll_weight: float = 0.0
     min_ratio: float = 1.5
     long_pairs: bool = True
     wrong_pairs: bool = True
@@ -76,6 +78,8 @@ class DPOConfig:
     def __post_init__(self) -> None:
         if self.beta <= 0:
             raise ValueError(f"DPOConfig.beta={self.beta} must be > 0")
+        if self.nll_weight < 0:
+            raise ValueError(f"DPOConfig.nll_weight={self.nll_weight} must be >= 0")
         if self.min_ratio < 1.0:
             raise ValueError(f"DPOConfig.min_ratio={self.min_ratio} must be >= 1")
         if not (self.long_pairs or self.wrong_pairs):
@@ -244,14 +248,18 @@ def make_dpo_step(graphdef: Any, rest: Any, tx: Any, cfg: DPOConfig, load_balanc
         return model(batch["tokens"], positions=batch["positions"],
                      segment_ids=batch["segment_ids"])
 
+    from hcjax.distill.sft import target_weights
+
     def step(state, ref_params, batch):
         half = batch["tokens"].shape[0] // 2
         ref, _ = sequence_logprobs(forward, jax.lax.stop_gradient(ref_params), batch)
+        chosen_lengths = jnp.sum(target_weights(batch), axis=1)[:half]
 
         def loss_fn(params):
             logp, lb = sequence_logprobs(forward, params, batch)
             loss, metrics = dpo_loss(logp[:half], logp[half:], ref[:half], ref[half:],
-                                     beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+                                     beta=cfg.beta, label_smoothing=cfg.label_smoothing,
+                                     chosen_lengths=chosen_lengths, nll_weight=cfg.nll_weight)
             return loss + load_balance_coef * lb, (metrics, lb)
 
         (loss, (metrics, lb)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])

@@ -276,6 +276,8 @@ def dpo_loss(
     beta: float,
     label_smoothing: float = 0.0,
     weights: jax.Array | None = None,
+    chosen_lengths: jax.Array | None = None,
+    nll_weight: float = 0.0,
 ) -> tuple[jax.Array, Metrics]:
     """Direct preference optimisation (Rafailov et al. 2023; Kimi k1.5 long2short, RECIPE §5).
 
@@ -283,11 +285,16 @@ def dpo_loss(
     rejected response of P pairs under the policy and the frozen reference. With
     z = β·((π_c − ref_c) − (π_r − ref_r)):
       loss = mean_p [ −(1 − ε)·log σ(z) − ε·log σ(−z) ]   (ε = label_smoothing, "conservative DPO")
-    `weights` [P] (e.g. 0 for padding pairs) make it a weighted mean. Metrics: the implicit rewards
-    β·(π − ref) of chosen and rejected, their margin, and accuracy (chosen reward > rejected).
+    `weights` [P] (e.g. 0 for padding pairs) make it a weighted mean. `nll_weight` α > 0 adds
+    α·mean_p(−π_c / chosen_lengths_p), the chosen response's per-token negative log-likelihood
+    (the NLL term of RPO, Pang et al. 2024), which keeps DPO from lowering the chosen responses'
+    likelihood along with the rejected ones'. Metrics: the implicit rewards β·(π − ref) of chosen
+    and rejected, their margin, and accuracy (chosen reward > rejected), and `chosen_nll`.
     """
     if beta <= 0:
         raise ValueError(f"beta={beta} must be > 0")
+    if nll_weight < 0 or (nll_weight > 0 and chosen_lengths is None):
+        raise ValueError(f"nll_weight={nll_weight} must be >= 0, and needs chosen_lengths")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 0.5)")
     chosen_reward = beta * (policy_chosen - ref_chosen)
@@ -309,4 +316,10 @@ def dpo_loss(
         "reward_margin": mean(cr - rr),
         "reward_accuracy": mean((cr > rr).astype(z.dtype)),
     }
-    return mean(per_pair), metrics
+    loss = mean(per_pair)
+    if chosen_lengths is not None:
+        nll = -policy_chosen / jnp.maximum(jnp.asarray(chosen_lengths, z.dtype), 1.0)
+        metrics["chosen_nll"] = mean(jax.lax.stop_gradient(nll))
+        if nll_weight > 0:
+            loss = loss + nll_weight * mean(nll)
+    return loss, metrics
