@@ -1,16 +1,24 @@
 """GRPO train-step throughput on CPU, with and without replay, against a matmul roofline.
 
 `python -m hcjax.bench.learner [--steps N]` prints one JSON object as its last line: tokens/s per
-(config, replay) pair, achieved GFLOP/s both by XLA's FLOP count of the compiled step (work done)
+(config, variant), achieved GFLOP/s both by XLA's FLOP count of the compiled step (work done)
 and by an analytic count of useful model FLOPs, each as a ratio to a large fp32 matmul measured
-in the same run (the CPU roofline). It asserts nothing about timings.
+in the same run (the CPU roofline), and where XLA's extra FLOPs go (`hlo_dot_gflops`: the
+compiled step's matmul FLOPs per einsum, forward and backward). The variants are the configs'
+implementations (`attention_impl` / `moe_impl` "auto": blocked attention and blocked expert
+dispatch on CPU) with and without replay, and `no_replay_reference_impls`, dense masked attention
+and `lax.ragged_dot` experts (the model's dataclass defaults), timed side by side. It asserts
+nothing about timings.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import os
+import re
 import time
 
 import jax
@@ -29,13 +37,15 @@ from hcjax.sharding import MeshConfig, make_mesh
 TINY = ModelConfig(
     vocab_size=272, d_model=128, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=32,
     window=64, d_ff=256, num_experts=8, experts_per_token=2, moe_latent_dim=64, moe_d_ff=128,
-    max_seq_len=256, dtype="float32",
+    max_seq_len=256, dtype="float32", attention_impl="auto", moe_impl="auto",
 )
 LARGER = ModelConfig(
     vocab_size=272, d_model=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64,
     window=128, d_ff=768, num_experts=16, experts_per_token=2, moe_latent_dim=128, moe_d_ff=256,
-    max_seq_len=512, dtype="float32",
+    max_seq_len=512, dtype="float32", attention_impl="auto", moe_impl="auto",
 )
+# The implementations of ModelConfig's defaults, which configs/base.gin replaces with "auto".
+REFERENCE_IMPLS = {"attention_impl": "reference", "moe_impl": "ragged"}
 
 
 def model_flops(cfg: ModelConfig, positions: np.ndarray, valid: np.ndarray) -> float:
@@ -72,6 +82,33 @@ def matmul_roofline_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def hlo_dot_gflops(hlo_text: str, top: int = 12) -> dict[str, float]:
+    """Matmul GFLOPs of a compiled module's optimised HLO, grouped by the einsum that made each dot
+    (its op_name, "jvp(...)" forward, "transpose(...)" backward; "dot" when unnamed), largest
+    first. 2 x output elements x contracted size per dot; loop bodies count once."""
+    shapes = {m.group(1): [int(x) for x in m.group(2).split(",") if x]
+              for m in re.finditer(r"%([\w.\-]+) = \w+\[([0-9,]*)\]", hlo_text)}
+    totals: collections.Counter = collections.Counter()
+    for line in hlo_text.splitlines():
+        if " dot(" not in line:
+            continue
+        out = re.search(r"= \w+\[([0-9,]*)\]", line)
+        lhs = re.search(r"dot\(%([\w.\-]+)", line)
+        dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+        if not (out and lhs and dims) or lhs.group(1) not in shapes:
+            continue
+        lhs_shape = shapes[lhs.group(1)]
+        contracted = np.prod([lhs_shape[int(i)] for i in dims.group(1).split(",") if i])
+        flops = 2.0 * np.prod([int(x) for x in out.group(1).split(",") if x]) * contracted
+        name = re.search(r'op_name="([^"]*)"', line)
+        label = "dot"
+        if name:
+            parts = [p for p in name.group(1).split("/") if "jvp(" in p or "transpose(" in p]
+            label = parts[-1] if parts else name.group(1).rsplit("/", 1)[-1]
+        totals[label] += flops
+    return {k: round(v / 1e9, 3) for k, v in totals.most_common(top)}
+
+
 def synthetic_rollouts(cfg: ModelConfig, n: int, prompt_len: int, response_len: int, seed: int = 0):
     """Graded rollouts with random tokens, plausible log-probs, top-p and routing records."""
     rng = np.random.default_rng(seed)
@@ -94,6 +131,7 @@ def synthetic_rollouts(cfg: ModelConfig, n: int, prompt_len: int, response_len: 
 
 def prepare(cfg: ModelConfig, rollouts, seq_len: int, replay: bool):
     """Compile one train step; returns (run_one_step, facts about the step)."""
+    impls = {"attention_impl": cfg.attention_impl, "moe_impl": cfg.moe_impl}
     mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))
     lcfg = LearnerConfig(seq_len=seq_len, replay_top_p=replay, replay_routing=replay)
     learner = Learner(Transformer(cfg, rngs=nnx.Rngs(0)), lcfg, mesh)
@@ -119,7 +157,11 @@ def prepare(cfg: ModelConfig, rollouts, seq_len: int, replay: bool):
         "compile_s": round(compile_s, 2),
         "xla_flops_per_step": float(cost.get("flops", 0.0)) if cost else 0.0,
         "model_flops_per_step": model_flops(cfg, np.asarray(batch.positions), valid),
+        **impls,
     }
+    facts["xla_over_model_flops"] = round(
+        facts["xla_flops_per_step"] / facts["model_flops_per_step"], 3)
+    facts["hlo_dot_gflops"] = hlo_dot_gflops(compiled.as_text())
     return run, facts
 
 
@@ -137,6 +179,8 @@ def _summarise(name: str, variants: dict, times: dict, results: dict) -> None:
         )
     runs["replay_step_time_ratio"] = round(
         runs["replay"]["step_s"] / runs["no_replay"]["step_s"], 3)
+    runs["reference_impls_over_auto_step_time"] = round(
+        runs["no_replay_reference_impls"]["step_s"] / runs["no_replay"]["step_s"], 3)
     results["configs"][name] = runs
     print(json.dumps({name: runs}), flush=True)
 
@@ -164,16 +208,17 @@ def main(argv=None) -> dict:
         roofline = matmul_roofline_gflops()
     results = {"bench": "learner", "backend": jax.default_backend(), "configs": {}}
     # Steps of the phase: per config, compiling each variant, then each round of timed steps.
-    with phases.phase("timing train steps", total=len(settings) * (2 + args.steps)) as phase:
+    with phases.phase("timing train steps", total=len(settings) * (3 + args.steps)) as phase:
         for name, (cfg, rollouts, seq_len) in settings.items():
             variants = {}
-            for v in ("replay", "no_replay"):
+            for v in ("replay", "no_replay", "no_replay_reference_impls"):
                 phase.now(f"{name}: compiling {v}")
-                variants[v] = prepare(cfg, rollouts, seq_len, v == "replay")
+                v_cfg = dataclasses.replace(cfg, **REFERENCE_IMPLS) if "reference" in v else cfg
+                variants[v] = prepare(v_cfg, rollouts, seq_len, v == "replay")
                 phase.advance()
             # Interleave the variants so a noisy, shared machine slows both alike.
             times = {v: [] for v in variants}
-            phase.now(f"{name}: timing both")
+            phase.now(f"{name}: timing the variants")
             for _ in range(args.steps):
                 for v, (run, _) in variants.items():
                     times[v].append(run())
@@ -183,7 +228,7 @@ def main(argv=None) -> dict:
         roofline = max(roofline, matmul_roofline_gflops())  # best of before and after
     results["matmul_roofline_gflops"] = round(roofline, 2)
     for runs in results["configs"].values():
-        for v in ("replay", "no_replay"):
+        for v in ("replay", "no_replay", "no_replay_reference_impls"):
             runs[v]["xla_utilisation"] = round(runs[v]["xla_gflops_per_s"] / roofline, 4)
             runs[v]["model_utilisation"] = round(runs[v]["model_gflops_per_s"] / roofline, 4)
     # Context for the numbers: on a shared machine a high load average means slower steps.

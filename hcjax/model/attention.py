@@ -99,6 +99,34 @@ def gqa_attention(q_bthd, k_bshd, v_bshd, mask_bts, *, scale=None, sinks_h=None)
     return out.reshape(b, t, hq, v_bshd.shape[-1])
 
 
+def blocked_self_attention(q_bthd, k_bshd, v_bshd, positions_bt, segment_ids_bt, window,
+                           *, block: int = 64, sinks_h=None):
+    """Self-attention of a packed row in query blocks that skip the keys no query in them can see.
+
+    Query block [s, e) attends keys [lo, e): lo = 0 on global layers and s - (window - 1) on local
+    ones, so the upper triangle and the keys behind the window are never multiplied (dense masked
+    attention computes all T x T scores, 2-5x the useful work at the tiny config). Each block's
+    softmax is over its own key range with the mask of `attention_mask`, so for every visible key
+    the result equals `gqa_attention` over the whole row. Valid when positions increase along the
+    row within each segment (packed rows; the same index-causal bound the Pallas flash kernel
+    uses); a query that sees no key (padding) gets an average over its range instead of the row.
+    """
+    t = q_bthd.shape[1]
+    if t <= block:
+        mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, window)
+        return gqa_attention(q_bthd, k_bshd, v_bshd, mask, sinks_h=sinks_h)
+    outs = []
+    for s in range(0, t, block):
+        e = min(t, s + block)
+        lo = 0 if window is None else max(0, s - (window - 1))
+        seg_q = None if segment_ids_bt is None else segment_ids_bt[:, s:e]
+        seg_k = None if segment_ids_bt is None else segment_ids_bt[:, lo:e]
+        mask = attention_mask(positions_bt[:, s:e], positions_bt[:, lo:e], seg_q, seg_k, window)
+        outs.append(gqa_attention(q_bthd[:, s:e], k_bshd[:, lo:e], v_bshd[:, lo:e], mask,
+                                  sinks_h=sinks_h))
+    return jnp.concatenate(outs, axis=1)
+
+
 def init_layer_cache(batch: int, slots: int, entries: dict, dtype) -> dict:
     """Empty cache layer: one [batch, slots, *shape] array per entry, and `pos` = -1."""
     cache = {name: jnp.zeros((batch, slots, *shape), dtype) for name, shape in entries.items()}
@@ -237,6 +265,9 @@ class Attention(nnx.Module):
             kernel = lambda q, k, v, seg: pallas_kernels.flash_attention(  # noqa: E731
                 q, k, v, causal=True, window=self.window, segment_ids=seg, impl="pallas")
             return on_local_shards(kernel, q, k, v, segment_ids_bt)
+        if self.attention_impl in ("blocked", "auto"):
+            return blocked_self_attention(q, k, v, positions_bt, segment_ids_bt, self.window,
+                                          sinks_h=sinks)
         mask = attention_mask(
             positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, self.window
         )

@@ -29,7 +29,10 @@ MOE_IMPLS = ("ragged", "blocked", "dense", "pallas", "auto")
 # device holding its expert (ragged all-to-all), "all_gather" gathers the tokens over the expert
 # axis and reduce-scatters the outputs back; "none" keeps the global (GSPMD) dispatch.
 EXPERT_PARALLEL_MODES = ("none", "all_to_all", "all_gather")
-ATTENTION_IMPLS = ("reference", "pallas", "auto")
+# Attention of the full forward: "reference" is dense masked attention over the whole row, "blocked"
+# the same in query blocks that skip keys no query of the block can see (causal upper triangle,
+# keys behind the window); "auto" is the Pallas kernels on TPU/GPU and "blocked" elsewhere.
+ATTENTION_IMPLS = ("reference", "blocked", "pallas", "auto")
 # Rematerialisation of each layer (hcjax/model/transformer.py): "none" keeps every activation,
 # "full" saves nothing (recomputes the layer in the backward pass), "dots" saves the outputs of
 # matmuls without batch dimensions (the weight matmuls, not attention scores), "minimal" saves
