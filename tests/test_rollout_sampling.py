@@ -1,4 +1,7 @@
-"""Sampling with RL extras: kept set vs a numpy top-p reference, log-probs, keys, greedy."""
+"""Sampling with RL extras: kept set vs a numpy top-p reference, log-probs, keys, greedy; the
+top-k candidate sampler against the full-sort reference, bit for bit, and its draw statistics."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +9,7 @@ import numpy as np
 import pytest
 
 from hcjax.rollout.sampling import sample as sample_eager
-from hcjax.rollout.sampling import sampling_keys
+from hcjax.rollout.sampling import sample_reference, sampling_keys
 
 sample = jax.jit(sample_eager)  # as the engine runs it; also far fewer dispatches than eager
 
@@ -104,3 +107,139 @@ def test_same_seed_same_tokens_under_jit():
     c = fn(logits, _keys(6, seed=12))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a), np.asarray(c))
+
+
+# Candidate sampler vs full-sort reference --------------------------------------------------------
+
+
+def _both(candidates):
+    fast = jax.jit(functools.partial(sample_eager, candidates=candidates))
+    ref = jax.jit(functools.partial(sample_reference, candidates=candidates))
+    return fast, ref
+
+
+def _assert_same(a, b):
+    for name in ("tokens", "logprobs", "raw_logprobs", "n_kept", "threshold_logit"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)),
+                                      err_msg=name)
+
+
+def test_lax_top_k_breaks_ties_by_lower_index():
+    # The kept-set definition (ties: lower id first) relies on this.
+    vals, ids = jax.lax.top_k(jnp.array([[3.0, 1.0, 3.0, 3.0, 0.0, 3.0]]), 4)
+    np.testing.assert_array_equal(np.asarray(ids), [[0, 2, 3, 5]])
+    row = jnp.tile(jnp.array([1.0, 2.0, 2.0, 2.0]), 500)[None]
+    _, ids = jax.lax.top_k(row, 6)
+    np.testing.assert_array_equal(np.asarray(ids), [[1, 2, 3, 5, 6, 7]])
+
+
+def _mixed_batch(rng, b, v):
+    """Rows of every kind: peaked (nucleus inside few candidates), flat (needs a wide set or the
+    full sort), quantised logits (many ties), greedy, top_p 1, tiny top_p."""
+    scale = rng.choice([0.3, 1.0, 4.0, 12.0], size=(b, 1))
+    logits = rng.normal(size=(b, v)) * scale
+    logits[::3] = np.round(logits[::3] * 2.0) / 2.0  # ties
+    temperature = rng.choice([0.0, 0.5, 1.0, 1.7], size=b)
+    top_p = rng.choice([1e-6, 0.3, 0.8, 0.95, 0.999, 1.0], size=b)
+    return (jnp.asarray(logits, jnp.float32), jnp.asarray(temperature, jnp.float32),
+            jnp.asarray(top_p, jnp.float32))
+
+
+@pytest.mark.parametrize("v,candidates", [(7, (16,)), (50, (4, 16)), (300, (8, 64)),
+                                          (3000, (64, 1024))])
+def test_candidate_sampler_equals_full_sort_reference(v, candidates):
+    fast, ref = _both(candidates)
+    rng = np.random.default_rng(v)
+    b = 48
+    for trial in range(4):
+        logits, temperature, top_p = _mixed_batch(rng, b, v)
+        keys = _keys(b, seed=trial)
+        a, r = fast(logits, keys, temperature, top_p), ref(logits, keys, temperature, top_p)
+        _assert_same(a, r)
+        # The batch really mixes levels: some rows decided inside the first candidates, some not.
+        n = np.asarray(r.n_kept)
+        if v > candidates[-1]:
+            assert n.min() <= candidates[0] < candidates[-1] < n.max()
+    # Few rows past the first level (gathered into a small batch: 1 row, then b/16 = 3 rows).
+    for flat_rows in (1, 3):
+        logits, _, _ = _mixed_batch(rng, b, v)
+        flat = np.arange(b) < flat_rows
+        logits = jnp.where(flat[:, None], logits * 0.01, logits * 20.0)
+        temperature = jnp.where(flat, 1.0, jnp.asarray(rng.choice([0.0, 1.0], size=b)))
+        top_p = jnp.full((b,), 0.99)
+        keys = _keys(b, seed=10 + flat_rows)
+        a, r = fast(logits, keys, temperature, top_p), ref(logits, keys, temperature, top_p)
+        _assert_same(a, r)
+        if v > candidates[0]:
+            assert np.all(np.asarray(r.n_kept)[:flat_rows] > candidates[0])
+
+
+def test_each_level_gives_the_same_row_result():
+    """A row's draw does not depend on the candidate sizes, i.e. on which level (first
+    candidates, wider, full sort) decided it, nor on the other rows of its batch."""
+    rng = np.random.default_rng(5)
+    v, b = 400, 16
+    logits, temperature, top_p = _mixed_batch(rng, b, v)
+    keys = _keys(b, seed=3)
+    outs = [jax.jit(functools.partial(sample_eager, candidates=c))(logits, keys, temperature, top_p)
+            for c in [(4,), (4, 32), (64,), (200,), (v,), (4, 32, 128)]]
+    for out in outs[1:]:
+        for name in ("tokens", "n_kept", "threshold_logit", "raw_logprobs"):
+            np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                          np.asarray(getattr(outs[0], name)), err_msg=name)
+        # Other sizes group the sums of the kept mass differently: equal up to rounding.
+        np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(outs[0].logprobs),
+                                   rtol=1e-6, atol=1e-6)
+    # Alone in its batch (the others greedy: no level runs for them), each row is bit-identical.
+    one_level = jax.jit(functools.partial(sample_eager, candidates=(4,)))
+    for row in range(b):
+        only = jnp.where(jnp.arange(b) == row, temperature, 0.0)
+        alone = one_level(logits, keys, only, top_p)
+        for name in ("tokens", "logprobs", "n_kept", "threshold_logit"):
+            assert np.asarray(getattr(alone, name))[row] == np.asarray(getattr(outs[0], name))[row]
+
+
+def test_greedy_and_top_p_one_rows_match_reference_with_ties():
+    logits = jnp.array([[0.0, 2.0, 2.0, -1.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0],
+                        [5.0, 4.0, 5.0, 0.0, 0.0]])
+    keys = _keys(3, seed=9)
+    for temperature, top_p in [(0.0, 0.5), (1.0, 1.0), (0.8, 1e-6), (1.0, 0.5)]:
+        t, p = jnp.full((3,), temperature), jnp.full((3,), top_p)
+        fast, ref = _both((2,))
+        a = fast(logits, keys, t, p)
+        _assert_same(a, ref(logits, keys, t, p))
+    greedy = sample(logits, keys, jnp.zeros((3,)), jnp.full((3,), 0.97))
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), [1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(greedy.threshold_logit), [2.0, 1.0, 5.0])
+    whole = sample(logits, keys, jnp.ones((3,)), jnp.ones((3,)))
+    np.testing.assert_array_equal(np.asarray(whole.n_kept), 5)
+    np.testing.assert_array_equal(np.asarray(whole.threshold_logit), [-1.0, 1.0, 0.0])
+    np.testing.assert_allclose(np.asarray(whole.logprobs), np.asarray(whole.raw_logprobs),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_p,n_range", [(0.5, (1, 8)), (0.9, (9, 199)), (1.0, (200, 200))])
+def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range):
+    """Empirical frequencies of one row drawn with many keys, with the nucleus inside the first
+    candidates, past them (decided by the full sort), and the whole vocabulary."""
+    v, n = 200, 20000
+    z = np.zeros(v)
+    z[:3] = [6.0, 5.5, 5.0]
+    z[3:] = np.linspace(1.0, 0.0, v - 3)
+    z = z[np.random.default_rng(0).permutation(v)]
+    keys = sampling_keys(jnp.full((n,), 7), jnp.arange(n), jnp.zeros((n,), jnp.int32))
+    fn = jax.jit(functools.partial(sample_eager, candidates=(8,)))
+    out = fn(jnp.tile(jnp.asarray(z, jnp.float32), (n, 1)), keys, jnp.ones((n,)),
+             jnp.full((n,), top_p))
+    kept, _ = reference_top_p(z, 1.0, top_p)
+    np.testing.assert_array_equal(np.asarray(out.n_kept), len(kept))
+    assert n_range[0] <= len(kept) <= n_range[1]
+    p = np.zeros(v)
+    p[kept] = np.exp(z[kept] - z[kept].max())
+    p /= p.sum()
+    freq = np.bincount(np.asarray(out.tokens), minlength=v) / n
+    assert freq[p == 0].sum() == 0
+    # Binomial standard error per token; 5 sigma plus a floor for the small ones.
+    np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
+    np.testing.assert_allclose(np.exp(np.asarray(out.logprobs)), p[np.asarray(out.tokens)],
+                               rtol=1e-4)

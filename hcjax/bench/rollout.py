@@ -1,8 +1,9 @@
 """`python -m hcjax.bench.rollout`: generation throughput of continuous batching vs static batching
 vs no KV cache on the tiny config, with a mixed response-length workload; KV-cache bytes of
 ring-buffer local layers vs full-length caches; and prefix reuse on 8-turn ReAct-style episodes
-(prefill tokens computed and rollout time with vs without reuse, outputs compared). Prints one
-JSON object last; asserts no timing.
+(prefill tokens computed and rollout time with vs without reuse, outputs compared); and the cost of
+top-p sampling vs greedy vs the full-sort reference, alone and inside one engine decode step, at
+the tiny vocabulary and at large ones. Prints one JSON object last; asserts no timing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from hcjax import config as hcfg
 from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer, cache_bytes, init_cache
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingParams
-from hcjax.rollout.sampling import sample, sampling_keys
+from hcjax.rollout import engine as engine_module
+from hcjax.rollout.sampling import sample, sample_reference, sampling_keys
 from hcjax.rollout.testing import perturbed
 
 
@@ -192,9 +194,109 @@ def kv_bytes(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     return {"ring": cache_bytes(ring), "full_length": cache_bytes(full)}
 
 
+def peaked_logits(key: jax.Array, batch: int, vocab: int, lift: float = 5.0) -> jax.Array:
+    """f32[batch, vocab] logits shaped like a trained model's: a N(0, 1) background and, per row, a
+    head of 1..32 tokens about log(vocab) + lift above it, so with lift 5 the 0.97-nucleus usually
+    (not always) sits in the head, with lift 9 nearly always. A random tiny model's logits are
+    nearly flat, which no trained model's are."""
+    k_bg, k_n, k_ids, k_val = jax.random.split(key, 4)
+    logits = jax.random.normal(k_bg, (batch, vocab))
+    heads = jax.random.randint(k_n, (batch, 1), 1, 33)
+    ids = jax.random.randint(k_ids, (batch, 32), 0, vocab)
+    lift = np.log(vocab) + lift + 1.5 * jax.random.normal(k_val, (batch, 32))
+    lift = jnp.where(jnp.arange(32) < heads, lift, 0.0)
+    return logits.at[jnp.arange(batch)[:, None], ids].add(lift)
+
+
+def _best_seconds(work, repeats: int, prepare=lambda: ()) -> float:
+    """Best wall time of `work(*prepare())` over `repeats` calls, after one untimed call that
+    compiles; `prepare` builds fresh inputs (a donated decode state) outside the timing."""
+    jax.block_until_ready(work(*prepare()))
+    best = float("inf")
+    for _ in range(repeats):
+        args = jax.block_until_ready(prepare())
+        start = time.perf_counter()
+        jax.block_until_ready(work(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _decode_step_seconds(cfg: ModelConfig, sampler, logits, temperature, top_p,
+                         repeats: int) -> float:
+    """One engine decode step with every slot active, sampling `logits` with `sampler`. The
+    engine module's `sample` is swapped while the step is traced (its first call), so the
+    reference runs inside the real step."""
+    batch = logits.shape[0]
+    engine = Engine(Transformer(cfg, rngs=nnx.Rngs(0)), max_concurrent_decodes=batch,
+                    max_prefill_length=16, max_target_length=cfg.max_seq_len)
+    params = engine.load_params()
+    state = dataclasses.replace(
+        engine.init_decode_state(), logits=logits, temperature=temperature, top_p=top_p,
+        active=jnp.ones((batch,), bool), remaining=jnp.full((batch,), 1 << 20, jnp.int32),
+        positions=jnp.full((batch,), 16, jnp.int32))
+    saved, engine_module.sample = engine_module.sample, sampler
+    try:
+        return _best_seconds(lambda st: engine.generate(params, st)[1].data, repeats,
+                             lambda: (jax.tree.map(jnp.copy, state),))
+    finally:
+        engine_module.sample = saved
+
+
+def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
+                        repeats: int) -> dict:
+    """Per vocabulary size: one jitted `sample` call and one whole engine decode step (the model
+    forward included) with greedy rows, top-p rows, top_p = 1 rows and the full-sort reference;
+    `confident` repeats top-p on logits whose nucleus nearly always fits the first candidates."""
+    out = {}
+    for vocab in vocabs:
+        cfg = dataclasses.replace(base_cfg, vocab_size=vocab)
+        logits = peaked_logits(jax.random.key(vocab), batch, vocab)
+        confident = peaked_logits(jax.random.key(vocab), batch, vocab, lift=9.0)
+        keys = sampling_keys(jnp.zeros((batch,), jnp.int32), jnp.arange(batch),
+                             jnp.zeros((batch,), jnp.int32))
+        zeros, ones = jnp.zeros((batch,)), jnp.ones((batch,))
+        p = jnp.full((batch,), top_p)
+        fast, ref = jax.jit(sample), jax.jit(sample_reference)
+        cases = {"greedy": (fast, zeros, p), "top_p": (fast, ones, p),
+                 "top_p_1": (fast, ones, ones), "reference_top_p": (ref, ones, p)}
+        sample_s = {name: _best_seconds(f, repeats, lambda args=(logits, keys, t, q): args)
+                    for name, (f, t, q) in cases.items()}
+        sample_s["top_p_confident"] = _best_seconds(
+            fast, repeats, lambda args=(confident, keys, ones, p): args)
+        n_kept = np.asarray(fast(logits, keys, ones, p).n_kept)
+        step_s = {name: _decode_step_seconds(cfg, f, logits, t, q, repeats)
+                  for name, (f, t, q) in {"greedy": (sample, zeros, p),
+                                          "top_p": (sample, ones, p),
+                                          "reference_top_p": (sample_reference, ones, p)}.items()}
+        step_s["top_p_confident"] = _decode_step_seconds(cfg, sample, confident, ones, p, repeats)
+
+        def ms(d):
+            return {k: round(v * 1e3, 3) for k, v in d.items()}
+
+        out[str(vocab)] = {
+            "sample_ms": ms(sample_s),
+            "decode_step_ms": ms(step_s),
+            "topp_over_greedy": round(sample_s["top_p"] / sample_s["greedy"], 2),
+            "topp1_over_greedy": round(sample_s["top_p_1"] / sample_s["greedy"], 2),
+            "fast_over_reference": round(sample_s["top_p"] / sample_s["reference_top_p"], 4),
+            "decode_topp_over_greedy": round(step_s["top_p"] / step_s["greedy"], 2),
+            "decode_fast_over_reference": round(step_s["top_p"] / step_s["reference_top_p"], 4),
+            "confident_topp_over_greedy": round(sample_s["top_p_confident"] / sample_s["greedy"],
+                                                2),
+            "decode_confident_topp_over_greedy": round(
+                step_s["top_p_confident"] / step_s["greedy"], 2),
+            "rows_nucleus_within": {str(k): round(float(np.mean(n_kept <= k)), 3)
+                                    for k in (64, 1024)},
+            "confident_rows_nucleus_within_64": round(float(np.mean(
+                np.asarray(fast(confident, keys, ones, p).n_kept) <= 64)), 3),
+        }
+    return {"batch": batch, "top_p": top_p, "logits": "peaked_logits", "by_vocab": out}
+
+
 EXAMPLES = """examples:
   python -m hcjax.bench.rollout                        # continuous vs static batching, ReAct, prefix cache
   python -m hcjax.bench.rollout --requests 64 --slots 16 --max_response 64
+  python -m hcjax.bench.rollout --only sampling        # top-p vs greedy vs full sort, 3 vocabularies
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -217,10 +319,29 @@ def main(argv=None) -> dict:
     parser.add_argument("--react_response", type=int, default=6)
     parser.add_argument("--prefix_block_size", type=int, default=16)
     parser.add_argument("--prefix_cache_blocks", type=int, default=1024)
+    parser.add_argument("--sampling_vocabs", default="0,32000,151936",
+                        help="comma-separated vocabulary sizes; 0 = the model config's")
+    parser.add_argument("--sampling_batch", type=int, default=64)
+    parser.add_argument("--sampling_repeats", type=int, default=3)
+    parser.add_argument("--only", choices=["all", "sampling"], default="all")
     parser.add_argument("--gin_file", action="append", default=None)
     args = parser.parse_args(argv)
     hcfg.bind(args.gin_file or ["tiny_cpu.gin"], [])
     cfg = ModelConfig()
+    vocabs = [int(v) or cfg.vocab_size for v in args.sampling_vocabs.split(",") if v.strip()]
+    phases = Phases("hcjax.bench.rollout")
+    with phases.phase("top-p vs greedy vs full-sort sampling"):
+        sampling = sampling_comparison(cfg, vocabs, args.sampling_batch, 0.97,
+                                       args.sampling_repeats)
+    sampling_summary = {
+        f"{key}_{v}": r[key] for v, r in sampling["by_vocab"].items()
+        for key in ("topp_over_greedy", "decode_topp_over_greedy", "fast_over_reference",
+                    "decode_fast_over_reference", "decode_confident_topp_over_greedy")}
+    if args.only == "sampling":
+        out = {"bench": "rollout", "backend": jax.default_backend(), **sampling_summary,
+               "sampling": sampling}
+        print(json.dumps(out))
+        return out
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     model = nnx.merge(graphdef, perturbed(state, 1))
     engine = Engine(model, max_concurrent_decodes=args.slots, max_prefill_length=args.max_prompt,
@@ -228,7 +349,6 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     jobs = workload(rng, args.requests, args.max_prompt, args.max_response)
     recompute_step = make_recompute_step(model)
-    phases = Phases("hcjax.bench.rollout")
     # Compile every shape once before timing: each prompt bucket, the decode step, and each
     # power-of-two width the no-cache baseline will see.
     with phases.phase("compiling every shape"):
@@ -287,6 +407,8 @@ def main(argv=None) -> dict:
         "kv_cache_ring_over_full_128k": round(kv_128k["ring"] / kv_128k["full_length"], 4),
         "support_record_bytes_per_token": 8,  # n_kept int32 + threshold_logit float32
         "react_prefix_reuse": react,
+        **sampling_summary,
+        "sampling": sampling,
     }
     print(json.dumps(out))
     return out
