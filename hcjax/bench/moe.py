@@ -1,8 +1,9 @@
 """`python -m hcjax.bench.moe`: dropless grouped MoE vs the dense one-hot reference, forward+backward.
 
 For E in {8, 64} and k in {2, 8} on this machine's default backend, times the expert computation of
-LatentMoE (SwiGLU in the latent space) both ways, plus a plain matmul measured in the same run as the
-roofline. Useful FLOPs count only the chosen experts (N·k assignments); the dense path computes all
+LatentMoE (SwiGLU in the latent space) in each form (ragged_dot, blocked, tiled, dense), plus a
+plain matmul measured in the same run as the roofline; `--tiles 16,32,64,128` also times the tiled
+form at each tile size (the measurement behind `hcjax.model.moe.default_tile`). Useful FLOPs count only the chosen experts (N·k assignments); the dense path computes all
 E experts for every token. Prints one JSON object as its last line. Timings are not asserted.
 """
 
@@ -20,7 +21,9 @@ from hcjax.model.moe import (
     _expert_mlp_blocked,
     _expert_mlp_dense,
     _expert_mlp_grouped,
+    _expert_mlp_tiled,
     _ragged_dot,
+    default_tile,
     swiglu_act,
 )
 
@@ -43,7 +46,8 @@ def matmul_roofline(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / t / 1e9
 
 
-def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, repeats: int):
+def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, repeats: int,
+               tiles: tuple[int, ...] = ()):
     keys = jax.random.split(jax.random.key(experts * 100 + k), 6)
     x = jax.random.normal(keys[0], (num_tokens, latent), jnp.float32)
     w_gate = jax.random.normal(keys[1], (experts, latent, hidden)) * latent**-0.5
@@ -64,7 +68,16 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
     def blocked_loss(x, wg, wu, wo, expert_nk, gates):
         return jnp.sum(_expert_mlp_blocked(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act) ** 2)
 
+    def tiled_loss(x, wg, wu, wo, expert_nk, gates, tile=None):
+        return jnp.sum(_expert_mlp_tiled(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates,
+                                         swiglu_act, tile=tile) ** 2)
+
+    def tiled_at(tile):
+        return jax.jit(jax.value_and_grad(lambda *a: tiled_loss(*a, tile=tile),
+                                          argnums=(0, 1, 2, 3)))
+
     grouped = jax.jit(jax.value_and_grad(grouped_loss, argnums=(0, 1, 2, 3)))
+    tiled = tiled_at(None)
     blocked = jax.jit(jax.value_and_grad(blocked_loss, argnums=(0, 1, 2, 3)))
     dense = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1, 2, 3)))
     args = (x, w_gate, w_up, w_out)
@@ -72,10 +85,14 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
     # Same function both ways: check before timing so a fast wrong answer cannot win.
     (lg, gg), (ld, gd) = grouped(*g_args), dense(*d_args)
     lb, gb = blocked(*g_args)
-    max_grad_diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(gg + gb, gd + gd))
+    lt, gt = tiled(*g_args)
+    max_grad_diff = max(float(jnp.max(jnp.abs(a - b)))
+                        for a, b in zip(gg + gb + gt, gd + gd + gd))
     t_grouped = _time(grouped, *g_args, repeats=repeats)
     t_dense = _time(dense, *d_args, repeats=repeats)
     t_blocked = _time(blocked, *g_args, repeats=repeats)
+    t_tiled = _time(tiled, *g_args, repeats=repeats)
+    sweep = {str(t): round(_time(tiled_at(t), *g_args, repeats=repeats) * 1e3, 2) for t in tiles}
     # Forward = 3 matmuls of 2·r·f FLOPs per (token, expert); backward ≈ 2× forward.
     per_assignment = 3 * 2 * latent * hidden * 3
     useful = num_tokens * k * per_assignment
@@ -86,14 +103,19 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
         "tokens": num_tokens,
         "grouped_ragged_dot_s": t_grouped,
         "grouped_blocked_s": t_blocked,
+        "grouped_tiled_s": t_tiled,
+        "default_tile": default_tile(num_tokens * k, experts),
+        "tiled_ms_by_tile": sweep,
         "dense_s": t_dense,
+        "blocked_over_tiled": t_blocked / t_tiled,
         "dense_over_ragged_dot": t_dense / t_grouped,
         "dense_over_blocked": t_dense / t_blocked,
         "ragged_dot_useful_gflops": useful / t_grouped / 1e9,
         "blocked_useful_gflops": useful / t_blocked / 1e9,
+        "tiled_useful_gflops": useful / t_tiled / 1e9,
         "dense_useful_gflops": useful / t_dense / 1e9,
         "dense_executed_gflops": dense_flops / t_dense / 1e9,
-        "loss_rel_diff": float(max(abs(lg - ld), abs(lb - ld)) / abs(ld)),
+        "loss_rel_diff": float(max(abs(lg - ld), abs(lb - ld), abs(lt - ld)) / abs(ld)),
         "max_grad_abs_diff": max_grad_diff,
     }
 
@@ -101,6 +123,7 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
 EXAMPLES = """examples:
   python -m hcjax.bench.moe                            # blocked vs dense dispatch, E x k grid
   python -m hcjax.bench.moe --tokens 4096 --repeats 5
+  python -m hcjax.bench.moe --tiles 16,32,64,128       # the tiled form at each tile size
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -114,6 +137,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--latent", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiles", default="",
+                        help="comma-separated tile sizes to time the tiled form at (e.g. 16,32,64)")
     args = parser.parse_args(argv)
     phases = Phases("hcjax.bench.moe")
     with phases.phase("measuring the matmul roofline"):
@@ -123,13 +148,17 @@ def main(argv=None) -> dict:
     with phases.phase("timing E x k cases", total=len(shapes)) as phase:
         for experts, k in shapes:
             phase.now(f"E={experts} k={k}")
-            case = bench_case(args.tokens, args.latent, args.hidden, experts, k, args.repeats)
+            tiles = tuple(int(t) for t in args.tiles.split(",") if t)
+            case = bench_case(args.tokens, args.latent, args.hidden, experts, k, args.repeats,
+                              tiles)
             case["blocked_fraction_of_roofline"] = case["blocked_useful_gflops"] / roofline
+            case["tiled_fraction_of_roofline"] = case["tiled_useful_gflops"] / roofline
             case["ragged_dot_fraction_of_roofline"] = case["ragged_dot_useful_gflops"] / roofline
             cases.append(case)
             print(
                 f"E={experts:3d} k={k}: ragged_dot {case['grouped_ragged_dot_s'] * 1e3:8.1f} ms  "
-                f"blocked {case['grouped_blocked_s'] * 1e3:8.1f} ms  dense "
+                f"blocked {case['grouped_blocked_s'] * 1e3:8.1f} ms  "
+                f"tiled {case['grouped_tiled_s'] * 1e3:8.1f} ms  dense "
                 f"{case['dense_s'] * 1e3:8.1f} ms  (dense/blocked {case['dense_over_blocked']:.2f}x)",
                 flush=True,
             )

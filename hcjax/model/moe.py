@@ -8,8 +8,8 @@ scores with a choice-only correction bias, grouped top-k and a routed scaling fa
 
 Dispatch is dropless: the (token, expert) assignments are sorted by expert and run as grouped
 matmuls over variable-size groups (`jax.lax.ragged_dot`, or our Pallas `gmm`, or "blocked": groups
-padded to whole tiles and run as batched dense matmuls, the fast path on CPU); no capacity factor,
-no token dropped. A dense one-hot path computes every expert for every token and is the reference
+padded to whole tiles and run as batched dense matmuls, or "tiled": the same tiles in a loop that
+skips the padding tail, the fast path on one CPU device); no capacity factor, no token dropped. A dense one-hot path computes every expert for every token and is the reference
 in tests. The router can be forced to given experts (routing replay); the gates then still come
 from the current router logits at those experts, so the router keeps its gradient.
 
@@ -25,6 +25,8 @@ summed over devices or micro-batches give exactly the global-batch loss.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -116,17 +118,32 @@ def _expert_mlp_grouped(x_nr, w, expert_nk, gates_nk, act, matmul):
     return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_nkr.dtype), y_nkr)
 
 
-def _expert_mlp_blocked(x_nr, w, expert_nk, gates_nk, act):
-    """Dropless with dense batched matmuls: each expert's rows are padded to whole tiles, every tile
-    belongs to one expert and multiplies that expert's weights. Padding is at most tile-1 rows per
-    expert, so no token is ever dropped; it is the fast path on CPU, where ragged_dot is slow."""
+def _blocked_tile(assignments: int, num_experts: int) -> int:
+    """Rows per tile of the blocked dispatch (which computes the static worst case of padding,
+    so the tile only trades weight gathers against batch size): the mean rows per expert rounded
+    up to a power of two, within [8, 128]."""
+    return int(min(128, max(8, 1 << max(0, (assignments // num_experts - 1).bit_length()))))
+
+
+def default_tile(assignments: int, num_experts: int) -> int:
+    """Rows per tile of the tiled dispatch: a quarter of the mean rows per expert (so the padding
+    of each expert's last tile, half a tile on average, stays near an eighth of the work) as a
+    power of two within [16, 128]. Measured on CPU by `python -m hcjax.bench.moe --tiles`: at
+    E=64 smaller tiles win (padding), at E=8 the largest (fewer, larger matmuls)."""
+    quarter = max(1, assignments // num_experts // 4)
+    return int(min(128, max(16, 1 << (quarter.bit_length() - 1))))
+
+
+def _tile_layout(x_nr, expert_nk, num_experts: int, tile: int):
+    """Assignments sorted by expert, each expert's rows padded to whole tiles.
+
+    Returns (xs [rows, r], dest [N·k] row of each sorted assignment, order [N·k] the sort,
+    tile_expert [num_tiles], used_tiles: tiles holding at least one assignment, a prefix).
+    rows is the static worst case, N·k + E·(tile − 1) rounded up to tiles. Ids == num_experts
+    (experts held elsewhere, gate 0) run as the last expert: every index stays in bounds and
+    their output is multiplied by 0."""
     n, k = expert_nk.shape
-    num_experts, width, _ = w["gate"].shape
-    out_width = w["out"].shape[-1]
     assignments = n * k
-    tile = int(min(128, max(8, 1 << max(0, (assignments // num_experts - 1).bit_length()))))
-    # Ids == num_experts (experts held elsewhere, gate 0) run as the last expert: every index stays
-    # in bounds and their output is multiplied by 0.
     flat_expert = jnp.minimum(expert_nk.reshape(-1), num_experts - 1)
     order = jnp.argsort(flat_expert, stable=True)
     sorted_expert = flat_expert[order]
@@ -137,10 +154,30 @@ def _expert_mlp_blocked(x_nr, w, expert_nk, gates_nk, act):
     dest = (padded_end - padded)[sorted_expert] + jnp.arange(assignments) - start[sorted_expert]
     rows = -(-(assignments + num_experts * (tile - 1)) // tile) * tile
     num_tiles = rows // tile
-    xs = jnp.zeros((rows, width), x_nr.dtype).at[dest].set(x_nr[order // k])
+    xs = jnp.zeros((rows, x_nr.shape[-1]), x_nr.dtype).at[dest].set(x_nr[order // k])
     tile_expert = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * tile, side="right")
     tile_expert = jnp.minimum(tile_expert, num_experts - 1)  # trailing all-padding tiles
-    xt = xs.reshape(num_tiles, tile, width)
+    return xs, dest, order, tile_expert, padded_end[-1] // tile
+
+
+def _combine_tiles(y_rows, dest, order, gates_nk):
+    """Tile rows back to assignments, then the gate-weighted sum over each token's k experts."""
+    n, k = gates_nk.shape
+    out_width = y_rows.shape[-1]
+    y_assign = jnp.zeros((n * k, out_width), y_rows.dtype).at[order].set(y_rows[dest])
+    return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_rows.dtype),
+                      y_assign.reshape(n, k, out_width))
+
+
+def _expert_mlp_blocked(x_nr, w, expert_nk, gates_nk, act, tile: int | None = None):
+    """Dropless with dense batched matmuls: each expert's rows are padded to whole tiles, every tile
+    belongs to one expert and multiplies that expert's weights (gathered per tile). Padding is at
+    most tile-1 rows per expert, so no token is ever dropped; XLA can partition it over a mesh."""
+    n, k = expert_nk.shape
+    num_experts, width, _ = w["gate"].shape
+    tile = tile or _blocked_tile(n * k, num_experts)
+    xs, dest, order, tile_expert, _ = _tile_layout(x_nr, expert_nk, num_experts, tile)
+    xt = xs.reshape(-1, tile, width)
     g = jnp.einsum("tbr,trf->tbf", xt, w["gate"][tile_expert])
     u = jnp.einsum("tbr,trf->tbf", xt, w["up"][tile_expert])
     if "b_gate" in w:
@@ -149,9 +186,84 @@ def _expert_mlp_blocked(x_nr, w, expert_nk, gates_nk, act):
     y = jnp.einsum("tbf,tfr->tbr", act(g, u), w["out"][tile_expert])
     if "b_out" in w:
         y = y + w["b_out"][tile_expert][:, None]
-    y = y.reshape(rows, out_width)
-    y_assign = jnp.zeros((assignments, out_width), y.dtype).at[order].set(y[dest])
-    return jnp.einsum("nk,nkr->nr", gates_nk.astype(y.dtype), y_assign.reshape(n, k, out_width))
+    return _combine_tiles(y.reshape(xs.shape[0], -1), dest, order, gates_nk)
+
+
+def _tile_forward(x, w, e, act):
+    """One tile [tile, r] through expert e's SwiGLU MLP: (y, g, u)."""
+    g, u = x @ w["gate"][e], x @ w["up"][e]
+    if "b_gate" in w:
+        g, u = g + w["b_gate"][e], u + w["b_up"][e]
+    y = act(g, u) @ w["out"][e]
+    if "b_out" in w:
+        y = y + w["b_out"][e]
+    return y, g, u
+
+
+def _tiles_forward(xt, w, tile_expert, used, act):
+    tiles, tile, _ = xt.shape
+    f, out_width = w["out"].shape[1:]
+
+    def body(t, carry):
+        y_all, g_all, u_all = carry
+        y, g, u = _tile_forward(xt[t], w, tile_expert[t], act)
+        return y_all.at[t].set(y), g_all.at[t].set(g), u_all.at[t].set(u)
+
+    init = (jnp.zeros((tiles, tile, out_width), xt.dtype), jnp.zeros((tiles, tile, f), xt.dtype),
+            jnp.zeros((tiles, tile, f), xt.dtype))
+    return jax.lax.fori_loop(0, used, body, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tiles_mlp(xt, w, tile_expert, used, act):
+    return _tiles_forward(xt, w, tile_expert, used, act)[0]
+
+
+def _tiles_mlp_fwd(xt, w, tile_expert, used, act):
+    y, g, u = _tiles_forward(xt, w, tile_expert, used, act)
+    return y, (xt, w, tile_expert, used, g, u)
+
+
+def _tiles_mlp_bwd(act, res, dy):
+    xt, w, tile_expert, used, g_all, u_all = res
+
+    def body(t, carry):
+        dx_all, dw = carry
+        e, x, d = tile_expert[t], xt[t], dy[t]
+        h, act_vjp = jax.vjp(act, g_all[t], u_all[t])
+        dg, du = act_vjp(d @ w["out"][e].T)
+        dw = dict(dw)
+        dw["out"] = dw["out"].at[e].add(h.T @ d)
+        dw["gate"] = dw["gate"].at[e].add(x.T @ dg)
+        dw["up"] = dw["up"].at[e].add(x.T @ du)
+        if "b_gate" in w:
+            dw["b_gate"] = dw["b_gate"].at[e].add(jnp.sum(dg, 0))
+            dw["b_up"] = dw["b_up"].at[e].add(jnp.sum(du, 0))
+            dw["b_out"] = dw["b_out"].at[e].add(jnp.sum(d, 0))
+        dx = dg @ w["gate"][e].T + du @ w["up"][e].T
+        return dx_all.at[t].set(dx), dw
+
+    init = (jnp.zeros_like(xt), jax.tree.map(jnp.zeros_like, w))
+    dx, dw = jax.lax.fori_loop(0, used, body, init)
+    return dx, dw, None, None
+
+
+_tiles_mlp.defvjp(_tiles_mlp_fwd, _tiles_mlp_bwd)
+
+
+def _expert_mlp_tiled(x_nr, w, expert_nk, gates_nk, act, tile: int | None = None):
+    """Dropless, the blocked layout without the per-tile weight gathers: a loop over the tiles
+    that hold assignments (the all-padding tail of the static worst case is skipped), each tile
+    multiplying its expert's weights in place, with a hand-written backward loop that adds each
+    tile's weight gradients into its expert's. The fastest form on one CPU device (2x the
+    blocked one at E=64, k=8; `python -m hcjax.bench.moe`); one device's loop, so under a
+    multi-device mesh "auto" keeps the blocked form, which XLA partitions."""
+    n, k = expert_nk.shape
+    num_experts, width, _ = w["gate"].shape
+    tile = tile or default_tile(n * k, num_experts)
+    xs, dest, order, tile_expert, used = _tile_layout(x_nr, expert_nk, num_experts, tile)
+    y = _tiles_mlp(xs.reshape(-1, tile, width), w, tile_expert, used, act)
+    return _combine_tiles(y.reshape(xs.shape[0], -1), dest, order, gates_nk)
 
 
 def _ragged_dot(lhs, rhs, group_sizes):
@@ -173,6 +285,9 @@ def routed_experts_fn(impl: str):
             return _expert_mlp_dense(x_nr, w, combine, act)
 
         return dense
+    if impl == "tiled" or (impl == "auto" and not use_pallas("auto")
+                           and _multi_device_mesh() is None):
+        return _expert_mlp_tiled
     if impl == "blocked" or (impl == "auto" and not use_pallas("auto")):
         return _expert_mlp_blocked
     matmul = _pallas_gmm if use_pallas(impl) else _ragged_dot
