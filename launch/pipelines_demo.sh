@@ -4,16 +4,17 @@
 #   launch/pipelines_demo.sh [OUT]        # default OUT=runs/d1
 #   PIPELINES=long2short launch/pipelines_demo.sh [OUT]   # one of the two (default: both)
 #
-# Measured on the shared 2-core CPU (load average 15-20 from other work): 42 minutes in all
-# (base 80 s, specialists 328 + 370 s, consolidation 747 s, long model 231 s, short fine-tune
-# 96 s, merge 12 s, sampling 58 s, rejection SFT 93 s, DPO 137 s, RL 333 s, comparison 46 s).
+# Measured on the shared 2-core CPU: consolidation 26 minutes (base 80 s, specialists 328 + 370 s,
+# consolidation 747 s; load average 15-20 from other work), long2short 17 minutes (long model
+# 109 s, one-pass fine-tune 37 s, merge 4 s, sampling 55 s, rejection SFT 78 s, DPO 59 s, RL
+# 637 s, comparison 16 s).
 #
 # Consolidation: a tiny base, an addition and a subtraction specialist climbed from it, and their
 # consolidation (SFT on both climbs' successful rollouts, then one climb over the union) ->
-# OUT/consolidated/report.md. long2short: a long-thinking model (long2short_base_tiny.gin), then
-# the four shortening methods from it (merging with a short fine-tune of it, shortest rejection
-# sampling + SFT, DPO on its own samples, RL with the Kimi length reward) compared on the held-out
-# split -> OUT/long2short/long2short.json. A step whose output is complete is skipped, so a
+# OUT/consolidated/report.md. long2short: an overthinking model (long2short_base_tiny.gin: the
+# working, then the same working again), then the four shortening methods from it (merging with
+# a one-pass fine-tune of it, shortest rejection sampling + SFT, DPO on its own samples, RL with
+# the Kimi length reward) compared on the held-out split -> OUT/long2short/long2short.json. A step whose output is complete is skipped, so a
 # rerun picks up where a stopped one left off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
