@@ -61,12 +61,22 @@ class ExpandedPlan:
     groups: tuple[Mesh, ...]
     replicas: dict[Hashable, Mesh]
     assignment: dict[Hashable, int]  # replica -> learner group that feeds it
+    # Remapped entries per replica, made once: the same list object lets the executor reuse
+    # its schedule (chunks and compiled copies) from one execution to the next.
+    _entries: dict[Hashable, list[TransferEntry]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def with_replicas(self, replicas: Mapping[Hashable, Mesh]) -> ExpandedPlan:
         """The same plan over another set of live replicas (joined or left)."""
         return expand_plan(self.plan, self.groups, replicas)
 
     def entries_for(self, replica: Hashable) -> list[TransferEntry]:
+        if replica not in self._entries:
+            self._entries[replica] = self._remapped_entries(replica)
+        return self._entries[replica]
+
+    def _remapped_entries(self, replica: Hashable) -> list[TransferEntry]:
         src_map = _device_map(self.plan_source_mesh, self.groups[self.assignment[replica]], "group")
         dst_map = _device_map(self.plan_destination_mesh, self.replicas[replica], "replica")
         devices = {d.id: d for d in jax.devices()}

@@ -418,6 +418,15 @@ class TransferPlan:
     dst_leaves: dict[str, LeafSpec]
     dst_paths: list[str]  # flattening order of the destination tree
     dst_treedef: Any
+    # What the in-process executor derives from the plan (chunks, compiled copy functions),
+    # kept so that executing again costs only the copies; never compared or printed.
+    schedules: dict = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Schedules hold compiled functions and device-bound data: never pickled or copied.
+        return {**self.__dict__, "schedules": {}}
 
     @property
     def bytes_moved(self) -> int:
