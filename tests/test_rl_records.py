@@ -30,6 +30,22 @@ def test_support_mask_matches_stable_rank_with_ties():
     np.testing.assert_array_equal(masked, [1.0, 3.0, -np.inf, -np.inf])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_support_mask_equals_the_sort_rank_on_real_valued_rows(seed):
+    # Wide rows of floats of every sign and scale, with ties, ±0.0, ±inf and huge values, and every
+    # n from 0 (no record) past the vocabulary.
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((40, 97)) * 10.0 ** rng.integers(-30, 30, (40, 1))).astype(np.float32)
+    x[:, ::7] = x[:, 3:4]  # ties
+    x[0, :5] = [0.0, -0.0, 0.0, -0.0, 1e-45]
+    x[1, :4] = [np.inf, -np.inf, 3e38, -3e38]
+    n = rng.integers(0, 100, size=(40,))
+    n[:3] = [0, 97, 1]
+    got = np.asarray(support_mask_from_record(x, n))
+    for i in range(40):
+        np.testing.assert_array_equal(got[i], _reference_mask(x[i] + 0.0, n[i]), err_msg=f"row {i}")
+
+
 def test_support_record_replays_the_sampler():
     logits = jax.random.normal(jax.random.key(1), (32, 50)) * 2.0
     temperature = jnp.full((32,), 0.7)
