@@ -445,16 +445,17 @@ def _destination_shards(
     return shards
 
 
-def _chunked(shards: Sequence[_Shard], max_bytes: int) -> list[list[_Shard]]:
-    """Consecutive shards in groups of at most `max_bytes` (a bigger shard goes alone)."""
-    chunks: list[list[_Shard]] = []
+def chunked(items: Sequence[Any], max_bytes: int) -> list[list[Any]]:
+    """Consecutive items (anything with `nbytes`: entries, shards) in groups of at most
+    `max_bytes`; an item bigger than that goes alone."""
+    chunks: list[list[Any]] = []
     size = 0
-    for shard in shards:
-        if not chunks or size + shard.nbytes > max_bytes:
+    for item in items:
+        if not chunks or size + item.nbytes > max_bytes:
             chunks.append([])
             size = 0
-        chunks[-1].append(shard)
-        size += shard.nbytes
+        chunks[-1].append(item)
+        size += item.nbytes
     return chunks
 
 
@@ -475,7 +476,7 @@ def _make_schedule(
     shards = _destination_shards(plan, entries, dst_shardings, devices)
     chunks = [
         _plan_chunk(plan, group, src_boxes, pack_below)
-        for group in _chunked(shards, max_chunk_bytes)
+        for group in chunked(shards, max_chunk_bytes)
     ]
     copies = sum(len(s.dst_ids) for c in chunks for s in c.sends)
     return _Schedule(chunks, copies + sum(len(c.large) for c in chunks))

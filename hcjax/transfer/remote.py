@@ -24,6 +24,7 @@ from hcjax.transfer.local import (
     SourceShards,
     TransferError,
     assemble_shard,
+    chunked,
     slice_source,
     source_leaves,
 )
@@ -158,15 +159,7 @@ def chunk_entries(entries: Sequence[TransferEntry], max_bytes: int) -> list[list
     """Consecutive chunks of at most `max_bytes` (an entry larger than that travels alone)."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes_per_pull={max_bytes} must be positive")
-    chunks: list[list[TransferEntry]] = []
-    size = 0
-    for entry in entries:
-        if not chunks or size + entry.nbytes > max_bytes:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(entry)
-        size += entry.nbytes
-    return chunks
+    return chunked(entries, max_bytes)
 
 
 def _pair_entries(
