@@ -226,6 +226,39 @@ def test_cached_decode_equals_full_forward(prompt_lens):
         nxt = nxt + live
 
 
+def test_cached_decode_reads_only_the_slots_that_can_be_visible():
+    """One-token decode reads the smallest of `decode_buckets` slots above the batch's largest
+    position: logits equal the full forward as rows cross 16 and 32 in a 64-slot cache, with one
+    row far ahead of the other, and the local ring buffers (24 slots) wrap around."""
+    from hcjax.model.attention import decode_buckets
+
+    assert decode_buckets(64) == (16, 32, 64) and decode_buckets(256) == (32, 64, 128, 256)
+    assert decode_buckets(24) == (24,) and decode_buckets(14) == (14,)
+    cfg = dataclasses.replace(BASE, window=24)
+    model = make_model(cfg)
+    total = 40
+    x = tokens(2, total, seed=5)
+    full = fwd(model, x).logits
+    cache = init_cache(cfg, batch_size=2, max_len=64)
+    assert cache[0]["k"].shape[1] == 24 and cache[1]["k"].shape[1] == 64
+    lens = (4, 12)
+    pos = np.full((2, 12), -1, np.int32)
+    for row, n in enumerate(lens):
+        pos[row, :n] = np.arange(n)
+    cache = fwd(model, x[:, :12], positions=jnp.asarray(pos), cache=cache).cache
+    nxt = np.array(lens)
+    while nxt.min() < total:
+        live = nxt < total
+        at = np.minimum(nxt, total - 1)
+        out = fwd(model, x[jnp.arange(2), at][:, None],
+                  positions=jnp.asarray(np.where(live, at, -1))[:, None], cache=cache)
+        cache = out.cache
+        for row in range(2):
+            if live[row]:
+                np.testing.assert_allclose(out.logits[row, 0], full[row, nxt[row]], atol=1e-4)
+        nxt = nxt + live
+
+
 def test_segment_ids_isolate_packed_documents():
     model = make_model()
     a, b = tokens(1, 5, seed=1), tokens(1, 7, seed=2)

@@ -163,6 +163,45 @@ def _cached_keys(cache: dict, entries_bt: dict, pos_bt):
     return keys, jnp.concatenate([cache["pos"], pos_bt], axis=1)
 
 
+def decode_buckets(slots: int) -> tuple[int, ...]:
+    """Key lengths one-token decode attention may read: `slots` and up to three halvings of
+    it, none below 16."""
+    sizes = {slots}
+    for shift in range(1, 4):
+        if slots >> shift >= 16 and (slots >> shift) << shift == slots:
+            sizes.add(slots >> shift)
+    return tuple(sorted(sizes))
+
+
+def cached_attention(cache: dict, entries_bt: dict, pos_bt, ring: bool, attend):
+    """(attend(keys, key positions), new cache) of a chunk against a cache layer.
+
+    One-token decode writes the token first and reads the cache in place (appending the token
+    to the cache would copy every layer's cache each step), and reads only the leading slots
+    that can hold a visible key: while every row's position is below n <= slots, a key at slot
+    >= n is empty or later than every query (a ring buffer that has not wrapped stores position
+    p at slot p). n is the smallest of `decode_buckets(slots)` above the batch's largest
+    position, chosen on device, so decode reads grow with the longest sequence, not with
+    max_target_length. Longer chunks attend to the old cache plus themselves, then write.
+    """
+    if pos_bt.shape[1] != 1:
+        keys, k_pos = _cached_keys(cache, entries_bt, pos_bt)
+        return attend(keys, k_pos), write_cache(cache, entries_bt, pos_bt, ring=ring)
+    new_cache = write_cache(cache, entries_bt, pos_bt, ring=ring)
+    sizes = decode_buckets(new_cache["pos"].shape[1])
+
+    def read(n):
+        return attend({name: new_cache[name][:, :n] for name in entries_bt},
+                      new_cache["pos"][:, :n])
+
+    if len(sizes) == 1:
+        return read(sizes[0]), new_cache
+    need = jnp.max(pos_bt) + 1
+    index = sum((need > n).astype(jnp.int32) for n in sizes[:-1])
+    out = jax.lax.switch(index, [lambda n=n: read(n) for n in sizes])
+    return out, new_cache
+
+
 class _Rope:
     """RoPE of one layer: the frequency table is a static tuple (hashable graph data)."""
 
@@ -248,10 +287,12 @@ class Attention(nnx.Module):
             out = on_local_shards(kernel, q[:, 0], new_cache["k"].astype(dt),
                                   new_cache["v"].astype(dt), lengths)[:, None]
         else:
-            keys, k_pos = _cached_keys(cache, {"k": k, "v": v}, positions_bt)
-            mask = attention_mask(positions_bt, k_pos, None, None, self.window)
-            out = gqa_attention(q, keys["k"].astype(dt), keys["v"].astype(dt), mask, sinks_h=sinks)
-            new_cache = write_cache(cache, {"k": k, "v": v}, positions_bt, ring=ring)
+            def attend(keys, k_pos):
+                mask = attention_mask(positions_bt, k_pos, None, None, self.window)
+                return gqa_attention(q, keys["k"].astype(dt), keys["v"].astype(dt), mask,
+                                     sinks_h=sinks)
+
+            out, new_cache = cached_attention(cache, {"k": k, "v": v}, positions_bt, ring, attend)
         out = shd.constrain(out, _Q_BTHD)
         y = jnp.einsum("bthk,hkd->btd", out.astype(dt), self.wo[...].astype(dt))
         if self.has_bias:
@@ -350,16 +391,19 @@ class MLAttention(nnx.Module):
             # Absorbed form over the compressed cache: one shared "key head" [c, k_pe] and one
             # shared "value head" c; W_kvb's key half moves to the query, its value half after.
             entries = {"c": c, "k_pe": k_pe}
-            keys, k_pos = _cached_keys(cache, entries, positions_bt)
             q_abs = jnp.einsum("bthn,rhn->bthr", q_nope, wkv_b[..., : self.nope])
-            key = jnp.concatenate([keys["c"], keys["k_pe"]], -1).astype(dt)[:, :, None]
-            mask = attention_mask(positions_bt, k_pos, None, None, self.window)
-            out_lat = gqa_attention(
-                jnp.concatenate([q_abs, q_pe], -1), key, keys["c"].astype(dt)[:, :, None], mask,
-                scale=self.scale,
-            )
+
+            def attend(keys, k_pos):
+                key = jnp.concatenate([keys["c"], keys["k_pe"]], -1).astype(dt)[:, :, None]
+                mask = attention_mask(positions_bt, k_pos, None, None, self.window)
+                return gqa_attention(
+                    jnp.concatenate([q_abs, q_pe], -1), key, keys["c"].astype(dt)[:, :, None],
+                    mask, scale=self.scale,
+                )
+
+            out_lat, new_cache = cached_attention(cache, entries, positions_bt,
+                                                  self.kind == "local", attend)
             out = jnp.einsum("bthr,rhv->bthv", out_lat.astype(dt), wkv_b[..., self.nope :])
-            new_cache = write_cache(cache, entries, positions_bt, ring=self.kind == "local")
         out = shd.constrain(out, _Q_BTHD)
         y = jnp.einsum("bthv,hvd->btd", out.astype(dt), self.wo[...].astype(dt))
         return y, new_cache
