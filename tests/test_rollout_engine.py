@@ -113,6 +113,25 @@ def test_recorded_support_logprobs_routing_match_full_forward(engine, full_forwa
         np.testing.assert_array_equal(rec.versions, 0)
 
 
+def test_bulk_insert_is_one_call_equal_to_inserting_slot_by_slot(engine):
+    from hcjax.rollout import SamplingParams
+
+    params = engine.load_params()
+    sp = SamplingParams(top_p=0.9, seed=7, max_tokens=10, stop_tokens=(2, 5))
+    prefix = engine.prefill(params=params, padded_tokens=PROMPTS[1], true_length=5, sampling=sp)
+    one = engine.init_decode_state()
+    for slot, index in [(3, 0), (1, 1), (2, 5)]:
+        one = engine.insert(prefix, one, slot, sample_index=index, max_tokens=6)
+    bulk = engine.bulk_insert(prefix, engine.init_decode_state(), [3, 1, 2],
+                              sample_indices=[0, 1, 5], max_tokens=6)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one), jax.device_get(bulk))
+    assert np.asarray(bulk.active).tolist() == [False, True, True, True]
+    with pytest.raises(ValueError, match="slot=4"):
+        engine.bulk_insert(prefix, bulk, [0, 4])
+    with pytest.raises(ValueError, match="2 sample indices for 1 slots"):
+        engine.bulk_insert(prefix, bulk, [0], sample_indices=[0, 1])
+
+
 def test_same_seed_same_tokens_and_bulk_insert_shares_one_prefill(engine):
     calls = []
     original = engine.prefill

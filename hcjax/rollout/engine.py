@@ -351,6 +351,7 @@ class Engine:
             lambda wide, n: pc.to_decode_layout(wide, n, self._row_shapes, self._batch_axes)
         )
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(0,))
+        self._bulk_insert_jit = jax.jit(self._bulk_insert_impl, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
         self._init_decode_jit = {}  # by vocab size: jit with the state's shardings
@@ -640,24 +641,23 @@ class Engine:
             active=row(state.active, True),
         )
 
-    def insert(
-        self,
-        prefix: Prefix,
-        decode_state: DecodeState,
-        slot: int,
-        *,
-        sample_index: int = 0,
-        max_tokens: int | None = None,
-    ) -> DecodeState:
-        """Put a prefilled prompt into `slot` as sample `sample_index` (its key depends on it).
+    def _bulk_insert_impl(self, state, cache, logits, version, length, slots, sample_indices,
+                          count, seed, temperature, top_p, remaining, stop_tokens):
+        """`_insert_impl` for slots[:count] (one loop inside one call, in place)."""
+        def body(i, state):
+            return self._insert_impl(state, cache, logits, version, length, slots[i],
+                                     sample_indices[i], seed, temperature, top_p, remaining,
+                                     stop_tokens)
 
-        `max_tokens` (an hcjax extra) overrides the sampling params' limit (partial-rollout
-        budgets).
-        """
+        return jax.lax.fori_loop(0, count, body, state)
+
+    def _check_insert(self, prefix: Prefix, slots: Sequence[int], max_tokens: int | None):
+        """(token budget, stop-token row) of inserting `prefix` into `slots`, or a clear error."""
         if not isinstance(prefix, Prefix):
             raise TypeError(f"insert expects the Prefix that prefill returned, got {type(prefix)}")
-        if not 0 <= slot < self._num_slots:
-            raise ValueError(f"slot={slot} is not in [0, {self._num_slots})")
+        for slot in slots:
+            if not 0 <= slot < self._num_slots:
+                raise ValueError(f"slot={slot} is not in [0, {self._num_slots})")
         sp = prefix.sampling
         budget = sp.max_tokens if max_tokens is None else max_tokens
         if budget <= 0:
@@ -673,6 +673,24 @@ class Engine:
             )
         stop = np.full((self._max_stop,), -1, np.int32)
         stop[: len(sp.stop_tokens)] = sp.stop_tokens
+        return budget, stop
+
+    def insert(
+        self,
+        prefix: Prefix,
+        decode_state: DecodeState,
+        slot: int,
+        *,
+        sample_index: int = 0,
+        max_tokens: int | None = None,
+    ) -> DecodeState:
+        """Put a prefilled prompt into `slot` as sample `sample_index` (its key depends on it).
+
+        `max_tokens` (an hcjax extra) overrides the sampling params' limit (partial-rollout
+        budgets).
+        """
+        budget, stop = self._check_insert(prefix, [slot], max_tokens)
+        sp = prefix.sampling
         return self._insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), np.int32(slot), np.int32(sample_index),
@@ -689,16 +707,29 @@ class Engine:
         sample_indices: Sequence[int] | None = None,
         max_tokens: int | None = None,
     ) -> DecodeState:
-        """Insert one prefill into several slots: the n samples of a GRPO group share it."""
+        """Insert one prefill into several slots: the n samples of a GRPO group share it. One
+        device call whatever the number of slots (the same state as `insert` slot by slot)."""
+        slots = [int(s) for s in slots]
         if sample_indices is None:
             sample_indices = range(len(slots))
+        sample_indices = [int(i) for i in sample_indices]
         if len(sample_indices) != len(slots):
             raise ValueError(f"{len(sample_indices)} sample indices for {len(slots)} slots")
-        for slot, index in zip(slots, sample_indices):
-            decode_state = self.insert(
-                prefix, decode_state, slot, sample_index=index, max_tokens=max_tokens
-            )
-        return decode_state
+        if not slots:
+            return decode_state
+        if len(slots) > self._num_slots:
+            raise ValueError(f"{len(slots)} slots exceed max_concurrent_decodes={self._num_slots}")
+        budget, stop = self._check_insert(prefix, slots, max_tokens)
+        sp = prefix.sampling
+        padded = np.zeros((2, self._num_slots), np.int32)  # one shape: compiled once
+        padded[0, : len(slots)] = slots
+        padded[1, : len(slots)] = sample_indices
+        return self._bulk_insert_jit(
+            decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
+            np.int32(prefix.length), padded[0], padded[1], np.int32(len(slots)),
+            np.uint32(sp.seed), np.float32(sp.temperature), np.float32(sp.top_p),
+            np.int32(budget), stop,
+        )
 
     def _deactivate_impl(self, state, slot):
         return dataclasses.replace(state, active=state.active.at[slot].set(False))
@@ -710,7 +741,10 @@ class Engine:
     # Generate --------------------------------------------------------------------------------
     def _generate_impl(self, params, state, version):
         keys = sampling_keys(state.seeds, state.sample_index, state.positions)
-        drawn = sample(state.logits, keys, state.temperature, state.top_p)
+        # Idle rows draw greedily: their token is discarded, and a stale flat row must not send
+        # the whole batch to the sampler's wider top-p levels.
+        temperature = jnp.where(state.active, state.temperature, 0.0)
+        drawn = sample(state.logits, keys, temperature, state.top_p)
         valid = state.active
         # Feed the drawn token at once: its expert ids and the next logits come from this same
         # forward. Idle rows feed a token too (fixed shapes); their cache row is rewritten on

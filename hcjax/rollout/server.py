@@ -451,6 +451,9 @@ class RolloutServer:
             except queue.Empty:
                 continue
             host = jax.device_get(result)
+            # Python lists once per step: indexing numpy scalars per slot and field costs more
+            # than the step's whole host copy at 128 slots.
+            cols = _HostColumns(host)
             produced = 0
             for slot, sample in owners.items():
                 if sample.finished:
@@ -460,28 +463,28 @@ class RolloutServer:
                     self._cancel(sample.handle)
                     self._freed.put((slot, True))
                     continue
-                if not host.valid[slot]:
+                if not cols.valid[slot]:
                     continue
                 produced += 1
-                self._append(sample, host, slot)
-                if host.done[slot]:
+                self._append(sample, cols, slot)
+                if cols.done[slot]:
                     self._finish(sample, self._finish_reason(sample))
                     self._freed.put((slot, False))
             self._tokens_total += produced
             now = time.monotonic()
             self._recent = [(t, n) for t, n in self._recent if now - t <= 5.0] + [(now, produced)]
 
-    def _append(self, sample: _Sample, host, slot: int) -> None:
+    def _append(self, sample: _Sample, cols: _HostColumns, slot: int) -> None:
         event = TokenEvent(
             sample_index=sample.sample_index,
-            token=int(host.tokens[slot]),
-            logprob=float(host.logprobs[slot]),
-            raw_logprob=float(host.raw_logprobs[slot]),
-            n_kept=int(host.n_kept[slot]),
-            threshold_logit=float(host.threshold_logit[slot]),
-            routing=np.asarray(host.routing[slot]),
-            position=int(host.positions[slot]),
-            version=int(host.versions[slot]),
+            token=cols.tokens[slot],
+            logprob=cols.logprobs[slot],
+            raw_logprob=cols.raw_logprobs[slot],
+            n_kept=cols.n_kept[slot],
+            threshold_logit=cols.threshold_logit[slot],
+            routing=cols.routing[slot],
+            position=cols.positions[slot],
+            version=cols.versions[slot],
         )
         sample.tokens.append(event.token)
         sample.logprobs.append(event.logprob)
@@ -504,6 +507,23 @@ class RolloutServer:
         if sample.handle.done:
             with self._handles_lock:
                 self._handles.discard(sample.handle)
+
+
+class _HostColumns:
+    """One step's ResultTokens on the host as Python lists per field (routing stays an array:
+    one [layers, k] row per slot)."""
+
+    __slots__ = ("tokens", "valid", "done", "logprobs", "raw_logprobs", "n_kept",
+                 "threshold_logit", "positions", "versions", "routing")
+
+    def __init__(self, host: Any) -> None:
+        self.tokens = np.asarray(host.tokens).tolist()
+        self.valid = np.asarray(host.valid).tolist()
+        self.done = np.asarray(host.done).tolist()
+        for name in ("logprobs", "raw_logprobs", "n_kept", "threshold_logit", "positions",
+                     "versions"):
+            setattr(self, name, np.asarray(getattr(host, name)).tolist())
+        self.routing = np.asarray(host.routing)
 
 
 def _make_record(sample: _Sample, reason: str) -> SampledRollout:
