@@ -361,6 +361,31 @@ def test_store_resume_loses_no_accepted_group(tmp_path):
     assert len(all_accepted) == state["accepted_consumed"] + len(pending_ids)
 
 
+def test_store_group_commit_fsyncs_once_per_interval_and_on_close(tmp_path, monkeypatch):
+    """Every line is written and flushed at once (a killed process loses nothing); fsync, for
+    durability past an OS crash, runs at most once per interval and when the store closes."""
+    synced = []
+    monkeypatch.setattr("hcjax.rl.store.os.fsync", lambda fd: synced.append(fd))
+    server = FakeServer()
+    pw = ProblemWorker(RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,))),
+                       EarlyExit(4, 4, (0.0, 1.0), (0.0, 1.0)))
+    groups = [pw.run(task(i, 5), seed=i) for i in range(6)]
+    per_line = RolloutStore(str(tmp_path / "a"), fsync_interval_s=0)
+    grouped = RolloutStore(str(tmp_path / "b"), fsync_interval_s=3600)
+    for i, g in enumerate(groups):
+        per_line.append(g, accepted=True, step=i, version=i)
+        grouped.append(g, accepted=True, step=i, version=i)
+        # written and flushed: a reader (or a restart after SIGKILL) sees the line already
+        assert len(read_groups(str(tmp_path / "b"))) == i + 1
+    assert per_line.fsyncs == 6 and grouped.fsyncs == 0
+    grouped.close()
+    per_line.close()
+    assert grouped.fsyncs == 1 and per_line.fsyncs == 6 and len(synced) == 7
+    assert [g.task_id for g in read_groups(str(tmp_path / "b"))] == [g.task.id for g in groups]
+    with pytest.raises(ValueError, match="fsync_interval_s=-1"):
+        RolloutStore(str(tmp_path / "c"), fsync_interval_s=-1)
+
+
 def test_distillation_set_is_late_successful_and_random(tmp_path):
     store = RolloutStore(str(tmp_path / "store"), decode=lambda ids: "ans" + "".join(map(str, ids)),
                          fsync=False)
