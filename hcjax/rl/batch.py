@@ -9,7 +9,6 @@ second dimension, so every micro-batch is spread over all data-parallel devices.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 
