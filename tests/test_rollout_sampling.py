@@ -133,6 +133,29 @@ def test_lax_top_k_breaks_ties_by_lower_index():
     np.testing.assert_array_equal(np.asarray(ids), [[1, 2, 3, 5, 6, 7]])
 
 
+def test_blocked_top_k_and_first_argmax_equal_lax_top_k_and_argmax():
+    """The preselection by blocks (used when 2 * 128 * m <= vocab) and the blocked argmax give
+    exactly lax.top_k's values and ids (ties: lower id) and jnp.argmax's first maximum, on
+    continuous logits, heavy ties, sparse peaks among -inf, and a vocabulary that is not a
+    multiple of the block."""
+    from hcjax.rollout.sampling import _blocked_top_k, _first_argmax
+
+    rng = np.random.default_rng(11)
+    for v in (16384, 20001, 40000):
+        cases = [rng.normal(size=(6, v)), rng.integers(0, 4, size=(6, v)).astype(float),
+                 np.where(rng.random((6, v)) < 2e-3, 3.0, -np.inf)]
+        cases[2][:, -1] = 3.0  # a peak in the last, partial block
+        for x in cases:
+            x = jnp.asarray(x, jnp.float32)
+            for m in (1, 8, 64):
+                vals, ids = jax.jit(_blocked_top_k, static_argnums=1)(x, m)
+                ref_vals, ref_ids = jax.lax.top_k(x, m)
+                np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+                np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+            np.testing.assert_array_equal(np.asarray(jax.jit(_first_argmax)(x)),
+                                          np.asarray(jnp.argmax(x, axis=-1)))
+
+
 def _mixed_batch(rng, b, v):
     """Rows of every kind: peaked (nucleus inside few candidates), flat (needs a wide set or the
     full sort), quantised logits (many ties), greedy, top_p 1, tiny top_p."""
@@ -146,7 +169,7 @@ def _mixed_batch(rng, b, v):
 
 
 @pytest.mark.parametrize("v,candidates", [(7, (16,)), (50, (4, 16)), (300, (8, 64)),
-                                          (3000, (64, 1024))])
+                                          (3000, (64, 1024)), (20000, (8, 64))])
 def test_candidate_sampler_equals_full_sort_reference(v, candidates):
     fast, ref = _both(candidates)
     rng = np.random.default_rng(v)

@@ -286,7 +286,7 @@ def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
             "decode_confident_topp_over_greedy": round(
                 step_s["top_p_confident"] / step_s["greedy"], 2),
             "rows_nucleus_within": {str(k): round(float(np.mean(n_kept <= k)), 3)
-                                    for k in (64, 1024)},
+                                    for k in (64, 1024, 16384)},
             "confident_rows_nucleus_within_64": round(float(np.mean(
                 np.asarray(fast(confident, keys, ones, p).n_kept) <= 64)), 3),
         }
