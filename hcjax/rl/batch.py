@@ -223,15 +223,16 @@ def to_device(batch: LearnerBatch, mesh: Mesh, batch_axes: Sequence[str] = BATCH
 
 
 def bucket_rows(rows: int, step: int = 1) -> int:
-    """The row count a batch of `rows` packed rows is padded to: the next of four sizes per
-    power of two (9..16 rows -> 10, 12, 14 or 16; 17..32 -> 20, 24, 28 or 32), then a multiple of
-    `step`. At most a quarter of a step's rows are padding, an eighth on average, where padding
-    to the next power of two wasted a quarter on average (up to a half), at four compiled batch
-    shapes per doubling instead of one."""
+    """The row count a batch of `rows` packed rows is padded to, then rounded up to a multiple of
+    `step`: the next power of two up to 8 rows, above that the next of four sizes per doubling
+    (9..16 rows -> 10, 12, 14 or 16; 17..32 -> 20, 24, 28 or 32). Above 8 rows at most a
+    quarter of a step's rows are padding, an eighth on average, where padding to the next power
+    of two wasted a quarter on average (up to a half); small batches keep one compiled shape per
+    doubling, since each new shape is a compile of the train step."""
     if rows < 1 or step < 1:
         raise ValueError(f"rows={rows} and step={step} must be positive")
     top = 1 << (rows - 1).bit_length()  # the power of two >= rows
-    grain = max(1, top // 8)
+    grain = top if top <= 8 else top // 8
     padded = max(step, -(-rows // grain) * grain)
     return -(-padded // step) * step
 
