@@ -112,16 +112,21 @@ def _argmax_lowest_id(z_bm: jax.Array, ids_bm: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(z_bm == top, ids_bm, big), axis=-1).astype(jnp.int32)
 
 
+def _row_blocks(x_bv: jax.Array, block: int) -> jax.Array:
+    """[B, ceil(V / block), block]: each row cut into blocks of consecutive ids, the last one
+    padded with -inf (never a maximum unless the whole block is)."""
+    b, v = x_bv.shape
+    return jnp.pad(x_bv, ((0, 0), (0, -v % block)), constant_values=-jnp.inf).reshape(b, -1, block)
+
+
 def _first_argmax(x_bv: jax.Array, block: int = 128) -> jax.Array:
     """int32[B]: `jnp.argmax` over the last axis (the first maximum, NaN counting as largest) by
     blocks: each block's maximum, the first block holding the row's maximum, then the first
     maximum inside it. Two plain reductions instead of XLA:CPU's variadic argmax reduction,
     which costs 15x more at 32k-150k vocabularies."""
-    b, v = x_bv.shape
-    if v <= block:
+    if x_bv.shape[-1] <= block:
         return jnp.argmax(x_bv, axis=-1).astype(jnp.int32)
-    pad = -v % block
-    blocks = jnp.pad(x_bv, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, block)
+    blocks = _row_blocks(x_bv, block)
     which = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
     inner = jnp.take_along_axis(blocks, which[:, None, None], axis=1)[:, 0]
     return (which * block + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
@@ -165,10 +170,8 @@ def _blocked_top_k(x_bv: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     entries have the lower ids, and the kept blocks are gathered in id order, so the final top_k
     over their m * 128 entries breaks ties exactly as one over the whole row. At a 32k vocabulary
     and m = 64 it reads the row once for the maxima and ranks 8192 entries instead of 32000."""
-    b, v = x_bv.shape
-    block = _PRESELECT_BLOCK
-    pad = -v % block
-    blocks = jnp.pad(x_bv, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, block)
+    b, block = x_bv.shape[0], _PRESELECT_BLOCK
+    blocks = _row_blocks(x_bv, block)
     _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), m)
     chosen = jnp.sort(chosen, axis=-1)  # id order, for the tie-break
     cand = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(b, m * block)

@@ -517,11 +517,7 @@ class _HostColumns:
                  "threshold_logit", "positions", "versions", "routing")
 
     def __init__(self, host: Any) -> None:
-        self.tokens = np.asarray(host.tokens).tolist()
-        self.valid = np.asarray(host.valid).tolist()
-        self.done = np.asarray(host.done).tolist()
-        for name in ("logprobs", "raw_logprobs", "n_kept", "threshold_logit", "positions",
-                     "versions"):
+        for name in self.__slots__[:-1]:
             setattr(self, name, np.asarray(getattr(host, name)).tolist())
         self.routing = np.asarray(host.routing)
 
