@@ -6,12 +6,13 @@ and by an analytic count of useful model FLOPs, each as a ratio to a large fp32 
 in the same run (the CPU roofline), and where XLA's extra FLOPs go (`hlo_dot_gflops`: the
 compiled step's matmul FLOPs per einsum, forward and backward). The variants are the configs'
 implementations (`attention_impl` / `moe_impl` "auto": blocked attention and blocked expert
-dispatch on CPU) with and without replay, and `no_replay_reference_impls`, dense masked attention
-and `lax.ragged_dot` experts (the model's dataclass defaults), and `no_replay_blocked_moe`, the
-auto attention with the blocked expert dispatch, timed side by side. XLA's cost analysis counts a
-loop body once, so the tiled dispatch (a loop over tiles, the "auto" MoE on one CPU device) is
-under-counted in `xla_flops_per_step`; the blocked variant's figure is the honest XLA/model
-ratio. It asserts nothing about timings.
+dispatch on CPU) with and without replay; `no_replay_reference_impls`, dense masked attention
+and `lax.ragged_dot` experts (the model's dataclass defaults); `no_replay_blocked_moe`, the auto
+attention with the blocked expert dispatch; and `no_replay_bf16`, the configs' implementations in
+bf16 compute (fp32 master weights, scores and losses), all timed side by side. XLA's cost analysis
+counts a loop body once, so the tiled dispatch (a loop over tiles, the "auto" MoE on one CPU
+device) is under-counted in `xla_flops_per_step`; the blocked variant's figure is the honest
+XLA/model ratio. It asserts nothing about timings.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ VARIANTS = {  # name: (replay, ModelConfig changes)
     "no_replay": (False, {}),
     "no_replay_reference_impls": (False, REFERENCE_IMPLS),
     "no_replay_blocked_moe": (False, {"moe_impl": "blocked"}),
+    "no_replay_bf16": (False, {"dtype": "bfloat16"}),
 }
 
 
@@ -77,11 +79,12 @@ def model_flops(cfg: ModelConfig, positions: np.ndarray, valid: np.ndarray) -> f
     return 3.0 * fwd
 
 
-def matmul_roofline_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """Best-of fp32 [n, n] @ [n, n] throughput: what this CPU's dense matmul actually reaches."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.dot)
+def matmul_roofline_gflops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+    """Best-of [n, n] @ [n, n] throughput (bf16 operands accumulate in fp32): what this CPU's
+    dense matmul actually reaches."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     f(a, b).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -190,6 +193,8 @@ def _summarise(name: str, variants: dict, times: dict, results: dict) -> None:
         runs["replay"]["step_s"] / runs["no_replay"]["step_s"], 3)
     runs["blocked_moe_over_auto_step_time"] = round(
         runs["no_replay_blocked_moe"]["step_s"] / runs["no_replay"]["step_s"], 3)
+    runs["bf16_over_fp32_step_time"] = round(
+        runs["no_replay_bf16"]["step_s"] / runs["no_replay"]["step_s"], 3)
     runs["reference_impls_over_auto_step_time"] = round(
         runs["no_replay_reference_impls"]["step_s"] / runs["no_replay"]["step_s"], 3)
     results["configs"][name] = runs
@@ -237,11 +242,16 @@ def main(argv=None) -> dict:
             _summarise(name, variants, times, results)
     with phases.phase("measuring the matmul roofline again"):
         roofline = max(roofline, matmul_roofline_gflops())  # best of before and after
+        bf16_roofline = matmul_roofline_gflops(dtype=jnp.bfloat16)
     results["matmul_roofline_gflops"] = round(roofline, 2)
+    results["bf16_matmul_roofline_gflops"] = round(bf16_roofline, 2)
     for runs in results["configs"].values():
         for v in VARIANTS:
             runs[v]["xla_utilisation"] = round(runs[v]["xla_gflops_per_s"] / roofline, 4)
             runs[v]["model_utilisation"] = round(runs[v]["model_gflops_per_s"] / roofline, 4)
+        # The bf16 step against the bf16 matmul's own ceiling, beside the fp32 one above.
+        runs["no_replay_bf16"]["model_utilisation_of_bf16_roofline"] = round(
+            runs["no_replay_bf16"]["model_gflops_per_s"] / bf16_roofline, 4)
     # Context for the numbers: on a shared machine a high load average means slower steps.
     results["load_average_1min"] = round(os.getloadavg()[0], 2)
     results["cpu_count"] = os.cpu_count()

@@ -24,7 +24,7 @@ from flax import nnx
 import pallas_kernels
 from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig, use_pallas
-from hcjax.model.layers import RMSNorm, param, rope, rope_frequencies
+from hcjax.model.layers import RMSNorm, param, project, rope, rope_frequencies
 
 _MASKED = -1e30  # finite, so a fully masked row (a padding query) gives no NaN
 # Logical axes of per-head activations (`shd.constrain`; a no-op without a mesh in context).
@@ -256,7 +256,7 @@ class Attention(nnx.Module):
         return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
     def _project(self, x, name):
-        y = jnp.einsum("btd,dhk->bthk", x, getattr(self, "w" + name)[...].astype(self.dtype))
+        y = project(x, getattr(self, "w" + name)[...].astype(self.dtype))
         if self.has_bias:
             y = y + getattr(self, "b" + name)[...].astype(self.dtype)
         return y
@@ -294,7 +294,7 @@ class Attention(nnx.Module):
 
             out, new_cache = cached_attention(cache, {"k": k, "v": v}, positions_bt, ring, attend)
         out = shd.constrain(out, _Q_BTHD)
-        y = jnp.einsum("bthk,hkd->btd", out.astype(dt), self.wo[...].astype(dt))
+        y = project(out.astype(dt), self.wo[...].astype(dt), 2)
         if self.has_bias:
             y = y + self.bo[...].astype(dt)
         return y, new_cache
