@@ -475,13 +475,23 @@ class Chaos:
 
     # (2) ---------------------------------------------------------------------------------------
     def stop_replica(self) -> dict[str, Any]:
-        """SIGSTOP replica b for stop_seconds, then SIGCONT."""
+        """SIGSTOP replica b for stop_seconds, then SIGCONT. If no learner step has finished by
+        then (a train-step compile or a slow, shared machine can take longer than the quick
+        mode's window), the replica stays stopped until one does, for at most a minute more:
+        the question is whether the learner steps on while a replica is stopped, not how
+        fast."""
         rep = self.replicas[1]
         inflight = (_health(rep.address) or {}).get("inflight")
         failures0 = _failures(self.watch, time.monotonic(), after=True)
         t_fault = self._mark("replica_sigstop")
         rep.signal(signal.SIGSTOP)
         time.sleep(self.s.stop_seconds)
+        try:
+            self.watch.wait(lambda: bool(self.watch.steps_after(t_fault)), 60,
+                            "a learner step while the replica is stopped", self.climb.alive)
+        except TimeoutError:
+            pass  # reported as learner_steps_during_stop = 0
+        stopped_s = time.monotonic() - t_fault
         steps_during = len(self.watch.steps_after(t_fault))
         groups_during = len(self.watch.groups_after(t_fault))
         t_cont = time.monotonic()
@@ -500,7 +510,7 @@ class Chaos:
             t_back = None
         self._after(t_cont)
         return {
-            "stopped_s": self.s.stop_seconds,
+            "stopped_s": _round(stopped_s),
             "requests_in_flight_at_stop": inflight,
             "learner_steps_during_stop": steps_during,
             "groups_finished_during_stop": groups_during,
