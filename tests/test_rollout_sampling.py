@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hcjax.rollout.sampling import SORT_UP_TO, sample_reference, sampling_keys
 from hcjax.rollout.sampling import sample as sample_eager
-from hcjax.rollout.sampling import sample_reference, sampling_keys
 
 sample = jax.jit(sample_eager)  # as the engine runs it; also far fewer dispatches than eager
 
@@ -112,9 +112,11 @@ def test_same_seed_same_tokens_under_jit():
 # Candidate sampler vs full-sort reference --------------------------------------------------------
 
 
-def _both(candidates):
-    fast = jax.jit(functools.partial(sample_eager, candidates=candidates))
-    ref = jax.jit(functools.partial(sample_reference, candidates=candidates))
+def _both(candidates, sort_up_to=0):
+    """The candidate sampler (by default with the threshold search at every vocabulary, not the
+    sort it uses up to SORT_UP_TO ids) and the one-sort reference."""
+    fast = jax.jit(functools.partial(sample_eager, candidates=candidates, sort_up_to=sort_up_to))
+    ref = jax.jit(sample_reference)
     return fast, ref
 
 
@@ -158,7 +160,7 @@ def test_blocked_top_k_and_first_argmax_equal_lax_top_k_and_argmax():
 
 def _mixed_batch(rng, b, v):
     """Rows of every kind: peaked (nucleus inside few candidates), flat (needs a wide set or the
-    full sort), quantised logits (many ties), greedy, top_p 1, tiny top_p."""
+    threshold search), quantised logits (many ties), greedy, top_p 1, tiny top_p."""
     scale = rng.choice([0.3, 1.0, 4.0, 12.0], size=(b, 1))
     logits = rng.normal(size=(b, v)) * scale
     logits[::3] = np.round(logits[::3] * 2.0) / 2.0  # ties
@@ -168,10 +170,11 @@ def _mixed_batch(rng, b, v):
             jnp.asarray(top_p, jnp.float32))
 
 
+@pytest.mark.parametrize("sort_up_to", [0, SORT_UP_TO])
 @pytest.mark.parametrize("v,candidates", [(7, (16,)), (50, (4, 16)), (300, (8, 64)),
                                           (3000, (64, 1024)), (20000, (8, 64))])
-def test_candidate_sampler_equals_full_sort_reference(v, candidates):
-    fast, ref = _both(candidates)
+def test_candidate_sampler_equals_full_sort_reference(v, candidates, sort_up_to):
+    fast, ref = _both(candidates, sort_up_to)
     rng = np.random.default_rng(v)
     b = 48
     for trial in range(4):
@@ -199,22 +202,19 @@ def test_candidate_sampler_equals_full_sort_reference(v, candidates):
 
 def test_each_level_gives_the_same_row_result():
     """A row's draw does not depend on the candidate sizes, i.e. on which level (first
-    candidates, wider, full sort) decided it, nor on the other rows of its batch."""
+    candidates, wider, threshold search) decided it, nor on the other rows of its batch."""
     rng = np.random.default_rng(5)
     v, b = 400, 16
     logits, temperature, top_p = _mixed_batch(rng, b, v)
     keys = _keys(b, seed=3)
-    outs = [jax.jit(functools.partial(sample_eager, candidates=c))(logits, keys, temperature, top_p)
-            for c in [(4,), (4, 32), (64,), (200,), (v,), (4, 32, 128)]]
+    outs = [jax.jit(functools.partial(sample_eager, candidates=c, sort_up_to=s))(
+        logits, keys, temperature, top_p)
+            for c in [(4,), (4, 32), (64,), (200,), (v,), (4, 32, 128)] for s in (0, SORT_UP_TO)]
     for out in outs[1:]:
-        for name in ("tokens", "n_kept", "threshold_logit", "raw_logprobs"):
-            np.testing.assert_array_equal(np.asarray(getattr(out, name)),
-                                          np.asarray(getattr(outs[0], name)), err_msg=name)
-        # Other sizes group the sums of the kept mass differently: equal up to rounding.
-        np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(outs[0].logprobs),
-                                   rtol=1e-6, atol=1e-6)
+        # Fixed-point masses: the kept mass is the same integer whichever level summed it.
+        _assert_same(out, outs[0])
     # Alone in its batch (the others greedy: no level runs for them), each row is bit-identical.
-    one_level = jax.jit(functools.partial(sample_eager, candidates=(4,)))
+    one_level = jax.jit(functools.partial(sample_eager, candidates=(4,), sort_up_to=0))
     for row in range(b):
         only = jnp.where(jnp.arange(b) == row, temperature, 0.0)
         alone = one_level(logits, keys, only, top_p)
@@ -241,17 +241,18 @@ def test_greedy_and_top_p_one_rows_match_reference_with_ties():
                                rtol=1e-6)
 
 
+@pytest.mark.parametrize("sort_up_to", [0, SORT_UP_TO])
 @pytest.mark.parametrize("top_p,n_range", [(0.5, (1, 8)), (0.9, (9, 199)), (1.0, (200, 200))])
-def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range):
+def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range, sort_up_to):
     """Empirical frequencies of one row drawn with many keys, with the nucleus inside the first
-    candidates, past them (decided by the full sort), and the whole vocabulary."""
+    candidates, past them (decided by the threshold search), and the whole vocabulary."""
     v, n = 200, 20000
     z = np.zeros(v)
     z[:3] = [6.0, 5.5, 5.0]
     z[3:] = np.linspace(1.0, 0.0, v - 3)
     z = z[np.random.default_rng(0).permutation(v)]
     keys = sampling_keys(jnp.full((n,), 7), jnp.arange(n), jnp.zeros((n,), jnp.int32))
-    fn = jax.jit(functools.partial(sample_eager, candidates=(8,)))
+    fn = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=sort_up_to))
     out = fn(jnp.tile(jnp.asarray(z, jnp.float32), (n, 1)), keys, jnp.ones((n,)),
              jnp.full((n,), top_p))
     kept, _ = reference_top_p(z, 1.0, top_p)
@@ -266,3 +267,45 @@ def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range):
     np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
     np.testing.assert_allclose(np.exp(np.asarray(out.logprobs)), p[np.asarray(out.tokens)],
                                rtol=1e-4)
+
+
+def test_threshold_search_on_ties_and_a_total_short_of_top_p():
+    """The search's edge cases, against the sort and by hand: the threshold falls inside a run of
+    tied logits (kept in id order while the mass before them is below top_p), and the rounded
+    masses of the whole row sum to less than the largest float32 top_p below 1 (1001 equal
+    logits: 1001 * round(2^30 / 1001) = 2^30 - 155), so the whole vocabulary is kept."""
+    v = 1001
+    logits = np.zeros((4, v), np.float32)
+    logits[1, ::2] = 1.0  # two levels of ties
+    logits[2, 500:] = -0.0  # signed zeros tie with +0.0
+    logits[3, 700] = 3.0
+    below_one = np.nextafter(np.float32(1.0), np.float32(0.0))
+    fast, ref = _both((4,))
+    keys = _keys(4, seed=21)
+    outs = {}
+    for top_p in (0.5, below_one):
+        t, p = jnp.ones((4,)), jnp.full((4,), top_p, jnp.float32)
+        outs[top_p] = fast(jnp.asarray(logits), keys, t, p)
+        _assert_same(outs[top_p], ref(jnp.asarray(logits), keys, t, p))
+    half, whole = outs[0.5], outs[below_one]
+    # Uniform rows: mass before rank r is r/1001 < 0.5 for r <= 500; the lowest ids are kept.
+    np.testing.assert_array_equal(np.asarray(half.n_kept)[[0, 2]], 501)
+    assert int(half.tokens[0]) <= 500 and int(half.tokens[2]) <= 500
+    np.testing.assert_array_equal(np.asarray(whole.n_kept)[[0, 2]], v)
+    for row in (1, 3):  # no mass on the boundary: the float64 loop agrees
+        kept, _ = reference_top_p(logits[row], 1.0, 0.5)
+        assert int(half.n_kept[row]) == len(kept)
+        assert int(half.tokens[row]) in kept
+
+
+def test_threefry_in_plain_arithmetic_equals_jax_primitive():
+    from jax.extend.random import threefry2x32_p
+
+    from hcjax.rollout.sampling import _threefry2x32
+
+    words = jax.random.bits(jax.random.key(4), (4, 3, 1000), jnp.uint32)
+    words = words.at[:, 0, :4].set(jnp.array([0, 0xFFFFFFFF, 1, 0x80000000], jnp.uint32))
+    ours = jax.jit(_threefry2x32)(*words)
+    theirs = threefry2x32_p.bind(*words)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
