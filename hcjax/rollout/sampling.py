@@ -198,16 +198,19 @@ def _ranked(scaled_bv: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(scaled_bv, order, axis=-1), order
 
 
-_PRESELECT_BLOCK = 128
+# Blocks of 16 ids: at m = 64, 2.2 vs 2.7 ms (32k) and 4.1-4.6 vs 5.2-5.3 ms (152k) for blocks of
+# 128 over 64 rows (two runs each); 32 and 64 fall in between.
+_PRESELECT_BLOCK = 16
 
 
 def _blocked_top_k(x_bv: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x_bv, m)` (ties: lower id first) by way of the m blocks of 128 ids with the
+    """`lax.top_k(x_bv, m)` (ties: lower id first) by way of the m blocks of 16 ids with the
     largest maxima: every one of the m largest entries lies in one of them. Among blocks whose
     maximum ties the m-th largest block maximum, top_k keeps the lower block ids, whose tied
     entries have the lower ids, and the kept blocks are gathered in id order, so the final top_k
-    over their m * 128 entries breaks ties exactly as one over the whole row. At a 32k vocabulary
-    and m = 64 it reads the row once for the maxima and ranks 8192 entries instead of 32000."""
+    over their m * 16 entries breaks ties exactly as one over the whole row. At a 32k vocabulary
+    and m = 64 it reads the row once for the maxima, ranks its 2000 block maxima, then 1024
+    entries: 1.7x faster than `lax.top_k` over the row (3x at 152k)."""
     b, block = x_bv.shape[0], _PRESELECT_BLOCK
     blocks = _row_blocks(x_bv, block)
     _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), m)
