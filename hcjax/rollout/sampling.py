@@ -2,8 +2,8 @@
 sampling and raw log-probs, and per-request keys that do not depend on slot placement.
 
 Pure jnp functions of arrays, meant to run inside the engine's jitted step; no model code here.
-Top-p never sorts the vocabulary: the nucleus is found among the top-k logits, and a row whose
-nucleus lies outside them finds its threshold by a bitwise search over the logits' order keys.
+Top-p never sorts a large vocabulary: the nucleus is found among the top-k logits, and a row whose
+nucleus lies outside them finds its threshold from two mass histograms over the logits' order keys.
 Masses are fixed-point integers, so every way of adding them up (a prefix sum in rank order, a
 masked sum in id order) gives the same number and every path keeps the same tokens.
 `sample_reference` is the one-sort version that tests and benchmarks compare against.
@@ -17,7 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DEFAULT_CANDIDATES", "SORT_UP_TO", "SampleOutput", "sample", "sample_reference", "sampling_keys"]
+__all__ = ["DEFAULT_CANDIDATES", "SORT_UP_TO", "SampleOutput", "sample", "sample_reference",
+           "sampling_keys"]
 
 # Candidate-set sizes tried before the threshold search: a confident row's nucleus fits in 64
 # tokens. The search costs about a millisecond per row at a 152k vocabulary on CPU, a 26th of a
@@ -393,6 +394,7 @@ def sample(
 
 
 def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide) -> SampleOutput:
+    """`sample`'s body; `divide` as in `_prepare`."""
     logits, scaled, greedy, top_p, lse, lse_raw, keypair = _prepare(
         logits_bv, keys, temperature, top_p, divide)
     b, vocab = logits.shape
