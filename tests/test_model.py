@@ -137,7 +137,7 @@ def test_global_layers_use_no_positions_local_layers_use_rope():
         assert (not np.allclose(a, b, atol=1e-6)) == should_change, kind
 
 
-@pytest.mark.parametrize("impl", ["ragged", "blocked", "tiled"])
+@pytest.mark.parametrize("impl", ["ragged", "blocked", "tiled", "capacity"])
 def test_dropless_moe_equals_dense_reference(impl):
     model = make_model(dataclasses.replace(BASE, moe_impl=impl))
     x = tokens(3, 9)

@@ -1,7 +1,7 @@
 """The tiled dropless dispatch (a loop over the tiles that hold assignments, hand-written
 backward) against the dense one-hot reference: outputs and the gradients of every input and
 weight, with biases, GPT-OSS's clamped activation, skewed and empty experts, ids of experts held
-elsewhere, several tile sizes; and what "auto" picks."""
+elsewhere, several tile sizes."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,6 @@ from hcjax.model.moe import (
     routed_experts_fn,
     swiglu_act,
 )
-from hcjax.sharding import MeshConfig, make_mesh
 
 
 def problem(n=37, k=3, e=6, r=8, f=12, biases=False, seed=7, skew=True):
@@ -76,9 +75,5 @@ def test_ids_of_experts_held_elsewhere_count_nothing():
                                rtol=1e-5, atol=1e-4)
 
 
-def test_auto_is_tiled_on_one_device_and_blocked_under_a_mesh():
-    assert routed_experts_fn("auto") is _expert_mlp_tiled
+def test_tiled_is_chosen_by_name():
     assert routed_experts_fn("tiled") is _expert_mlp_tiled
-    mesh = make_mesh(MeshConfig(fsdp=2, num_devices=2))
-    with jax.set_mesh(mesh):
-        assert routed_experts_fn("auto") is _expert_mlp_blocked

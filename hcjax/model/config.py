@@ -20,11 +20,11 @@ MOE_TYPES = ("latent", "plain")  # LatentMoE (RECIPE §2), or experts on the mod
 ROUTER_TYPES = ("softmax", "sigmoid")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")  # clamped_swiglu: GPT-OSS's (limit, alpha)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# "auto" = the Pallas kernels on TPU/GPU, the XLA path on CPU (for the MoE "tiled" on one device,
-# the fastest there, and "blocked", which XLA partitions, under a multi-device mesh); "pallas"
-# forces the kernels (interpret mode on CPU, for tests); "reference"/"ragged"/"blocked"/"tiled"/
-# "dense" are XLA-only paths.
-MOE_IMPLS = ("ragged", "blocked", "tiled", "dense", "pallas", "auto")
+# "auto" = the Pallas kernels on TPU/GPU, the XLA path on CPU (for the MoE "capacity" on one
+# device, the fastest there, and "blocked", which XLA partitions, under a multi-device mesh);
+# "pallas" forces the kernels (interpret mode on CPU, for tests); "reference"/"ragged"/"blocked"/
+# "tiled"/"capacity"/"dense" are XLA-only paths.
+MOE_IMPLS = ("ragged", "blocked", "tiled", "capacity", "dense", "pallas", "auto")
 # Expert parallelism for the routed experts (hcjax/model/moe.py), used when the context mesh
 # (`jax.set_mesh`) has an `expert` axis larger than 1: "all_to_all" sends each assignment to the
 # device holding its expert (ragged all-to-all), "all_gather" gathers the tokens over the expert
