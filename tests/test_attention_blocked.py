@@ -38,23 +38,46 @@ def test_blocked_equals_dense_on_packed_rows(window, sinks):
     w = jax.random.normal(jax.random.key(7), q.shape)
     valid = (seg > 0)[:, :, None, None]
 
-    def dense(q, k, v):
+    def dense(q, k, v, sinks_h):
         mask = attention_mask(pos, pos, seg, seg, window)
         return gqa_attention(q, k, v, mask, sinks_h=sinks_h)
 
-    def blocked(q, k, v):
+    def blocked(q, k, v, sinks_h):
         return blocked_self_attention(q, k, v, pos, seg, window, block=32, sinks_h=sinks_h)
 
-    ref, got = jax.jit(dense)(q, k, v), jax.jit(blocked)(q, k, v)
+    ref, got = jax.jit(dense)(q, k, v, sinks_h), jax.jit(blocked)(q, k, v, sinks_h)
     np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, ref, 0),
                                rtol=1e-5, atol=1e-5)
 
     def loss(f):
-        return lambda q, k, v: jnp.sum(jnp.where(valid, f(q, k, v) * w, 0.0))
+        return lambda *a: jnp.sum(jnp.where(valid, f(*a) * w, 0.0))
 
-    for g_ref, g_got in zip(jax.jit(jax.grad(loss(dense), (0, 1, 2)))(q, k, v),
-                            jax.jit(jax.grad(loss(blocked), (0, 1, 2)))(q, k, v), strict=True):
+    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)  # the sinks' own gradient too
+    for g_ref, g_got in zip(jax.jit(jax.grad(loss(dense), argnums))(q, k, v, sinks_h),
+                            jax.jit(jax.grad(loss(blocked), argnums))(q, k, v, sinks_h),
+                            strict=True):
         np.testing.assert_allclose(g_got, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_bf16_follows_the_dense_path():
+    # bf16 q/k/v (the learner's bf16 compute): fp32 scores inside, outputs and gradients in
+    # bf16, close to the dense path in the same precision.
+    pos, seg = packed_row([100, 60], 20)
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(1, 180))
+    pos, seg = pos[None], seg[None]
+    valid = (seg > 0)[:, :, None, None]
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.where(valid, f(q, k, v), 0).astype(jnp.float32) ** 2)
+
+    dense = lambda q, k, v: gqa_attention(q, k, v, attention_mask(pos, pos, seg, seg, 31))  # noqa: E731
+    blocked = lambda q, k, v: blocked_self_attention(q, k, v, pos, seg, 31, block=64)  # noqa: E731
+    assert blocked(q, k, v).dtype == jnp.bfloat16
+    for g_ref, g_got in zip(jax.grad(loss(dense), (0, 1, 2))(q, k, v),
+                            jax.grad(loss(blocked), (0, 1, 2))(q, k, v), strict=True):
+        assert g_got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g_got, np.float32), np.asarray(g_ref, np.float32),
+                                   rtol=0.05, atol=0.05)
 
 
 def test_short_rows_are_one_block():

@@ -5,14 +5,14 @@
 and by an analytic count of useful model FLOPs, each as a ratio to a large fp32 matmul measured
 in the same run (the CPU roofline), and where XLA's extra FLOPs go (`hlo_dot_gflops`: the
 compiled step's matmul FLOPs per einsum, forward and backward). The variants are the configs'
-implementations (`attention_impl` / `moe_impl` "auto": blocked attention and blocked expert
-dispatch on CPU) with and without replay; `no_replay_reference_impls`, dense masked attention
-and `lax.ragged_dot` experts (the model's dataclass defaults); `no_replay_blocked_moe`, the auto
-attention with the blocked expert dispatch; and `no_replay_bf16`, the configs' implementations in
-bf16 compute (fp32 master weights, scores and losses), all timed side by side. XLA's cost analysis
-counts a loop body once, so the tiled dispatch (a loop over tiles, the "auto" MoE on one CPU
-device) is under-counted in `xla_flops_per_step`; the blocked variant's figure is the honest
-XLA/model ratio. It asserts nothing about timings.
+implementations (`attention_impl` / `moe_impl` "auto": blocked attention and, on one CPU
+device, the capacity expert dispatch) with and without replay; `no_replay_reference_impls`, dense
+masked attention and `lax.ragged_dot` experts (the model's dataclass defaults);
+`no_replay_blocked_moe`, the auto attention with the blocked expert dispatch; and
+`no_replay_bf16`, the configs' implementations in bf16 compute (fp32 master weights, scores and
+losses), all timed side by side. XLA's cost analysis counts a loop body once: the capacity
+dispatch's batched part (padding rows included) is counted in full, its overflow-tile loop once,
+a few tiles' worth. It asserts nothing about timings.
 """
 
 from __future__ import annotations
