@@ -158,6 +158,28 @@ def test_blocked_top_k_and_first_argmax_equal_lax_top_k_and_argmax():
                                           np.asarray(jnp.argmax(x, axis=-1)))
 
 
+def test_first_argmax_from_given_block_maxima_and_logsumexp_from_the_row_maximum():
+    """The greedy draw's argmax from `_prepare`'s 16-id block maxima (groups of 8 blocks, the
+    last padded) equals jnp.argmax, ties and -inf rows included; the log-normaliser from the row
+    maximum equals jax.nn.logsumexp to the bit, rows of -inf included."""
+    from hcjax.rollout.sampling import _block_maxima, _first_argmax, _logsumexp
+
+    rng = np.random.default_rng(5)
+    for v in (129, 272, 3001, 32000):
+        x = rng.integers(0, 5, size=(7, v)).astype(np.float32)
+        x[1] = rng.normal(size=v)
+        x[2, v // 3] = 7.0  # one peak, the rest tied
+        x[3] = -np.inf
+        x[4, -1] = 9.0  # in the last, partial block and group
+        x = jnp.asarray(x)
+        got = jax.jit(lambda x: _first_argmax(x, _block_maxima(x)))(x)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
+        lse = jax.jit(lambda x: _logsumexp(x, jnp.max(_block_maxima(x), axis=-1)))(x)
+        np.testing.assert_array_equal(np.asarray(lse),
+                                      np.asarray(jax.jit(jax.nn.logsumexp, static_argnums=1)(
+                                          x, -1)))
+
+
 def _mixed_batch(rng, b, v):
     """Rows of every kind: peaked (nucleus inside few candidates), flat (needs a wide set or the
     threshold search), quantised logits (many ties), greedy, top_p 1, tiny top_p."""

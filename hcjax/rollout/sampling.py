@@ -20,11 +20,13 @@ import jax.numpy as jnp
 __all__ = ["DEFAULT_CANDIDATES", "SORT_UP_TO", "SampleOutput", "sample", "sample_reference",
            "sampling_keys"]
 
-# Candidate-set sizes tried before the threshold search: a confident row's nucleus fits in 64
-# tokens. The search costs about a millisecond per row at a 152k vocabulary on CPU, a 26th of a
-# sort and a fifth of `lax.top_k` of 16384, so no wider level pays for itself
-# (bench.rollout --only sampling).
-DEFAULT_CANDIDATES = (64,)
+# Candidate-set sizes tried before the threshold search. `lax.top_k`'s cost on CPU grows with k:
+# 32 candidates instead of 64 took the top-p draw of 64 rows from 3.0 to 2.3 ms at a 32k
+# vocabulary (greedy 0.75 ms; 40 interleaved rounds, bench.rollout's peaked logits, whose
+# confident nuclei hold at most 20 tokens), neutral at 152k. A row whose nucleus is wider goes to
+# the threshold search, about a millisecond a row at a 152k vocabulary on CPU (a 26th of a sort,
+# a fifth of `lax.top_k` of 16384), so no wider level pays for itself.
+DEFAULT_CANDIDATES = (32,)
 # Up to this vocabulary the last level sorts the row instead of searching it: a sort of a few
 # hundred ids costs less than the search's two 65536-bin histograms, which do not shrink with it
 # (at 272 ids the search's branches alone added 0.15 ms to a 0.15 ms greedy draw of 64 rows).
@@ -79,7 +81,11 @@ def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True):
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
     greedy = temperature <= 0.0
-    lse_raw = jax.nn.logsumexp(logits, axis=-1)
+    # One pass over the row for its 16-id block maxima; the row maximum, the greedy argmax and
+    # the first top-p level all start from them.
+    # (The barrier keeps XLA from turning the maximum of the maxima back into a second pass.)
+    block_max = jax.lax.optimization_barrier(_block_maxima(logits))
+    lse_raw = _logsumexp(logits, jnp.max(block_max, axis=-1))
     if divide:
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
         lse = jax.nn.logsumexp(scaled, axis=-1)  # normaliser over the FULL vocabulary
@@ -87,7 +93,14 @@ def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True):
         scaled, lse = logits, lse_raw
     # Two words per row for the counter-mode noise below (any key implementation gives bits).
     keypair = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
-    return logits, scaled, greedy, top_p, lse, lse_raw, keypair
+    return logits, scaled, greedy, top_p, lse, lse_raw, keypair, block_max
+
+
+def _logsumexp(x_bv, max_b):
+    """`jax.nn.logsumexp(x, axis=-1)` given the rows' maxima (the same arithmetic: an infinite or
+    NaN maximum is replaced by 0 before the shift)."""
+    shift = jnp.where(jnp.isfinite(max_b), max_b, 0.0)
+    return jnp.log(jnp.sum(jnp.exp(x_bv - shift[:, None]), axis=-1)) + shift
 
 
 def _gumbel_at(keypair_b2: jax.Array, ids_bm: jax.Array) -> jax.Array:
@@ -158,17 +171,38 @@ def _row_blocks(x_bv: jax.Array, block: int) -> jax.Array:
     return jnp.pad(x_bv, ((0, 0), (0, -v % block)), constant_values=-jnp.inf).reshape(b, -1, block)
 
 
-def _first_argmax(x_bv: jax.Array, block: int = 128) -> jax.Array:
-    """int32[B]: `jnp.argmax` over the last axis (the first maximum, NaN counting as largest) by
-    blocks: each block's maximum, the first block holding the row's maximum, then the first
-    maximum inside it. Two plain reductions instead of XLA:CPU's variadic argmax reduction,
-    which costs 15x more at 32k-150k vocabularies."""
-    if x_bv.shape[-1] <= block:
+# Ids per block of the row maxima every draw starts from (`_block_maxima`), and blocks of them per
+# group in `_first_argmax`.
+_BLOCK = 16
+_GROUP = 8
+
+
+def _block_maxima(x_bv: jax.Array) -> jax.Array:
+    """f32[B, ceil(V / 16)]: the maximum of each block of 16 consecutive ids."""
+    return jnp.max(_row_blocks(x_bv, _BLOCK), axis=-1)
+
+
+def _first_argmax(x_bv: jax.Array, block_max: jax.Array | None = None) -> jax.Array:
+    """int32[B]: `jnp.argmax` over the last axis (the first maximum) by blocks: the 16-id block maxima (`_block_maxima`, given or computed), their maxima by groups
+    of 8 blocks, the first group holding the row's maximum, the first block in it that does,
+    then the first maximum inside that block. Plain reductions instead of XLA:CPU's variadic
+    argmax reduction over the row, which costs 15x more at 32k-150k vocabularies. A NaN is not
+    found as jnp.argmax finds it: XLA:CPU's max reductions pass over NaNs (logits with NaNs are a
+    broken model; the draw then returns some id, not an error)."""
+    if x_bv.shape[-1] <= _BLOCK * _GROUP:
         return jnp.argmax(x_bv, axis=-1).astype(jnp.int32)
-    blocks = _row_blocks(x_bv, block)
-    which = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
-    inner = jnp.take_along_axis(blocks, which[:, None, None], axis=1)[:, 0]
-    return (which * block + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+    if block_max is None:
+        block_max = _block_maxima(x_bv)
+    groups = _row_blocks(block_max, _GROUP)
+    group = jnp.argmax(jnp.max(groups, axis=-1), axis=-1)
+    block = group * _GROUP + jnp.argmax(_at_row(groups, group), axis=-1)
+    inner = _at_row(_row_blocks(x_bv, _BLOCK), block)
+    return (block * _BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+
+
+def _at_row(blocks_bnk: jax.Array, index_b: jax.Array) -> jax.Array:
+    """[B, K]: block index_b[b] of each row's [N, K] blocks."""
+    return jnp.take_along_axis(blocks_bnk, index_b[:, None, None], axis=1)[:, 0]
 
 
 def _at(x_bv: jax.Array, index_b: jax.Array) -> jax.Array:
@@ -182,7 +216,7 @@ def _level_sizes(candidates: tuple[int, ...], vocab: int) -> tuple[int, ...]:
     return tuple(sorted({int(c) for c in candidates if int(c) < vocab}))
 
 
-def _ranked(scaled_bv: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+def _ranked(scaled_bv: jax.Array, m: int, block_max=None) -> tuple[jax.Array, jax.Array]:
     """The m largest scaled logits per row in rank order (ties: lower id first), and their ids.
 
     `lax.top_k` breaks ties by lower index (tested), and so does its blocked form
@@ -190,8 +224,8 @@ def _ranked(scaled_bv: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     stable sort of the negated logits.
     """
     vocab = scaled_bv.shape[-1]
-    if m * _PRESELECT_BLOCK * 2 <= vocab:
-        return _blocked_top_k(scaled_bv, m)
+    if m * _BLOCK * 2 <= vocab:
+        return _blocked_top_k(scaled_bv, m, block_max)
     if m < vocab:
         vals, ids = jax.lax.top_k(scaled_bv, m)
         return vals, ids.astype(jnp.int32)
@@ -199,22 +233,21 @@ def _ranked(scaled_bv: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(scaled_bv, order, axis=-1), order
 
 
-# Blocks of 16 ids: at m = 64, 2.2 vs 2.7 ms (32k) and 4.1-4.6 vs 5.2-5.3 ms (152k) for blocks of
-# 128 over 64 rows (two runs each); 32 and 64 fall in between.
-_PRESELECT_BLOCK = 16
-
-
-def _blocked_top_k(x_bv: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(x_bv, m)` (ties: lower id first) by way of the m blocks of 16 ids with the
     largest maxima: every one of the m largest entries lies in one of them. Among blocks whose
     maximum ties the m-th largest block maximum, top_k keeps the lower block ids, whose tied
     entries have the lower ids, and the kept blocks are gathered in id order, so the final top_k
     over their m * 16 entries breaks ties exactly as one over the whole row. At a 32k vocabulary
     and m = 64 it reads the row once for the maxima, ranks its 2000 block maxima, then 1024
-    entries: 1.7x faster than `lax.top_k` over the row (3x at 152k)."""
-    b, block = x_bv.shape[0], _PRESELECT_BLOCK
+    entries: 1.7x faster than `lax.top_k` over the row (3x at 152k). Blocks of 16 ids: at
+    m = 64, 2.2 vs 2.7 ms (32k) and 4.1-4.6 vs 5.2-5.3 ms (152k) for blocks of 128 over 64 rows;
+    32 and 64 fall in between. `block_max`: the row's `_block_maxima`, if already computed."""
+    b, block = x_bv.shape[0], _BLOCK
     blocks = _row_blocks(x_bv, block)
-    _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), m)
+    if block_max is None:
+        block_max = jnp.max(blocks, axis=-1)
+    _, chosen = jax.lax.top_k(block_max, m)
     chosen = jnp.sort(chosen, axis=-1)  # id order, for the tie-break
     cand = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(b, m * block)
     ids = (chosen[:, :, None] * block + jnp.arange(block)[None, None, :]).reshape(b, m * block)
@@ -395,13 +428,13 @@ def sample(
 
 def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide) -> SampleOutput:
     """`sample`'s body; `divide` as in `_prepare`."""
-    logits, scaled, greedy, top_p, lse, lse_raw, keypair = _prepare(
+    logits, scaled, greedy, top_p, lse, lse_raw, keypair, block_max = _prepare(
         logits_bv, keys, temperature, top_p, divide)
     b, vocab = logits.shape
     target = _mass_target(top_p)
 
     # Greedy for every row first (cheap); the other rows overwrite it below.
-    token = _first_argmax(logits)  # first maximum: lowest id
+    token = _first_argmax(logits, block_max)  # first maximum: lowest id
     state = (token, jnp.ones((b,), jnp.int32), _at(logits, token), lse)
 
     # top_p >= 1: the kept set is the vocabulary, so the draw needs no ranks at all.
@@ -423,13 +456,13 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide)
     buckets = sorted({1, max(1, b // 16)})
 
     def ranked_level(m):
-        def level(scaled, lse, target, keypair):
-            vals, ids = _ranked(scaled, m)
+        def level(scaled, lse, target, keypair, block_max=None):
+            vals, ids = _ranked(scaled, m, block_max)
             n_kept, complete, mass = _nucleus(vals, lse, target, vocab)
             return _finish(vals, ids, n_kept, mass, lse, keypair, vocab), complete
         return level
 
-    def search_level(scaled, lse, target, keypair):
+    def search_level(scaled, lse, target, keypair, block_max=None):
         return _searched(scaled, lse, target, keypair), jnp.ones(scaled.shape[:1], bool)
 
     last = ranked_level(vocab) if vocab <= sort_up_to else search_level
@@ -442,7 +475,10 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide)
             def sub(x):
                 return x if rows is None else jnp.take(x, rows, axis=0, mode="clip")
 
-            found, complete = level(sub(scaled), sub(lse), sub(target), sub(keypair))
+            # Every row, temperature 1: the scaled logits are the logits, whose block maxima
+            # are already known.
+            known = block_max if rows is None and not divide else None
+            found, complete = level(sub(scaled), sub(lse), sub(target), sub(keypair), known)
             done = sub(pending) & complete
             if rows is None:
                 return _select(done, found, state), pending & ~complete
@@ -473,7 +509,7 @@ def sample_reference(
     """`sample` by one stable sort of the whole vocabulary per row, for tests and benchmarks:
     the nucleus from the prefix sums of the masses in rank order. Same kept set, draw and
     arithmetic as `sample`, to the bit."""
-    logits, scaled, greedy, top_p, lse, lse_raw, keypair = _prepare(
+    logits, scaled, greedy, top_p, lse, lse_raw, keypair, _ = _prepare(
         logits_bv, keys, temperature, top_p)
     vocab = logits.shape[-1]
     vals, ids = _ranked(jnp.where(scaled == 0.0, 0.0, scaled), vocab)  # the sort: -0.0 < +0.0
