@@ -1,7 +1,7 @@
 """hcjax: an asynchronous RL post-training system for MoE models in JAX."""
 
-from hcjax.host_memory import keep_freed_memory as _keep_freed_memory
+from hcjax.host_memory import apply_from_environment as _apply_host_malloc
 
-# Before JAX starts its threads: XLA:CPU's per-call temporaries reuse freed pages instead of
-# page-faulting fresh ones in (hcjax/host_memory.py; HCJAX_HOST_MALLOC=system opts out).
-_keep_freed_memory()
+# HCJAX_HOST_MALLOC=keep: freed heap pages stay with the process (hcjax/host_memory.py), set
+# before JAX starts its threads.
+_apply_host_malloc()

@@ -10,8 +10,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import gin  # noqa: E402
 import pytest  # noqa: E402
 
-import hcjax  # noqa: E402, F401  (host malloc set-up before JAX starts threads)
-
 
 @pytest.fixture(autouse=True)
 def _fresh_gin_config():

@@ -1,6 +1,6 @@
 """Host malloc set-up (hcjax/host_memory.py): with it, XLA:CPU's per-call temporaries reuse freed
-pages (page faults per call counted, not timed); HCJAX_HOST_MALLOC=system leaves glibc as it is;
-a bad value is a clear error."""
+pages (page faults per call counted, not timed); it is off unless a training-only entry point or
+HCJAX_HOST_MALLOC=keep asks, =system keeps it off; a bad value is a clear error."""
 
 import os
 import subprocess
@@ -11,10 +11,14 @@ import pytest
 
 from hcjax import host_memory
 
-# Faults per call of a step whose two 21 MB temporaries live in a loop carry.
+# Faults per call of a step whose two 21 MB temporaries live in a loop carry; `ask` calls
+# keep_freed_memory() before JAX starts, as the training entry points do.
 _FAULTS = textwrap.dedent("""
-    import resource, jax, jax.numpy as jnp
+    import resource, sys, jax, jax.numpy as jnp
     import hcjax
+    from hcjax import host_memory
+    if sys.argv[1] == "ask":
+        host_memory.keep_freed_memory()
 
     def step(x):
         def body(i, c):
@@ -30,24 +34,31 @@ _FAULTS = textwrap.dedent("""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(10):
         jax.block_until_ready(step(x))
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+    print(host_memory.kept(), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 """)
 
 
-def _faults_per_call(setting: str) -> float:
-    env = dict(os.environ, HCJAX_HOST_MALLOC=setting, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True,
-                         timeout=300, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+def _run(setting: str | None, ask: bool) -> tuple[bool, float]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("HCJAX_HOST_MALLOC", None)
+    if setting is not None:
+        env["HCJAX_HOST_MALLOC"] = setting
+    out = subprocess.run([sys.executable, "-c", _FAULTS, "ask" if ask else "no"], env=env,
+                         capture_output=True, text=True, timeout=300, check=True)
+    kept, faults = out.stdout.strip().splitlines()[-1].split()
+    return kept == "True", float(faults)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux's")
-def test_freed_pages_are_reused_and_system_opts_out():
-    assert host_memory.keep_freed_memory()  # applied at `import hcjax` (conftest imports it)
-    kept, system = _faults_per_call("keep"), _faults_per_call("system")
+def test_freed_pages_are_reused_when_asked_and_off_by_default():
+    default = _run(None, ask=False)
+    asked = _run(None, ask=True)
+    by_env = _run("keep", ask=False)
+    opted_out = _run("system", ask=True)
+    assert not default[0] and asked[0] and by_env[0] and not opted_out[0]
     # 42 MB of temporaries are 10,000 fresh 4 kB pages a call when glibc unmaps them on free.
-    assert system > 5000, system
-    assert kept < system / 5, (kept, system)
+    assert default[1] > 5000 and opted_out[1] > 5000, (default, opted_out)
+    assert asked[1] < default[1] / 5 and by_env[1] < default[1] / 5, (asked, by_env, default)
 
 
 def test_a_bad_setting_names_itself(monkeypatch):

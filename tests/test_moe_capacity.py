@@ -20,7 +20,7 @@ from hcjax.model.moe import (
     swiglu_act,
 )
 from hcjax.sharding import MeshConfig, make_mesh
-from tests.test_moe_tiled import dense, problem
+from tests.test_moe_tiled import dense, problem, problem_held_elsewhere
 
 
 def _check_against_dense(x, w, expert_nk, gates, act, **kw):
@@ -97,11 +97,7 @@ def test_layout_places_every_assignment_once():
 
 
 def test_ids_of_experts_held_elsewhere_count_nothing():
-    x, w, expert_nk, gates = problem(skew=False)
-    e = w["gate"].shape[0]
-    elsewhere = expert_nk.at[::3, 1].set(e)
-    gates = gates.at[::3, 1].set(0.0)
-    want = dense(x, w, jnp.where(elsewhere == e, 0, elsewhere), gates, swiglu_act)
+    x, w, elsewhere, gates, want = problem_held_elsewhere()
     for capacity in (None, 3):
         np.testing.assert_allclose(
             _expert_mlp_capacity(x, w, elsewhere, gates, swiglu_act, capacity=capacity), want,

@@ -62,13 +62,19 @@ def test_tiled_equals_dense_values_and_grads(tile, biases, act, skew):
         assert float(jnp.abs(got[1]["gate"][1]).max()) == 0.0
 
 
-def test_ids_of_experts_held_elsewhere_count_nothing():
-    # Expert parallelism marks assignments of non-local experts with id == E and gate 0.
+def problem_held_elsewhere():
+    """Expert parallelism marks assignments of non-local experts with id == E and gate 0: a third
+    of the second slots here. Returns the problem and the dense reference's output."""
     x, w, expert_nk, gates = problem(skew=False)
     e = w["gate"].shape[0]
     elsewhere = expert_nk.at[::3, 1].set(e)
     gates = gates.at[::3, 1].set(0.0)
     want = dense(x, w, jnp.where(elsewhere == e, 0, elsewhere), gates, swiglu_act)
+    return x, w, elsewhere, gates, want
+
+
+def test_ids_of_experts_held_elsewhere_count_nothing():
+    x, w, elsewhere, gates, want = problem_held_elsewhere()
     np.testing.assert_allclose(_expert_mlp_tiled(x, w, elsewhere, gates, swiglu_act), want,
                                rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(_expert_mlp_blocked(x, w, elsewhere, gates, swiglu_act), want,

@@ -21,7 +21,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from hcjax import host_memory
 from hcjax.display import Phases
+from hcjax.host_memory import keep_freed_memory
 from hcjax.model.moe import (
     _expert_mlp_blocked,
     _expert_mlp_capacity,
@@ -75,21 +77,17 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
     def blocked_loss(x, wg, wu, wo, expert_nk, gates):
         return jnp.sum(_expert_mlp_blocked(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act) ** 2)
 
-    def tiled_loss(x, wg, wu, wo, expert_nk, gates, tile=None):
-        return jnp.sum(_expert_mlp_tiled(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates,
-                                         swiglu_act, tile=tile) ** 2)
+    def form_at(mlp, **options):  # fwd+bwd of a dispatch form at given tile / capacity options
+        def loss(x, wg, wu, wo, expert_nk, gates):
+            return jnp.sum(mlp(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act,
+                               **options) ** 2)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
     def tiled_at(tile):
-        return jax.jit(jax.value_and_grad(lambda *a: tiled_loss(*a, tile=tile),
-                                          argnums=(0, 1, 2, 3)))
-
-    def capacity_loss(x, wg, wu, wo, expert_nk, gates, capacity=None):
-        return jnp.sum(_expert_mlp_capacity(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates,
-                                            swiglu_act, capacity=capacity) ** 2)
+        return form_at(_expert_mlp_tiled, tile=tile)
 
     def capacity_at(capacity):
-        return jax.jit(jax.value_and_grad(lambda *a: capacity_loss(*a, capacity=capacity),
-                                          argnums=(0, 1, 2, 3)))
+        return form_at(_expert_mlp_capacity, capacity=capacity)
 
     def plain_loss(xs, wg, wu, wo):  # one expert on every assignment's row: no dispatch at all
         return jnp.sum(((jax.nn.silu(xs @ wg) * (xs @ wu)) @ wo) ** 2)
@@ -227,6 +225,7 @@ def main(argv=None) -> dict:
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
         "matmul_roofline_gflops": roofline,
+        "host_malloc_kept": host_memory.kept(),
         "shape": {"tokens": args.tokens, "latent": args.latent, "hidden": args.hidden},
         "cases": cases,
     }
@@ -235,4 +234,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    keep_freed_memory()  # a training-only process (hcjax/host_memory.py), before JAX's threads
     main()

@@ -227,23 +227,28 @@ def _tiles_mlp_fwd(xt, w, tile_expert, used, act):
     return y, (xt, w, tile_expert, used, g, u)
 
 
+def _tile_backward(x, w, e, g, u, d, act, dw):
+    """One tile's backward through expert e's MLP, given its gate/up pre-activations g, u and
+    output gradient d: (dx, dw with the tile's weight gradients added into expert e's)."""
+    h, act_vjp = jax.vjp(act, g, u)
+    dg, du = act_vjp(d @ w["out"][e].T)
+    dw = dict(dw)
+    dw["out"] = dw["out"].at[e].add(h.T @ d)
+    dw["gate"] = dw["gate"].at[e].add(x.T @ dg)
+    dw["up"] = dw["up"].at[e].add(x.T @ du)
+    if "b_gate" in w:
+        dw["b_gate"] = dw["b_gate"].at[e].add(jnp.sum(dg, 0))
+        dw["b_up"] = dw["b_up"].at[e].add(jnp.sum(du, 0))
+        dw["b_out"] = dw["b_out"].at[e].add(jnp.sum(d, 0))
+    return dg @ w["gate"][e].T + du @ w["up"][e].T, dw
+
+
 def _tiles_mlp_bwd(act, res, dy):
     xt, w, tile_expert, used, g_all, u_all = res
 
     def body(t, carry):
         dx_all, dw = carry
-        e, x, d = tile_expert[t], xt[t], dy[t]
-        h, act_vjp = jax.vjp(act, g_all[t], u_all[t])
-        dg, du = act_vjp(d @ w["out"][e].T)
-        dw = dict(dw)
-        dw["out"] = dw["out"].at[e].add(h.T @ d)
-        dw["gate"] = dw["gate"].at[e].add(x.T @ dg)
-        dw["up"] = dw["up"].at[e].add(x.T @ du)
-        if "b_gate" in w:
-            dw["b_gate"] = dw["b_gate"].at[e].add(jnp.sum(dg, 0))
-            dw["b_up"] = dw["b_up"].at[e].add(jnp.sum(du, 0))
-            dw["b_out"] = dw["b_out"].at[e].add(jnp.sum(d, 0))
-        dx = dg @ w["gate"][e].T + du @ w["up"][e].T
+        dx, dw = _tile_backward(xt[t], w, tile_expert[t], g_all[t], u_all[t], dy[t], act, dw)
         return dx_all.at[t].set(dx), dw
 
     init = (jnp.zeros_like(xt), jax.tree.map(jnp.zeros_like, w))
@@ -410,18 +415,8 @@ def _capacity_mlp_bwd(act, tile, res, d_out):
         d = _take(d_out, tokens)
         d_gates = d_gates.at[rows].add(jnp.sum(d * y, -1), mode="drop")
         d = _take(gates_a, rows)[:, None].astype(dt) * d
-        h_t, act_vjp = jax.vjp(act, g_t, u_t)
-        dg_t, du_t = act_vjp(d @ w["out"][e].T)
-        dw = dict(dw)
-        dw["out"] = dw["out"].at[e].add(h_t.T @ d)
-        dw["gate"] = dw["gate"].at[e].add(x.T @ dg_t)
-        dw["up"] = dw["up"].at[e].add(x.T @ du_t)
-        if "b_gate" in w:
-            dw["b_gate"] = dw["b_gate"].at[e].add(jnp.sum(dg_t, 0))
-            dw["b_up"] = dw["b_up"].at[e].add(jnp.sum(du_t, 0))
-            dw["b_out"] = dw["b_out"].at[e].add(jnp.sum(d, 0))
-        dx = dx.at[tokens].add(dg_t @ w["gate"][e].T + du_t @ w["up"][e].T, mode="drop")
-        return dx, d_gates, dw
+        dx_t, dw = _tile_backward(x, w, e, g_t, u_t, d, act, dw)
+        return dx.at[tokens].add(dx_t, mode="drop"), d_gates, dw
 
     dx, d_gates, dw = jax.lax.fori_loop(0, used, body, (dx, d_gates, dw))
     dw = {name: dw[name].astype(w[name].dtype) for name in w}
