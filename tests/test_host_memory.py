@@ -11,7 +11,7 @@ import pytest
 
 from hcjax import host_memory
 
-# Faults per call of a step whose two 21 MB temporaries live in a loop carry; `ask` calls
+# Faults in the median call (of 11) of a step whose two 21 MB temporaries live in a loop carry; `ask` calls
 # keep_freed_memory() before JAX starts, as the training entry points do.
 _FAULTS = textwrap.dedent("""
     import resource, sys, jax, jax.numpy as jnp
@@ -31,10 +31,12 @@ _FAULTS = textwrap.dedent("""
     x = jnp.ones((64, 256))
     for _ in range(3):
         jax.block_until_ready(step(x))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(10):
+    faults = []
+    for _ in range(11):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         jax.block_until_ready(step(x))
-    print(host_memory.kept(), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(host_memory.kept(), sorted(faults)[5])
 """)
 
 
@@ -58,6 +60,8 @@ def test_freed_pages_are_reused_when_asked_and_off_by_default():
     assert not default[0] and asked[0] and by_env[0] and not opted_out[0]
     # 42 MB of temporaries are 10,000 fresh 4 kB pages a call when glibc unmaps them on free.
     assert default[1] > 5000 and opted_out[1] > 5000, (default, opted_out)
+    # The median call, so that a call in which the heap still grows (or another thread's
+    # allocations land) does not decide the test.
     assert asked[1] < default[1] / 5 and by_env[1] < default[1] / 5, (asked, by_env, default)
 
 

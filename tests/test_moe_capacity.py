@@ -40,11 +40,15 @@ def _check_against_dense(x, w, expert_nk, gates, act, **kw):
 
 
 # capacity 4 with the skewed routing puts 33 of expert 0's 37 rows into overflow tiles; 100 holds
-# every row in the batched part (no overflow tile runs); None is the default rule.
-@pytest.mark.parametrize("capacity, tile", [(None, 16), (4, 4), (4, 16), (12, 8), (100, 16)])
-@pytest.mark.parametrize("biases, act", [(False, swiglu_act),
-                                         (True, clamped_swiglu_act(7.0, 1.702))])
-@pytest.mark.parametrize("skew", [True, False])
+# every row in the batched part (no overflow tile runs); None is the default rule. Each
+# capacity/tile runs with both routings, and each routing with both activations.
+_PLAIN, _CLAMPED = (False, swiglu_act), (True, clamped_swiglu_act(7.0, 1.702))
+
+
+@pytest.mark.parametrize("capacity, tile, biases, act, skew", [
+    (None, 16, *_PLAIN, True), (None, 16, *_CLAMPED, False), (4, 4, *_CLAMPED, True),
+    (4, 4, *_PLAIN, False), (4, 16, *_PLAIN, True), (12, 8, *_CLAMPED, True),
+    (12, 8, *_PLAIN, False), (100, 16, *_CLAMPED, False), (100, 16, *_PLAIN, True)])
 def test_capacity_equals_dense_values_and_grads(capacity, tile, biases, act, skew):
     x, w, expert_nk, gates = problem(biases=biases, skew=skew)
     got = _check_against_dense(x, w, expert_nk, gates, act, capacity=capacity, tile=tile)

@@ -40,10 +40,13 @@ def dense(x, w, expert_nk, gates, act):
     return _expert_mlp_dense(x, w, combine, act)
 
 
-@pytest.mark.parametrize("tile", [None, 4, 16, 64])
-@pytest.mark.parametrize("biases, act", [(False, swiglu_act),
-                                         (True, clamped_swiglu_act(7.0, 1.702))])
-@pytest.mark.parametrize("skew", [True, False])
+_PLAIN, _CLAMPED = (False, swiglu_act), (True, clamped_swiglu_act(7.0, 1.702))
+
+
+# Each tile with both routings, each routing with both activations.
+@pytest.mark.parametrize("tile, biases, act, skew", [
+    (None, *_PLAIN, True), (None, *_CLAMPED, False), (4, *_CLAMPED, True), (4, *_PLAIN, False),
+    (16, *_PLAIN, True), (16, *_CLAMPED, False), (64, *_CLAMPED, True), (64, *_PLAIN, False)])
 def test_tiled_equals_dense_values_and_grads(tile, biases, act, skew):
     x, w, expert_nk, gates = problem(biases=biases, skew=skew)
     probe = jax.random.normal(jax.random.key(1), (x.shape[0], w["out"].shape[-1]))

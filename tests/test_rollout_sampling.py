@@ -192,9 +192,12 @@ def _mixed_batch(rng, b, v):
             jnp.asarray(top_p, jnp.float32))
 
 
-@pytest.mark.parametrize("sort_up_to", [0, SORT_UP_TO])
-@pytest.mark.parametrize("v,candidates", [(7, (16,)), (50, (4, 16)), (300, (8, 64)),
-                                          (3000, (64, 1024)), (20000, (8, 64))])
+# sort_up_to=0 forces the threshold search; SORT_UP_TO sorts the last level up to 4096 ids (at
+# 20000 ids the default searches too, so that case is the first one's).
+@pytest.mark.parametrize("v,candidates,sort_up_to", [
+    *[(v, c, s) for v, c in [(7, (16,)), (50, (4, 16)), (300, (8, 64)), (3000, (64, 1024))]
+      for s in (0, SORT_UP_TO)],
+    (20000, (8, 64), 0)])
 def test_candidate_sampler_equals_full_sort_reference(v, candidates, sort_up_to):
     fast, ref = _both(candidates, sort_up_to)
     rng = np.random.default_rng(v)
@@ -231,7 +234,8 @@ def test_each_level_gives_the_same_row_result():
     keys = _keys(b, seed=3)
     outs = [jax.jit(functools.partial(sample_eager, candidates=c, sort_up_to=s))(
         logits, keys, temperature, top_p)
-            for c in [(4,), (4, 32), (64,), (200,), (v,), (4, 32, 128)] for s in (0, SORT_UP_TO)]
+            for c, s in [((4,), 0), ((4,), SORT_UP_TO), ((4, 32), 0), ((64,), SORT_UP_TO),
+                         ((200,), 0), ((v,), SORT_UP_TO), ((4, 32, 128), 0)]]
     for out in outs[1:]:
         # Fixed-point masses: the kept mass is the same integer whichever level summed it.
         _assert_same(out, outs[0])
@@ -263,8 +267,10 @@ def test_greedy_and_top_p_one_rows_match_reference_with_ties():
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("sort_up_to", [0, SORT_UP_TO])
-@pytest.mark.parametrize("top_p,n_range", [(0.5, (1, 8)), (0.9, (9, 199)), (1.0, (200, 200))])
+# Only the nucleus past the first candidates reaches the last level (sort or search): the others
+# run once.
+@pytest.mark.parametrize("top_p,n_range,sort_up_to", [
+    (0.5, (1, 8), 0), (0.9, (9, 199), 0), (0.9, (9, 199), SORT_UP_TO), (1.0, (200, 200), 0)])
 def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range, sort_up_to):
     """Empirical frequencies of one row drawn with many keys, with the nucleus inside the first
     candidates, past them (decided by the threshold search), and the whole vocabulary."""
