@@ -4,10 +4,11 @@
 (config, variant), achieved GFLOP/s both by XLA's FLOP count of the compiled step (work done)
 and by an analytic count of useful model FLOPs, each as a ratio to a large fp32 matmul measured
 in the same run (the CPU roofline: its best reading before and after, and, for
-`model_utilisation_interleaved`, the median of readings taken between the timing rounds), and where XLA's extra FLOPs go (`hlo_dot_gflops`: the
-compiled step's matmul FLOPs per einsum, forward and backward). The variants are the configs'
-implementations (`attention_impl` / `moe_impl` "auto": blocked attention and, on one CPU
-device, the capacity expert dispatch) with and without replay; `no_replay_reference_impls`, dense
+`model_utilisation_interleaved`, the median of readings taken between the timing rounds), and
+where XLA's extra FLOPs go (`hlo_dot_gflops`: the compiled step's matmul FLOPs per einsum,
+forward and backward). The variants are the configs' implementations (`attention_impl` /
+`moe_impl` "auto": blocked attention and, on one CPU device, the capacity expert dispatch) with
+and without replay; `no_replay_reference_impls`, dense
 masked attention and `lax.ragged_dot` experts (the model's dataclass defaults);
 `no_replay_blocked_moe`, the auto attention with the blocked expert dispatch; and
 `no_replay_bf16`, the configs' implementations in bf16 compute (fp32 master weights, scores and
@@ -33,7 +34,6 @@ from flax import nnx
 
 from hcjax import host_memory
 from hcjax.display import Phases
-from hcjax.host_memory import keep_freed_memory
 from hcjax.model import ModelConfig, Transformer
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.learner import Learner, LearnerConfig
@@ -276,5 +276,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # a training-only process (hcjax/host_memory.py), before JAX's threads
+    host_memory.keep_freed_memory()  # a training-only process, before JAX starts its threads
     main()

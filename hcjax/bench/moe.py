@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from hcjax import host_memory
 from hcjax.display import Phases
-from hcjax.host_memory import keep_freed_memory
 from hcjax.model.moe import (
     _expert_mlp_blocked,
     _expert_mlp_capacity,
@@ -234,5 +233,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # a training-only process (hcjax/host_memory.py), before JAX's threads
+    host_memory.keep_freed_memory()  # a training-only process, before JAX starts its threads
     main()
