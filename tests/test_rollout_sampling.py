@@ -211,8 +211,8 @@ def test_candidate_sampler_equals_full_sort_reference(v, candidates, sort_up_to)
         n = np.asarray(r.n_kept)
         if v > candidates[-1]:
             assert n.min() <= candidates[0] < candidates[-1] < n.max()
-    # Few rows past the first level (gathered into a small batch: 1 row, then b/16 = 3 rows).
-    for flat_rows in (1, 3):
+    # Few rows past the first level (gathered into a small batch: 1 row, b/16 = 3 or b/4 = 12).
+    for flat_rows in (1, 3, 8):
         logits, _, _ = _mixed_batch(rng, b, v)
         flat = np.arange(b) < flat_rows
         logits = jnp.where(flat[:, None], logits * 0.01, logits * 20.0)

@@ -193,11 +193,17 @@ def _first_argmax(x_bv: jax.Array, block_max: jax.Array | None = None) -> jax.Ar
         return jnp.argmax(x_bv, axis=-1).astype(jnp.int32)
     if block_max is None:
         block_max = _block_maxima(x_bv)
-    groups = _row_blocks(block_max, _GROUP)
-    group = jnp.argmax(jnp.max(groups, axis=-1), axis=-1)
-    block = group * _GROUP + jnp.argmax(_at_row(groups, group), axis=-1)
+    block = _first_block(block_max)
     inner = _at_row(_row_blocks(x_bv, _BLOCK), block)
     return (block * _BLOCK + jnp.argmax(inner, axis=-1)).astype(jnp.int32)
+
+
+def _first_block(block_max: jax.Array) -> jax.Array:
+    """int32[B]: the first block holding the row's maximum, from the blocks' maxima by groups of
+    8 (`_first_argmax`'s first two steps)."""
+    groups = _row_blocks(block_max, _GROUP)
+    group = jnp.argmax(jnp.max(groups, axis=-1), axis=-1)
+    return (group * _GROUP + jnp.argmax(_at_row(groups, group), axis=-1)).astype(jnp.int32)
 
 
 def _at_row(blocks_bnk: jax.Array, index_b: jax.Array) -> jax.Array:
@@ -247,12 +253,32 @@ def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None) -> tuple[jax.Array, 
     blocks = _row_blocks(x_bv, block)
     if block_max is None:
         block_max = jnp.max(blocks, axis=-1)
-    _, chosen = jax.lax.top_k(block_max, m)
-    chosen = jnp.sort(chosen, axis=-1)  # id order, for the tie-break
+    chosen = jnp.sort(_top_blocks(block_max, m), axis=-1)  # id order, for the tie-break
     cand = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(b, m * block)
     ids = (chosen[:, :, None] * block + jnp.arange(block)[None, None, :]).reshape(b, m * block)
     vals, pos = jax.lax.top_k(cand, m)
     return vals, jnp.take_along_axis(ids, pos, axis=-1).astype(jnp.int32)
+
+
+def _top_blocks(block_max_bn: jax.Array, m: int) -> jax.Array:
+    """int32[B, m]: the ids of the m largest block maxima (ties: lower id), as
+    `lax.top_k(block_max, m)[1]` but, when there are many blocks, by way of the m groups of 8
+    blocks with the largest maxima. A group holding one of the m top blocks has at most m - 1
+    groups ranked above it (each holds a block ranked above that block: a larger maximum, or an
+    equal one at a lower id), so it is among the m chosen; the chosen groups' blocks are taken in
+    id order, so the second top_k breaks ties as one over every block would. Padding blocks (-inf,
+    in the last group, after every real block) are never preferred to a real one, and the m
+    groups hold at least m real blocks. At 152k ids (9496 blocks, 64 rows, m = 32) 1.85 ms of
+    `lax.top_k` become about 0.5 + 0.3."""
+    b, n = block_max_bn.shape
+    if n < 4 * _GROUP * m:
+        return jax.lax.top_k(block_max_bn, m)[1]
+    groups = _row_blocks(block_max_bn, _GROUP)
+    _, chosen = jax.lax.top_k(jnp.max(groups, axis=-1), m)
+    chosen = jnp.sort(chosen, axis=-1)
+    cand = jnp.take_along_axis(groups, chosen[:, :, None], axis=1).reshape(b, m * _GROUP)
+    ids = (chosen[:, :, None] * _GROUP + jnp.arange(_GROUP)[None, None, :]).reshape(b, -1)
+    return jnp.take_along_axis(ids, jax.lax.top_k(cand, m)[1], axis=-1)
 
 
 def _fixed_mass(scaled, lse_b):
@@ -332,12 +358,19 @@ def _last_bin_reaching(hist_rn, base_r, target_r):
 
 
 def _histogram(bins_rv, weights_rv):
-    """int32 [R, 65536]: per row, the weights added up by bin (a scatter-add: exact in integers)."""
+    """int32 [R, 65536]: per row, the weights added up by bin (a scatter-add: exact in integers).
+    A bin of -1 drops its weight."""
     r = bins_rv.shape[0]
-    flat = (jnp.arange(r, dtype=jnp.int32)[:, None] * _RADIX + bins_rv).reshape(-1)
-    hist = jnp.zeros((r * _RADIX,), jnp.int32).at[flat].add(
-        weights_rv.reshape(-1), mode="promise_in_bounds")  # bins < 65536 by construction
+    flat = jnp.where(bins_rv >= 0, jnp.arange(r, dtype=jnp.int32)[:, None] * _RADIX + bins_rv,
+                     r * _RADIX).reshape(-1)
+    hist = jnp.zeros((r * _RADIX,), jnp.int32).at[flat].add(weights_rv.reshape(-1), mode="drop")
     return hist.reshape(r, _RADIX)
+
+
+def _key_value(key_b):
+    """The float32 whose `_order_keys` key is key_b (zero as +0.0)."""
+    bits = jnp.where((key_b >> 31) == 1, key_b & jnp.uint32(0x7FFFFFFF), ~key_b)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _searched(scaled_bv, lse_b, target_b, keypair_b2):
@@ -348,37 +381,58 @@ def _searched(scaled_bv, lse_b, target_b, keypair_b2):
     bits of the keys in the chosen high bin. Every token above k is kept; the tokens tied at k
     (all of one mass) are kept in id order while the mass before them is below the target,
     exactly as in the ranked prefix. Integer masses make every sum exact, so this is the sort's
-    answer to the bit. About 1 ms a row at a 152k vocabulary on CPU, noise included, against 26 ms
-    a row for a sort.
+    answer to the bit. The threshold logit is k's own value (at least one tied token is kept).
+
+    The rows are read as few times as the answer allows, since at a few rows of a 152k
+    vocabulary each pass costs about as much memory traffic as arithmetic: the masses once, the
+    keys (recomputed, never stored) for each histogram and the counts, and the Gumbel draw as
+    one fused pass of block maxima, after which only the winning 16-id block's noise is hashed
+    again; a kept set that splits a run of ties takes a slower path with its mask stored.
     """
-    vocab = scaled_bv.shape[-1]
+    r, vocab = scaled_bv.shape
     q = _fixed_mass(scaled_bv, lse_b)
     keys = _order_keys(scaled_bv)
     high = (keys >> 16).astype(jnp.int32)
-    low = (keys & jnp.uint32(_RADIX - 1)).astype(jnp.int32)
     zero = jnp.zeros_like(target_b)
     b_high, above_bin = _last_bin_reaching(_histogram(high, q), zero, target_b)
-    in_bin = jnp.where(high == b_high[:, None], q, 0)
-    b_low, mass_above = _last_bin_reaching(_histogram(low, in_bin), above_bin, target_b)
+    low = jnp.where(high == b_high[:, None], (keys & jnp.uint32(_RADIX - 1)).astype(jnp.int32), -1)
+    b_low, mass_above = _last_bin_reaching(_histogram(low, q), above_bin, target_b)
     # No key reaches the target (the whole row's rounded mass falls short): keep every token.
-    k = jnp.where(b_high >= 0, (b_high.astype(jnp.uint32) << 16) | b_low.astype(jnp.uint32), 0)
-    mass_above = jnp.where(b_high >= 0, mass_above, 0)
-    above = keys > k[:, None]
+    everything = b_high < 0
+    k = jnp.where(everything, 0, (b_high.astype(jnp.uint32) << 16) | b_low.astype(jnp.uint32))
+    mass_above = jnp.where(everything, 0, mass_above)
     tied = keys == k[:, None]
+    n_above = jnp.sum(keys > k[:, None], axis=-1).astype(jnp.int32)
     n_tied = jnp.sum(tied, axis=-1).astype(jnp.int32)
     tie_mass = jnp.max(jnp.where(tied, q, 0), axis=-1)  # equal logits, equal masses
     room = target_b - mass_above  # > 0: the mass above k is short of the target
     fit = jnp.where(tie_mass > 0, (room + tie_mass - 1) // jnp.maximum(tie_mass, 1), n_tied)
     n_ties_kept = jnp.minimum(fit, n_tied)
-
-    def split_ties(_):  # the threshold cuts a run of tied logits: the lower ids are kept
-        return above | (tied & (jnp.cumsum(tied, axis=-1) <= n_ties_kept[:, None]))
-
-    kept = jax.lax.cond(jnp.any(n_ties_kept < n_tied), split_ties, lambda _: above | tied, None)
-    n_kept = (jnp.sum(above, axis=-1) + n_ties_kept).astype(jnp.int32)
+    n_kept = n_above + n_ties_kept
     mass = mass_above + n_ties_kept * tie_mass
-    token = _first_argmax(jnp.where(kept, scaled_bv + _gumbel_all(keypair_b2, vocab), -jnp.inf))
-    threshold = jnp.min(jnp.where(kept, scaled_bv, jnp.inf), axis=-1)
+
+    def draw_split(_):  # the threshold cuts a run of tied logits: the lower ids are kept
+        keys = _order_keys(scaled_bv)
+        tied = keys == k[:, None]
+        kept = (keys > k[:, None]) | (tied & (jnp.cumsum(tied, axis=-1) <= n_ties_kept[:, None]))
+        return _first_argmax(jnp.where(kept, scaled_bv + _gumbel_all(keypair_b2, vocab),
+                                       -jnp.inf))
+
+    def draw(_):  # every token at or above k: `_first_argmax` with the noise hashed twice
+        z = jnp.where(_order_keys(scaled_bv) >= k[:, None],
+                      scaled_bv + _gumbel_all(keypair_b2, vocab), -jnp.inf)
+        block = _first_block(_block_maxima(z))
+        ids = block[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)[None, :]
+        vals = jnp.take_along_axis(scaled_bv, jnp.minimum(ids, vocab - 1), axis=-1)
+        kept = (ids < vocab) & (_order_keys(vals) >= k[:, None])
+        z = jnp.where(kept, vals + _gumbel_at(keypair_b2, ids), -jnp.inf)
+        return block * _BLOCK + jnp.argmax(z, axis=-1).astype(jnp.int32)
+
+    token = jax.lax.cond(jnp.any(n_ties_kept < n_tied), draw_split, draw, None)
+    threshold = jax.lax.cond(jnp.any(everything),
+                             lambda _: jnp.where(everything, jnp.min(scaled_bv, axis=-1),
+                                                 _key_value(k)),
+                             lambda _: _key_value(k), None)
     return token, n_kept, threshold, _kept_lse(n_kept, mass, lse_b, vocab)
 
 
@@ -449,11 +503,12 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide)
 
     # top_p < 1: widen the candidate set level by level while some row's nucleus is incomplete,
     # then search the threshold of what is left. After the first level only a few rows are
-    # usually left: they are gathered into a batch of 1 or of b/16 rows, so that one flat row does
-    # not make every row pay for a wide top-k or a search. Each row's arithmetic is the same
-    # whichever batch it is in (fixed-point masses; see `_kept_lse`).
+    # usually left: they are gathered into a batch of 1, b/16 or b/4 rows, so that one flat row
+    # does not make every row pay for a wide top-k or a search (8 flat rows of 64 at 152k ids:
+    # 140 ms searching all 64 rows, a quarter of that in the b/4 batch). Each row's arithmetic is
+    # the same whichever batch it is in (fixed-point masses; see `_kept_lse`).
     pending = ~greedy & (top_p < 1.0)
-    buckets = sorted({1, max(1, b // 16)})
+    buckets = sorted({1, max(1, b // 16), max(1, b // 4)})
 
     def ranked_level(m):
         def level(scaled, lse, target, keypair, block_max=None):
@@ -473,7 +528,11 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide)
             """Run this level on `rows` [R] (b marks an unused entry; None: every row, with no
             gather) and write back the rows whose nucleus it completes."""
             def sub(x):
-                return x if rows is None else jnp.take(x, rows, axis=0, mode="clip")
+                if rows is None:
+                    return x
+                # Materialised: a gather fused into each of the search's passes over the rows
+                # took ~3 of its 11 ms (3 rows of 152k ids).
+                return jax.lax.optimization_barrier(jnp.take(x, rows, axis=0, mode="clip"))
 
             # Every row, temperature 1: the scaled logits are the logits, whose block maxima
             # are already known.
