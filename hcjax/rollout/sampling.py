@@ -383,11 +383,13 @@ def _searched(scaled_bv, lse_b, target_b, keypair_b2):
     exactly as in the ranked prefix. Integer masses make every sum exact, so this is the sort's
     answer to the bit. The threshold logit is k's own value (at least one tied token is kept).
 
-    The rows are read as few times as the answer allows, since at a few rows of a 152k
-    vocabulary each pass costs about as much memory traffic as arithmetic: the masses once, the
-    keys (recomputed, never stored) for each histogram and the counts, and the Gumbel draw as
-    one fused pass of block maxima, after which only the winning 16-id block's noise is hashed
-    again; a kept set that splits a run of ties takes a slower path with its mask stored.
+    At a few rows of a 152k vocabulary each pass over the rows costs about as much in memory
+    traffic as in arithmetic, so few arrays of the rows' size are written: the masses and the
+    keys; the second histogram takes the masses as they are and drops the tokens outside the
+    chosen bin; the Gumbel draw writes the noisy row once for its block maxima and hashes only
+    the winning 16-id block's noise again instead of gathering from it. A kept set that splits a
+    run of ties takes a slower path with its mask stored. The Gumbel noise (20 threefry rounds
+    and two logs a token) is still about a third of the search's time.
     """
     r, vocab = scaled_bv.shape
     q = _fixed_mass(scaled_bv, lse_b)
