@@ -391,7 +391,7 @@ def _searched(scaled_bv, lse_b, target_b, keypair_b2):
     run of ties takes a slower path with its mask stored. The Gumbel noise (20 threefry rounds
     and two logs a token) is still about a third of the search's time.
     """
-    r, vocab = scaled_bv.shape
+    vocab = scaled_bv.shape[-1]
     q = _fixed_mass(scaled_bv, lse_b)
     keys = _order_keys(scaled_bv)
     high = (keys >> 16).astype(jnp.int32)
@@ -414,15 +414,12 @@ def _searched(scaled_bv, lse_b, target_b, keypair_b2):
     mass = mass_above + n_ties_kept * tie_mass
 
     def draw_split(_):  # the threshold cuts a run of tied logits: the lower ids are kept
-        keys = _order_keys(scaled_bv)
-        tied = keys == k[:, None]
         kept = (keys > k[:, None]) | (tied & (jnp.cumsum(tied, axis=-1) <= n_ties_kept[:, None]))
         return _first_argmax(jnp.where(kept, scaled_bv + _gumbel_all(keypair_b2, vocab),
                                        -jnp.inf))
 
     def draw(_):  # every token at or above k: `_first_argmax` with the noise hashed twice
-        z = jnp.where(_order_keys(scaled_bv) >= k[:, None],
-                      scaled_bv + _gumbel_all(keypair_b2, vocab), -jnp.inf)
+        z = jnp.where(keys >= k[:, None], scaled_bv + _gumbel_all(keypair_b2, vocab), -jnp.inf)
         block = _first_block(_block_maxima(z))
         ids = block[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)[None, :]
         vals = jnp.take_along_axis(scaled_bv, jnp.minimum(ids, vocab - 1), axis=-1)
