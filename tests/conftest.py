@@ -7,6 +7,22 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the whole test run, this process and every subprocess it
+# starts (they inherit the environment): the suite compiles the same tiny models' steps in dozens
+# of tests and entry-point processes, and a cache hit costs a fraction of a compile. The folder is
+# new for each run (nothing carries over between CI runs) and removed at the end. Source metadata
+# is part of the key, so an executable is only reused for the same code (profiles stay named).
+# HCJAX_TEST_COMPILATION_CACHE=0 turns it off.
+_OWN_CACHE_DIR = None
+if os.environ.get("HCJAX_TEST_COMPILATION_CACHE", "1") != "0" and \
+        "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="hcjax-test-jit-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE_DIR
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "1")
+
 import gin  # noqa: E402
 import pytest  # noqa: E402
 
@@ -31,8 +47,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config):
+    import shutil
     import sys
     import threading
+
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
     if any(t.is_alive() and t.name.startswith("plan-send-") for t in threading.enumerate()):
         sys.stdout.flush()
