@@ -33,10 +33,15 @@ def test_precision_reduced():
             if isinstance(value, float):
                 assert math.isfinite(value), (key, name, value)
 
-    # Engine and learner computing alike, routing and support replayed: Δ is rounding only.
-    for dtype in ("float32", "bfloat16"):
+    # Engine and learner computing alike, routing and support replayed: Δ is rounding only. In
+    # bf16 one rounding is coarse: a logit in [4, 8) is stored to 2^-5 = 0.031, so a token whose
+    # logit the cached decode and the full forward round one step apart moves by about that
+    # much (the reduced run's 48 tokens gave a largest Δ of 0.0045 with one draw and 0.033 with
+    # another; the full bench has 0.24% of bf16 tokens outside [0.8, 1.2]).
+    bounds = {"float32": (1e-3, 1e-2), "bfloat16": (5e-3, 0.1)}
+    for dtype, (mean_bound, max_bound) in bounds.items():
         both = rows[(dtype, dtype, True, True)]
-        assert both["mean_abs_dlogp"] < 1e-3 and both["max_abs_dlogp"] < 1e-2, both
+        assert both["mean_abs_dlogp"] < mean_bound and both["max_abs_dlogp"] < max_bound, both
         assert both["support_miss_frac"] == 0.0 and both["frac_outside_clip"] == 0.0, both
     fp32 = rows[("float32", "float32", True, True)]["mean_abs_dlogp"]
     # Smallest of every fp32-learner row (bf16/bf16 can tie or beat it on CPU: bf16 rounding

@@ -281,8 +281,13 @@ def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range, s
     z = z[np.random.default_rng(0).permutation(v)]
     keys = sampling_keys(jnp.full((n,), 7), jnp.arange(n), jnp.zeros((n,), jnp.int32))
     fn = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=sort_up_to))
-    out = fn(jnp.tile(jnp.asarray(z, jnp.float32), (n, 1)), keys, jnp.ones((n,)),
-             jnp.full((n,), top_p))
+    # In chunks of 2000 rows: the threshold search holds two 65536-bin histograms per row
+    # (20000 rows at once: 5 GB each, enough to take a CI worker down beside another test).
+    chunk = 2000
+    rows = jnp.tile(jnp.asarray(z, jnp.float32), (chunk, 1))
+    parts = [fn(rows, keys[i:i + chunk], jnp.ones((chunk,)), jnp.full((chunk,), top_p))
+             for i in range(0, n, chunk)]
+    out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
     kept, _ = reference_top_p(z, 1.0, top_p)
     np.testing.assert_array_equal(np.asarray(out.n_kept), len(kept))
     assert n_range[0] <= len(kept) <= n_range[1]
