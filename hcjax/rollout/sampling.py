@@ -330,12 +330,16 @@ def _finish(scaled_bv, vals_bm, ids_bm, n_kept_b, mass_b, lse_b, keypair_b2, voc
     if vals_bm.shape[-1] * _BLOCK < vocab:
         token = _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b)
     else:
-        k = _order_keys(threshold)
-        stats = _block_stats(scaled_bv, lse_b, k)
-        # Every token above k is kept; the rest of the kept set is tied at k.
-        n_ties_kept = n_kept_b - jnp.sum(stats.n_above, axis=-1)
-        token = _draw_in_blocks(scaled_bv, lse_b, keypair_b2, k, n_ties_kept, stats)
+        token = _draw_whole_rows(scaled_bv, lse_b, keypair_b2, _order_keys(threshold), n_kept_b)
     return token, n_kept_b, threshold, _kept_lse(n_kept_b, mass_b, lse_b, vocab)
+
+
+def _draw_whole_rows(scaled_bv, lse_b, keypair_b2, k_b, n_kept_b):
+    """The token drawn from the n_kept_b largest logits of whole rows, k_b the key of the last
+    kept one: every token above k is kept, the rest of the kept set is tied at k."""
+    stats = _block_stats(scaled_bv, lse_b, k_b)
+    n_ties_kept = n_kept_b - jnp.sum(stats.n_above, axis=-1)
+    return _draw_in_blocks(scaled_bv, lse_b, keypair_b2, k_b, n_ties_kept, stats)
 
 
 # The draw ----------------------------------------------------------------------------------------
@@ -621,10 +625,9 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide)
 
     def keep_all(state):
         row_min = jnp.min(scaled, axis=-1)  # the last kept token's logit
-        k = _order_keys(row_min)
-        stats = _block_stats(scaled, lse, k)
-        tok = _draw_in_blocks(scaled, lse, keypair, k, jnp.sum(stats.n_tied, axis=-1), stats)
-        found = (tok, jnp.full((b,), vocab, jnp.int32), row_min, lse)
+        n_kept = jnp.full((b,), vocab, jnp.int32)
+        tok = _draw_whole_rows(scaled, lse, keypair, _order_keys(row_min), n_kept)
+        found = (tok, n_kept, row_min, lse)
         return _select(whole, found, state)
 
     state = jax.lax.cond(jnp.any(whole), keep_all, lambda s: s, state)
