@@ -135,27 +135,71 @@ def test_lax_top_k_breaks_ties_by_lower_index():
     np.testing.assert_array_equal(np.asarray(ids), [[1, 2, 3, 5, 6, 7]])
 
 
-def test_blocked_top_k_and_first_argmax_equal_lax_top_k_and_argmax():
-    """The preselection by blocks (used when 2 * 128 * m <= vocab) and the blocked argmax give
-    exactly lax.top_k's values and ids (ties: lower id) and jnp.argmax's first maximum, on
-    continuous logits, heavy ties, sparse peaks among -inf, and a vocabulary that is not a
-    multiple of the block."""
-    from hcjax.rollout.sampling import _blocked_top_k, _first_argmax
+def test_blocked_top_k_is_lax_top_k_before_its_bound_and_first_argmax_is_argmax():
+    """The ranking by blocks (used when 2 * 16 * m <= vocab: the m blocks with the largest maxima,
+    by groups of 8 blocks when there are many, and the two largest entries of each) gives exactly
+    lax.top_k's values and ids (ties: lower id) for every rank before its bound, and the bound is
+    a token the candidates miss that lax.top_k ranks within the m: on continuous logits, heavy
+    ties (where the bound falls early), sparse peaks among -inf, a head of tokens packed into a
+    few blocks, and vocabularies that are not a multiple of the block (a padding block in the
+    last group). The blocked argmax is jnp.argmax's first maximum."""
+    from hcjax.rollout.sampling import _blocked_top_k, _first_argmax, _order_keys, _ranks_before
 
     rng = np.random.default_rng(11)
-    for v in (16384, 20001, 40000):
+    blocked = jax.jit(_blocked_top_k, static_argnums=1)
+    bounded = 0
+    for v in (16384, 20001, 40000, 32 * 16 * 8 * 4 + 16 * 8 + 1):
+        packed = rng.normal(size=(6, v))
+        packed[:, 160:200] += 12.0  # 40 top tokens in 3 blocks (and 1 group)
         cases = [rng.normal(size=(6, v)), rng.integers(0, 4, size=(6, v)).astype(float),
-                 np.where(rng.random((6, v)) < 2e-3, 3.0, -np.inf)]
+                 np.where(rng.random((6, v)) < 2e-3, 3.0, -np.inf), packed]
         cases[2][:, -1] = 3.0  # a peak in the last, partial block
-        for x in cases:
+        for case, x in enumerate(cases):
             x = jnp.asarray(x, jnp.float32)
-            for m in (1, 8, 64):
-                vals, ids = jax.jit(_blocked_top_k, static_argnums=1)(x, m)
+            for m in (1, 8, 32, 64):
+                vals, ids, (bound_key, bound_id) = blocked(x, m)
                 ref_vals, ref_ids = jax.lax.top_k(x, m)
-                np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
-                np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+                before = np.asarray(_ranks_before(_order_keys(vals), ids, bound_key[:, None],
+                                                  bound_id[:, None]))
+                # The exact ranks are a prefix, and the bound is a real token of the top m.
+                assert np.all(before[:, :-1] >= before[:, 1:])
+                np.testing.assert_array_equal(np.asarray(vals)[before], np.asarray(ref_vals)[before])
+                np.testing.assert_array_equal(np.asarray(ids)[before], np.asarray(ref_ids)[before])
+                for row in np.nonzero(~before.all(axis=1))[0]:
+                    bounded += 1
+                    first_missed = int(np.argmin(before[row]))
+                    assert int(bound_id[row]) == int(ref_ids[row, first_missed]) or (
+                        # a group's third block is bounded by its first id, at or before its
+                        # first maximum
+                        int(bound_id[row]) % 16 == 0
+                        and int(bound_id[row]) <= int(ref_ids[row, first_missed]))
+                if case == 0 and m <= 8:
+                    assert before.all()  # continuous logits: 3 of the top 8 in a block is rare
             np.testing.assert_array_equal(np.asarray(jax.jit(_first_argmax)(x)),
                                           np.asarray(jnp.argmax(x, axis=-1)))
+    assert bounded > 0  # the ties and the packed head did reach a bound
+
+
+def test_signed_zeros_tie_at_the_top_on_every_path():
+    """-0.0 and +0.0 are one value in the kept-set order (the reference's sort), so a tie between
+    them goes to the lower id, whichever path ranks them: `lax.top_k` alone orders +0.0 first."""
+    b, v = 4, 5000
+    x = np.full((b, v), -3.0, np.float32)
+    x[:, 7], x[:, 40] = -0.0, 0.0  # the top two: -0.0 at the lower id
+    x[1, 7], x[1, 40] = 0.0, -0.0
+    x[2, 8:40] = -0.0  # a run of -0.0 after the first
+    keys = _keys(b, seed=4)
+    temperature = jnp.ones((b,))
+    for top_p in (1e-6, 0.5):
+        p = jnp.full((b,), top_p)
+        ref = sample_reference(jnp.asarray(x), keys, temperature, p)
+        for candidates, sort_up_to in [((1,), 0), ((4,), 0), ((32,), 0), ((1000,), 0),
+                                       ((8,), 2 * v)]:
+            fast, _ = _both(candidates, sort_up_to)
+            _assert_same(fast(jnp.asarray(x), keys, temperature, p), ref)
+        if top_p < 0.01:
+            np.testing.assert_array_equal(np.asarray(ref.tokens), 7)
+            np.testing.assert_array_equal(np.asarray(ref.n_kept), 1)
 
 
 def test_first_argmax_from_given_block_maxima_and_logsumexp_from_the_row_maximum():

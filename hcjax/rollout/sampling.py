@@ -186,8 +186,11 @@ _GROUP = 8
 
 
 def _block_maxima(x_bv: jax.Array) -> jax.Array:
-    """f32[B, ceil(V / 16)]: the maximum of each block of 16 consecutive ids."""
-    return jnp.max(_row_blocks(x_bv, _BLOCK), axis=-1)
+    """f32[B, ceil(V / 16)]: the maximum of each block of 16 consecutive ids, -0.0 given as +0.0
+    (the two tie in the kept-set order, as in the reference's sort; `lax.top_k` would rank +0.0
+    first)."""
+    block_max = jnp.max(_row_blocks(x_bv, _BLOCK), axis=-1)
+    return jnp.where(block_max == 0.0, 0.0, block_max)
 
 
 def _first_argmax(x_bv: jax.Array, block_max: jax.Array | None = None) -> jax.Array:
@@ -219,6 +222,11 @@ def _at_row(blocks_bnk: jax.Array, index_b: jax.Array) -> jax.Array:
     return jnp.take_along_axis(blocks_bnk, index_b[:, None, None], axis=1)[:, 0]
 
 
+def _at_rows(blocks_bnk: jax.Array, index_bm: jax.Array) -> jax.Array:
+    """[B, M, K]: blocks index_bm[b, :] of each row's [N, K] blocks."""
+    return jnp.take_along_axis(blocks_bnk, index_bm[:, :, None], axis=1)
+
+
 def _at(x_bv: jax.Array, index_b: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_bv, index_b[:, None], axis=-1)[:, 0]
 
@@ -230,63 +238,112 @@ def _level_sizes(candidates: tuple[int, ...], vocab: int) -> tuple[int, ...]:
     return tuple(sorted({int(c) for c in candidates if int(c) < vocab}))
 
 
-def _ranked(scaled_bv: jax.Array, m: int, block_max=None) -> tuple[jax.Array, jax.Array]:
-    """The m largest scaled logits per row in rank order (ties: lower id first), and their ids.
+def _ranked(scaled_bv: jax.Array, m: int, block_max=None):
+    """(vals, ids, bound): the m largest scaled logits per row in rank order (ties: lower id
+    first, -0.0 and +0.0 one value), and their ids, exact for the ranks before `bound`.
 
-    `lax.top_k` breaks ties by lower index (tested), and so does its blocked form
-    (`_blocked_top_k`, for m small against the vocabulary); the full-vocabulary case keeps the
-    stable sort of the negated logits.
+    `bound` (key, id) [B] each: ranks whose token ranks before it (`_ranks_before`) are exact.
+    Only the blocked form (`_blocked_top_k`, for m small against the vocabulary) sets one; the
+    others (`lax.top_k` over the row, which breaks ties by lower index (tested), or the stable
+    sort for the whole vocabulary) rank every token, so their bound ranks after every token.
     """
     vocab = scaled_bv.shape[-1]
     if m * _BLOCK * 2 <= vocab:
         return _blocked_top_k(scaled_bv, m, block_max)
+    b = scaled_bv.shape[0]
+    scaled_bv = jnp.where(scaled_bv == 0.0, 0.0, scaled_bv)
+    after_all = (jnp.zeros((b,), jnp.uint32), jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32))
     if m < vocab:
         vals, ids = jax.lax.top_k(scaled_bv, m)
-        return vals, ids.astype(jnp.int32)
+        return vals, ids.astype(jnp.int32), after_all
     order = jnp.argsort(-scaled_bv, axis=-1, stable=True).astype(jnp.int32)
-    return jnp.take_along_axis(scaled_bv, order, axis=-1), order
+    return jnp.take_along_axis(scaled_bv, order, axis=-1), order, after_all
 
 
-def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None) -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x_bv, m)` (ties: lower id first) by way of the m blocks of 16 ids with the
-    largest maxima: every one of the m largest entries lies in one of them. Among blocks whose
-    maximum ties the m-th largest block maximum, top_k keeps the lower block ids, whose tied
-    entries have the lower ids, and the kept blocks are gathered in id order, so the final top_k
-    over their m * 16 entries breaks ties exactly as one over the whole row. At a 32k vocabulary
-    and m = 64 it reads the row once for the maxima, ranks its 2000 block maxima, then 1024
-    entries: 1.7x faster than `lax.top_k` over the row (3x at 152k). Blocks of 16 ids: at
-    m = 64, 2.2 vs 2.7 ms (32k) and 4.1-4.6 vs 5.2-5.3 ms (152k) for blocks of 128 over 64 rows;
-    32 and 64 fall in between. `block_max`: the row's `_block_maxima`, if already computed."""
-    b, block = x_bv.shape[0], _BLOCK
-    blocks = _row_blocks(x_bv, block)
+def _ranks_before(key_a, id_a, key_b, id_b):
+    """Whether token a (order key, id) ranks before token b: a larger key, or the same at a lower
+    id."""
+    return (key_a > key_b) | ((key_a == key_b) & (id_a < id_b))
+
+
+def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
+    """`_ranked` for m small against the vocabulary, with few `lax.top_k` elements (XLA:CPU's
+    top_k is a scalar loop, about 10 ns an element): the m blocks of 16 ids with the largest
+    maxima (by way of groups of 8 blocks when there are many), the two largest entries of each
+    (2m candidates, in id order), ranked by one top_k.
+
+    Every entry ranking before the m-th candidate lies in one of those blocks (m blocks' first
+    maxima rank before any entry of another block), so a token ranking before a returned one and
+    not among the candidates is a third entry of a chosen block: the returned `bound` is the
+    highest-ranked such entry, and the ranks before it are exact. With groups, a chosen group's
+    blocks other than its two largest count likewise, bounded by (their maximum, their first
+    id). Two top tokens of one block are common (a 32-token head among 2000 blocks), three
+    rare: on bench.rollout's peaked rows at 32k and 152k ids no row's nucleus reached its
+    bound. At a 32k vocabulary, m = 32 and 64 rows this takes 250 + 64 top_k elements a row
+    where the top_k of the 512 entries of the chosen blocks took 250 + 256 + 512.
+    `block_max`: the row's `_block_maxima`, if already computed."""
+    b = x_bv.shape[0]
+    blocks = _row_blocks(x_bv, _BLOCK)
     if block_max is None:
-        block_max = jnp.max(blocks, axis=-1)
-    chosen = jnp.sort(_top_blocks(block_max, m), axis=-1)  # id order, for the tie-break
-    cand = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(b, m * block)
-    ids = (chosen[:, :, None] * block + jnp.arange(block)[None, None, :]).reshape(b, m * block)
-    vals, pos = jax.lax.top_k(cand, m)
-    return vals, jnp.take_along_axis(ids, pos, axis=-1).astype(jnp.int32)
-
-
-def _top_blocks(block_max_bn: jax.Array, m: int) -> jax.Array:
-    """int32[B, m]: the ids of the m largest block maxima (ties: lower id), as
-    `lax.top_k(block_max, m)[1]` but, when there are many blocks, by way of the m groups of 8
-    blocks with the largest maxima. A group holding one of the m top blocks has at most m - 1
-    groups ranked above it (each holds a block ranked above that block: a larger maximum, or an
-    equal one at a lower id), so it is among the m chosen; the chosen groups' blocks are taken in
-    id order, so the second top_k breaks ties as one over every block would. Padding blocks (-inf,
-    in the last group, after every real block) are never preferred to a real one, and the m
-    groups hold at least m real blocks. At 152k ids (9496 blocks, 64 rows, m = 32) 1.85 ms of
-    `lax.top_k` become about 0.5 + 0.3."""
-    b, n = block_max_bn.shape
+        block_max = _block_maxima(x_bv)
+    n = block_max.shape[-1]
     if n < 4 * _GROUP * m:
-        return jax.lax.top_k(block_max_bn, m)[1]
-    groups = _row_blocks(block_max_bn, _GROUP)
-    _, chosen = jax.lax.top_k(jnp.max(groups, axis=-1), m)
-    chosen = jnp.sort(chosen, axis=-1)
-    cand = jnp.take_along_axis(groups, chosen[:, :, None], axis=1).reshape(b, m * _GROUP)
-    ids = (chosen[:, :, None] * _GROUP + jnp.arange(_GROUP)[None, None, :]).reshape(b, -1)
-    return jnp.take_along_axis(ids, jax.lax.top_k(cand, m)[1], axis=-1)
+        chosen = jnp.sort(jax.lax.top_k(block_max, m)[1], axis=-1).astype(jnp.int32)
+        bound = None
+    else:
+        groups = _row_blocks(block_max, _GROUP)  # padded with -inf: never chosen over a block
+        picked = jnp.sort(jax.lax.top_k(jnp.max(groups, axis=-1), m)[1], axis=-1)
+        (_, pos), bound = _two_largest(_order_keys(_at_rows(groups, picked)))
+        chosen = (picked[:, :, None] * _GROUP + pos).reshape(b, -1)
+        bound = (bound[0], (picked * _GROUP + bound[1]) * _BLOCK)  # the block's first id
+        bound = _earliest(*bound)
+    # A padding block (past the last real one, in its group) reads as -inf at ids past the
+    # vocabulary: ranked after every real token.
+    lanes = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1, mode="fill",
+                                fill_value=-jnp.inf)
+    (keys, pos), (rest_key, rest_pos) = _two_largest(_order_keys(lanes))
+    lane_bound = _earliest(rest_key, chosen * _BLOCK + rest_pos)
+    bound = lane_bound if bound is None else _earlier(lane_bound, bound)
+    cand_ids = (chosen[:, :, None] * _BLOCK + pos).reshape(b, -1)
+    vals, at = jax.lax.top_k(_key_value(keys).reshape(b, -1), m)
+    return vals, jnp.take_along_axis(cand_ids, at, axis=-1), bound
+
+
+def _two_largest(keys_bnk: jax.Array):
+    """Per block of K entries in id order (order keys [B, N, K]): ((keys, positions) [B, N, 2] of
+    its two largest entries, in id order; (key, position) [B, N] of its third largest), ties
+    ranked by lower position. One pass over the entries, each compared with the running top
+    three (XLA fuses it into one loop; argmax, masking and argmax again wrote [B, N, K] arrays
+    three times)."""
+    shape = keys_bnk.shape[:-1]
+    top = [(jnp.zeros(shape, jnp.uint32), jnp.full(shape, -1, jnp.int32)) for _ in range(3)]
+    for i in range(keys_bnk.shape[-1]):
+        x = (keys_bnk[..., i], jnp.full(shape, i, jnp.int32))
+        above = [x[0] > k for k, _ in top]  # strict: an earlier entry stays ahead of a tie
+        top = [tuple(jnp.where(above[0], a, b) for a, b in zip(x, top[0])),
+               tuple(jnp.where(above[0], a, jnp.where(above[1], c, b))
+                     for a, b, c in zip(top[0], top[1], x)),
+               tuple(jnp.where(above[1], a, jnp.where(above[2], c, b))
+                     for a, b, c in zip(top[1], top[2], x))]
+    (k1, p1), (k2, p2), third = top
+    p1, p2 = jnp.maximum(p1, 0), jnp.maximum(p2, 0)  # unset only past NaN keys
+    swap = p2 < p1
+    keys = jnp.stack([jnp.where(swap, k2, k1), jnp.where(swap, k1, k2)], axis=-1)
+    pos = jnp.stack([jnp.minimum(p1, p2), jnp.maximum(p1, p2)], axis=-1)
+    return (keys, pos), third
+
+
+def _earliest(key_bn, id_bn):
+    """The highest-ranked of N tokens (key, id) [B, N] per row, as (key, id) [B] each."""
+    key = jnp.max(key_bn, axis=-1)
+    return key, jnp.min(jnp.where(key_bn == key[:, None], id_bn, jnp.iinfo(jnp.int32).max),
+                        axis=-1)
+
+
+def _earlier(a, b):
+    """The higher-ranked of two (key, id) bounds."""
+    a_first = _ranks_before(*a, *b)
+    return tuple(jnp.where(a_first, x, y) for x, y in zip(a, b))
 
 
 def _fixed_mass(scaled, lse_b):
@@ -643,9 +700,13 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide)
 
     def ranked_level(m):
         def level(scaled, lse, target, keypair, block_max=None):
-            vals, ids = _ranked(scaled, m, block_max)
+            vals, ids, bound = _ranked(scaled, m, block_max)
             n_kept, complete, mass = _nucleus(vals, lse, target, vocab)
-            return _finish(scaled, vals, ids, n_kept, mass, lse, keypair, vocab), complete
+            # The last kept token must rank before the first token the candidates may miss.
+            exact = _ranks_before(_order_keys(_at(vals, n_kept - 1)), _at(ids, n_kept - 1),
+                                  *bound)
+            found = _finish(scaled, vals, ids, n_kept, mass, lse, keypair, vocab)
+            return found, complete & exact
         return level
 
     def search_level(scaled, lse, target, keypair, block_max=None):
@@ -702,7 +763,7 @@ def sample_reference(
     logits, scaled, greedy, top_p, lse, lse_raw, keypair, _ = _prepare(
         logits_bv, keys, temperature, top_p)
     vocab = logits.shape[-1]
-    vals, ids = _ranked(jnp.where(scaled == 0.0, 0.0, scaled), vocab)  # the sort: -0.0 < +0.0
+    vals, ids, _ = _ranked(scaled, vocab)  # one sort of the row
     n_kept, _, mass = _nucleus(vals, lse, _mass_target(top_p), vocab)
     n_kept = jnp.where(greedy, 1, jnp.where(top_p >= 1.0, vocab, n_kept))
     mass = jnp.where(top_p >= 1.0, _MASS_ONE, mass)  # unused: a whole-vocabulary set keeps lse
