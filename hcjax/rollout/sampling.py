@@ -269,18 +269,19 @@ def _ranks_before(key_a, id_a, key_b, id_b):
 def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
     """`_ranked` for m small against the vocabulary, with few `lax.top_k` elements (XLA:CPU's
     top_k is a scalar loop, about 10 ns an element): the m blocks of 16 ids with the largest
-    maxima (by way of groups of 8 blocks when there are many), the two largest entries of each
-    (2m candidates, in id order), ranked by one top_k.
+    maxima, or with many blocks the two largest blocks of each of the m groups of 8 blocks with
+    the largest maxima; then the two largest entries of each chosen block (2m or 4m candidates,
+    in id order, so top_k's ties go to the lower id), ranked by one top_k.
 
-    Every entry ranking before the m-th candidate lies in one of those blocks (m blocks' first
-    maxima rank before any entry of another block), so a token ranking before a returned one and
-    not among the candidates is a third entry of a chosen block: the returned `bound` is the
-    highest-ranked such entry, and the ranks before it are exact. With groups, a chosen group's
-    blocks other than its two largest count likewise, bounded by (their maximum, their first
-    id). Two top tokens of one block are common (a 32-token head among 2000 blocks), three
-    rare: on bench.rollout's peaked rows at 32k and 152k ids no row's nucleus reached its
-    bound. At a 32k vocabulary, m = 32 and 64 rows this takes 250 + 64 top_k elements a row
-    where the top_k of the 512 entries of the chosen blocks took 250 + 256 + 512.
+    Every entry ranking before the m-th candidate lies in a chosen block (m blocks' first maxima,
+    or m groups' first maxima, all candidates, rank before any entry of another block or group),
+    so a token ranking before a returned one and not among the candidates is a third entry of a
+    chosen block, or lies in a chosen group's other blocks. `bound` is the highest-ranked of those
+    (a block counted by its maximum at its first id, at or before its first maximum), and the
+    ranks before it are exact. Two top tokens in one block are common (a 32-token head among
+    2000 blocks), three rare: on bench.rollout's peaked rows at 32k and 152k ids no row's
+    nucleus reached its bound. At a 32k vocabulary (m = 32) top_k reads 250 + 128 entries a row
+    where ranking the chosen blocks' maxima and then their 512 entries read 250 + 256 + 512.
     `block_max`: the row's `_block_maxima`, if already computed."""
     b = x_bv.shape[0]
     blocks = _row_blocks(x_bv, _BLOCK)
