@@ -325,13 +325,10 @@ def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range, s
     z = z[np.random.default_rng(0).permutation(v)]
     keys = sampling_keys(jnp.full((n,), 7), jnp.arange(n), jnp.zeros((n,), jnp.int32))
     fn = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=sort_up_to))
-    # In chunks of 2000 rows: the threshold search holds two 65536-bin histograms per row
-    # (20000 rows at once: 5 GB each, enough to take a CI worker down beside another test).
-    chunk = 2000
-    rows = jnp.tile(jnp.asarray(z, jnp.float32), (chunk, 1))
-    parts = [fn(rows, keys[i:i + chunk], jnp.ones((chunk,)), jnp.full((chunk,), top_p))
-             for i in range(0, n, chunk)]
-    out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+    # All 20000 rows at once: the threshold search takes them SEARCH_ROWS at a time (unchunked,
+    # its two 65536-bin histograms per row came to 10 GB).
+    rows = jnp.tile(jnp.asarray(z, jnp.float32), (n, 1))
+    out = fn(rows, keys, jnp.ones((n,)), jnp.full((n,), top_p))
     kept, _ = reference_top_p(z, 1.0, top_p)
     np.testing.assert_array_equal(np.asarray(out.n_kept), len(kept))
     assert n_range[0] <= len(kept) <= n_range[1]
@@ -373,6 +370,45 @@ def test_threshold_search_on_ties_and_a_total_short_of_top_p():
         kept, _ = reference_top_p(logits[row], 1.0, 0.5)
         assert int(half.n_kept[row]) == len(kept)
         assert int(half.tokens[row]) in kept
+
+
+def test_threshold_search_in_chunks_equals_reference_and_bounds_memory():
+    """More rows than `search_rows` reach the search: they are searched a chunk at a time (the
+    last chunk overlapping the one before), with the same results as the sort; and the compiled
+    sampler's scratch memory stops growing with the rows searched at once."""
+    rng = np.random.default_rng(17)
+    b, v = 40, 600
+    ref = jax.jit(sample_reference)
+    # 5 flat rows: the b/4 bucket (10 rows); 13 and 40: every row is searched (3 chunks of 16).
+    for flat_rows, search_rows in ((5, 4), (13, 16), (40, 16)):
+        logits, _, _ = _mixed_batch(rng, b, v)
+        flat = np.arange(b) < flat_rows
+        logits = jnp.where(flat[:, None], logits * 0.01, logits * 20.0)
+        temperature = jnp.where(flat, 1.0, jnp.asarray(rng.choice([0.0, 0.7, 1.0], size=b)))
+        top_p = jnp.full((b,), 0.99)
+        keys = _keys(b, seed=30 + flat_rows)
+        fast = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=0,
+                                         search_rows=search_rows))
+        r = ref(logits, keys, temperature, top_p)
+        _assert_same(fast(logits, keys, temperature, top_p), r)
+        assert np.all(np.asarray(r.n_kept)[:flat_rows] > 8)
+
+    def scratch(rows, search_rows):
+        args = (jax.ShapeDtypeStruct((rows, 8192), jnp.float32), _keys(rows),
+                jnp.ones((rows,)), jnp.ones((rows,)))
+        fn = jax.jit(functools.partial(sample_eager, search_rows=search_rows))
+        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    whole, chunked = scratch(256, 256), scratch(256, 16)
+    logits_bytes = 256 * 8192 * 4
+    # Unchunked, every row's two 65536-bin histograms (8x a row of 8192 logits each) and the
+    # search's row-sized arrays: 20x the logits. In chunks of 16 rows: one scaled copy
+    # (temperatures other than 0 and 1), the gathered buckets (b/4 and b/16 rows) and one
+    # chunk's search, 2.6x.
+    assert whole > 10 * logits_bytes, whole
+    assert chunked < 3 * logits_bytes, chunked
+    with pytest.raises(ValueError, match="search_rows=0"):
+        sample_eager(jnp.zeros((2, 8)), _keys(2), jnp.ones((2,)), jnp.ones((2,)), search_rows=0)
 
 
 def test_threefry_in_plain_arithmetic_equals_jax_primitive():
