@@ -77,12 +77,19 @@ def sampling_keys(seeds: jax.Array, sample_index: jax.Array, positions: jax.Arra
     return jax.vmap(one)(seeds, sample_index, positions)
 
 
-def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True):
+def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True, rank=None):
     """The per-row inputs. `divide=False` asserts every row's temperature is 0 (greedy) or 1, so
     the scaled logits are the logits themselves: no [B, V] copy is written (at a 152k vocabulary
     and 64 rows that copy took longer than the rest of a greedy draw) and one log-normaliser
     serves both. Signed zeros are left as they are: the threshold search's order keys and the
-    reference's sort fold -0.0 into +0.0 themselves, and `_output` folds the threshold."""
+    reference's sort fold -0.0 into +0.0 themselves, and `_output` folds the threshold.
+
+    `rank(scaled, block_max)`, if given, is the first top-p level's ranking of every row,
+    returned last (zeros when no row has top_p < 1). It needs no normaliser, so it is computed in
+    one conditional with the log-sum-exp passes and the greedy argmax, and XLA:CPU runs them side
+    by side (the ranking is mostly sequential `lax.top_k` calls); a conditional of its own ran
+    before or after them. At 64 x 32k ids (300 rounds in random order) the top-p draw took 2.06
+    instead of 2.38 ms, a greedy one 1.17 instead of 1.15 ms."""
     logits = logits_bv.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
@@ -91,15 +98,31 @@ def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True):
     # the first top-p level all start from them.
     # (The barrier keeps XLA from turning the maximum of the maxima back into a second pass.)
     block_max = jax.lax.optimization_barrier(_block_maxima(logits))
-    lse_raw = _logsumexp(logits, jnp.max(block_max, axis=-1))
-    if divide:
-        scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-        lse = jax.nn.logsumexp(scaled, axis=-1)  # normaliser over the FULL vocabulary
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None] if divide else logits
+
+    def independent():
+        """What needs only the block maxima: the normalisers and the greedy token."""
+        lse_raw = _logsumexp(logits, jnp.max(block_max, axis=-1))
+        # The scaled rows' normaliser over the FULL vocabulary.
+        lse = jax.nn.logsumexp(scaled, axis=-1) if divide else lse_raw
+        return lse, lse_raw, _first_argmax(logits, block_max)  # first maximum: lowest id
+
+    ranked = None
+    if rank is None:
+        lse, lse_raw, token = independent()
     else:
-        scaled, lse = logits, lse_raw
+        def with_ranking():
+            return independent(), rank(scaled, block_max)
+
+        def without():
+            shapes = jax.eval_shape(with_ranking)[1]
+            return independent(), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        (lse, lse_raw, token), ranked = jax.lax.cond(jnp.any(~greedy & (top_p < 1.0)),
+                                                     with_ranking, without)
     # Two words per row for the counter-mode noise below (any key implementation gives bits).
     keypair = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
-    return logits, scaled, greedy, top_p, lse, lse_raw, keypair, block_max
+    return logits, scaled, greedy, top_p, lse, lse_raw, keypair, block_max, token, ranked
 
 
 def _logsumexp(x_bv, max_b):
@@ -702,13 +725,20 @@ def sample(
 def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_rows,
             divide) -> SampleOutput:
     """`sample`'s body; `divide` as in `_prepare`."""
-    logits, scaled, greedy, top_p, lse, lse_raw, keypair, block_max = _prepare(
-        logits_bv, keys, temperature, top_p, divide)
-    b, vocab = logits.shape
+    vocab = logits_bv.shape[-1]
+    sizes = _level_sizes(candidates, vocab)
+    rank = None
+    if sizes:
+        # Every row at temperature 1: the scaled logits are the logits, whose block maxima are
+        # already known.
+        def rank(scaled, block_max):
+            return _ranked(scaled, sizes[0], None if divide else block_max)
+    logits, scaled, greedy, top_p, lse, lse_raw, keypair, block_max, token, ranked = _prepare(
+        logits_bv, keys, temperature, top_p, divide, rank)
+    b = logits.shape[0]
     target = _mass_target(top_p)
 
     # Greedy for every row first (cheap); the other rows overwrite it below.
-    token = _first_argmax(logits, block_max)  # first maximum: lowest id
     state = (token, jnp.ones((b,), jnp.int32), _at(logits, token), lse)
 
     # top_p >= 1: the kept set is the vocabulary, so the draw needs no ranks at all.
@@ -732,9 +762,11 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
     pending = ~greedy & (top_p < 1.0)
     buckets = sorted({1, max(1, b // 16), max(1, b // 4)})
 
-    def ranked_level(m):
+    def ranked_level(m, ranked=None):
+        """The level of the m largest logits; `ranked`: their `_ranked` for every row, if already
+        computed (the first level's)."""
         def level(scaled, lse, target, keypair, block_max=None):
-            vals, ids, bound = _ranked(scaled, m, block_max)
+            vals, ids, bound = ranked if ranked is not None else _ranked(scaled, m, block_max)
             n_kept, complete, mass = _nucleus(vals, lse, target, vocab)
             # The last kept token must rank before the first token the candidates may miss.
             exact = _ranks_before(_order_keys(_at(vals, n_kept - 1)), _at(ids, n_kept - 1),
@@ -748,7 +780,9 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
         return found, jnp.ones(scaled.shape[:1], bool)
 
     last = ranked_level(vocab) if vocab <= sort_up_to else search_level
-    levels = [ranked_level(m) for m in _level_sizes(candidates, vocab)] + [last]
+    levels = [ranked_level(m) for m in sizes] + [last]
+    if sizes:
+        levels[0] = ranked_level(sizes[0], ranked)
     for index, level in enumerate(levels):
 
         def run(state, pending, rows, level=level):
@@ -795,7 +829,7 @@ def sample_reference(
     """`sample` by one stable sort of the whole vocabulary per row, for tests and benchmarks:
     the nucleus from the prefix sums of the masses in rank order. Same kept set, draw and
     arithmetic as `sample`, to the bit."""
-    logits, scaled, greedy, top_p, lse, lse_raw, keypair, _ = _prepare(
+    logits, scaled, greedy, top_p, lse, lse_raw, keypair, _, _, _ = _prepare(
         logits_bv, keys, temperature, top_p)
     vocab = logits.shape[-1]
     vals, ids, _ = _ranked(scaled, vocab)  # one sort of the row
