@@ -86,10 +86,11 @@ def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True, rank=None
 
     `rank(scaled, block_max)`, if given, is the first top-p level's ranking of every row,
     returned last (zeros when no row has top_p < 1). It needs no normaliser, so it is computed in
-    one conditional with the log-sum-exp passes and the greedy argmax, and XLA:CPU runs them side
-    by side (the ranking is mostly sequential `lax.top_k` calls); a conditional of its own ran
-    before or after them. At 64 x 32k ids (300 rounds in random order) the top-p draw took 2.06
-    instead of 2.38 ms, a greedy one 1.17 instead of 1.15 ms."""
+    one conditional with the log-sum-exp passes and the greedy argmax, and XLA:CPU can run them
+    side by side (the ranking is mostly sequential `lax.top_k` calls); a conditional of its own
+    ran before or after them. At 64 x 32k ids (300 rounds in random order) the top-p draw took
+    2.06 instead of 2.38 ms, a greedy one 1.17 instead of 1.15 ms. Inside the engine's decode
+    step the executor does not always overlap them, and the gain there was within noise."""
     logits = logits_bv.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
@@ -780,9 +781,7 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
         return found, jnp.ones(scaled.shape[:1], bool)
 
     last = ranked_level(vocab) if vocab <= sort_up_to else search_level
-    levels = [ranked_level(m) for m in sizes] + [last]
-    if sizes:
-        levels[0] = ranked_level(sizes[0], ranked)
+    levels = [ranked_level(m, ranked if i == 0 else None) for i, m in enumerate(sizes)] + [last]
     for index, level in enumerate(levels):
 
         def run(state, pending, rows, level=level):
