@@ -138,13 +138,18 @@ def test_wait_ready_cli_exit_codes():
 
 
 class GoodReplica:
-    """An in-memory replica that answers every request at once."""
+    """An in-memory replica that answers every request at once, or, given `hold_until`, once
+    that condition holds (at most 10 s), so a test can make sure other replicas get work."""
 
-    def __init__(self):
+    def __init__(self, hold_until=None):
         self.calls = 0
+        self.hold_until = hold_until
 
     def generate(self, request, timeout=None, on_event=None):
         self.calls += 1
+        deadline = time.monotonic() + 10
+        while self.hold_until is not None and not self.hold_until() and time.monotonic() < deadline:
+            time.sleep(0.01)
         return [f"record-{request.seed}"]
 
     def health(self, timeout=None):
@@ -156,7 +161,11 @@ class GoodReplica:
 
 def test_watchdog_routes_around_a_replica_that_hangs():
     srv, servicer, hung = start_service(HungServer(), stall_seconds=0.5)
-    good = GoodReplica()
+    # The router picks at random between idle replicas; the good one holds its answers until the
+    # hung one has been given a request, so the hung one is always tried (without the hold, all
+    # four requests went to the good replica about one run in sixteen).
+    good = GoodReplica(hold_until=lambda: router._replicas[hung].inflight > 0
+                       or router._replicas[hung].stalls > 0)
     router = Router([hung, "fake:good"], max_inflight_per_replica=1, stall_seconds=0.5,
                     probe_interval=0.2)
     router._replicas[hung].client = RolloutClient(hung, Security())
