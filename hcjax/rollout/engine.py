@@ -778,7 +778,11 @@ class Engine:
         new_state = dataclasses.replace(
             state,
             cache=out.cache,
-            logits=jnp.where(valid[:, None], out.logits[:, 0].astype(jnp.float32), state.logits),
+            # Every row's new logits, idle ones too: an idle row draws greedily and its token is
+            # discarded, and `insert` rewrites its logits before it is active again, so keeping
+            # its old logits bought nothing and cost a pass over [B, V] every step (64 x 32k:
+            # 0.3 ms of a 6-7 ms step).
+            logits=out.logits[:, 0].astype(jnp.float32),
             logits_version=jnp.where(valid, version, state.logits_version),
             positions=state.positions + step,
             remaining=remaining,
