@@ -157,8 +157,15 @@ def test_blocked_top_k_is_lax_top_k_before_its_bound_and_first_argmax_is_argmax(
         for case, x in enumerate(cases):
             x = jnp.asarray(x, jnp.float32)
             for m in (1, 8, 32, 64):
-                vals, ids, (bound_key, bound_id) = blocked(x, m)
+                vals, ids, (bound_key, bound_id), lanes = blocked(x, m)
                 ref_vals, ref_ids = jax.lax.top_k(x, m)
+                # Each candidate's block, as the draw reads it (-inf past the vocabulary, also in
+                # a padding block of the last group).
+                padded = np.pad(np.asarray(x), ((0, 0), (0, -v % (16 * 8))),
+                                constant_values=-np.inf)
+                np.testing.assert_array_equal(
+                    np.asarray(lanes), padded.reshape(6, -1, 16)[np.arange(6)[:, None],
+                                                                 np.asarray(ids) // 16])
                 before = np.asarray(_ranks_before(_order_keys(vals), ids, bound_key[:, None],
                                                   bound_id[:, None]))
                 # The exact ranks are a prefix, and the bound is a real token of the top m.

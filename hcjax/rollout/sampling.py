@@ -269,8 +269,9 @@ def _level_sizes(candidates: tuple[int, ...], vocab: int) -> tuple[int, ...]:
 
 
 def _ranked(scaled_bv: jax.Array, m: int, block_max=None):
-    """(vals, ids, bound): the m largest scaled logits per row in rank order (ties: lower id
-    first, -0.0 and +0.0 one value), and their ids, exact for the ranks before `bound`.
+    """(vals, ids, bound, lanes): the m largest scaled logits per row in rank order (ties: lower
+    id first, -0.0 and +0.0 one value), and their ids, exact for the ranks before `bound`;
+    `lanes` [B, m, 16], the blocked form's 16-id block of each (see `_blocked_top_k`), else None.
 
     `bound` (key, id) [B] each: ranks whose token ranks before it (`_ranks_before`) are exact.
     Only the blocked form (`_blocked_top_k`, for m small against the vocabulary) sets one; the
@@ -285,9 +286,9 @@ def _ranked(scaled_bv: jax.Array, m: int, block_max=None):
     after_all = (jnp.zeros((b,), jnp.uint32), jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32))
     if m < vocab:
         vals, ids = jax.lax.top_k(scaled_bv, m)
-        return vals, ids.astype(jnp.int32), after_all
+        return vals, ids.astype(jnp.int32), after_all, None
     order = jnp.argsort(-scaled_bv, axis=-1, stable=True).astype(jnp.int32)
-    return jnp.take_along_axis(scaled_bv, order, axis=-1), order, after_all
+    return jnp.take_along_axis(scaled_bv, order, axis=-1), order, after_all, None
 
 
 def _ranks_before(key_a, id_a, key_b, id_b):
@@ -312,7 +313,11 @@ def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
     2000 blocks), three rare: on bench.rollout's peaked rows at 32k and 152k ids no row's
     nucleus reached its bound. At a 32k vocabulary (m = 32) top_k reads 250 + 128 entries a row
     where ranking the chosen blocks' maxima and then their 512 entries read 250 + 256 + 512.
-    `block_max`: the row's `_block_maxima`, if already computed."""
+    `block_max`: the row's `_block_maxima`, if already computed.
+
+    Also returns the 16 entries of each returned candidate's block ([B, m, 16], -inf past the
+    vocabulary), taken from the chosen blocks already read: the draw (`_draw_among`) needs them
+    and would otherwise gather them from the rows a second time."""
     b = x_bv.shape[0]
     blocks = _row_blocks(x_bv, _BLOCK)
     if block_max is None:
@@ -337,7 +342,9 @@ def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
     bound = lane_bound if bound is None else _earlier(lane_bound, bound)
     cand_ids = (chosen[:, :, None] * _BLOCK + pos).reshape(b, -1)
     vals, at = jax.lax.top_k(_key_value(keys).reshape(b, -1), m)
-    return vals, jnp.take_along_axis(cand_ids, at, axis=-1), bound
+    # Candidate c is entry c % 2 of chosen block c // 2.
+    return (vals, jnp.take_along_axis(cand_ids, at, axis=-1), bound,
+            jnp.take_along_axis(lanes, (at // 2)[:, :, None], axis=1))
 
 
 def _two_largest(keys_bnk: jax.Array):
@@ -410,13 +417,15 @@ def _kept_lse(n_kept_b, mass_b, lse_b, vocab):
     return jnp.where(n_kept_b >= vocab, lse_b, lse_b + jnp.log(mass))
 
 
-def _finish(scaled_bv, vals_bm, ids_bm, n_kept_b, mass_b, lse_b, keypair_b2, vocab):
+def _finish(scaled_bv, vals_bm, ids_bm, n_kept_b, mass_b, lse_b, keypair_b2, vocab,
+            lanes=None):
     """(token, n_kept, threshold logit, log-normaliser of the kept set) given the kept count: the
     kept set is the first n_kept of the ranked (vals, ids). Few candidates draw from their own
-    blocks; a set ranked over most of the row draws from the whole row's blocks (the same draw)."""
+    blocks (`lanes`: those blocks' entries, if `_ranked` gave them); a set ranked over most of
+    the row draws from the whole row's blocks (the same draw)."""
     threshold = _at(vals_bm, n_kept_b - 1)
     if vals_bm.shape[-1] * _BLOCK < vocab:
-        token = _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b)
+        token = _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b, lanes)
     else:
         token = _draw_whole_rows(scaled_bv, lse_b, keypair_b2, _order_keys(threshold), n_kept_b)
     return token, n_kept_b, threshold, _kept_lse(n_kept_b, mass_b, lse_b, vocab)
@@ -519,17 +528,20 @@ def _draw_in_blocks(scaled_bv, lse_b, keypair_b2, k_b, n_ties_kept_b, stats: _Bl
     return _token_in_block(scaled_bv, keypair_b2, block, k_b, _at(tied_kept, block))
 
 
-def _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b):
+def _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b, lanes=None):
     """`_draw_in_blocks` for a kept set given as the first n_kept of m ranked candidates: only the
-    blocks holding a kept candidate can be drawn, so only their lanes are read."""
+    blocks holding a kept candidate can be drawn, so only their lanes are read (`lanes` [B, m,
+    16]: they, already read; the entries past the vocabulary are never used)."""
     b, m = ids_bm.shape
     vocab = scaled_bv.shape[-1]
     k = _order_keys(_at(vals_bm, n_kept_b - 1))[:, None, None]
     last_id = _at(ids_bm, n_kept_b - 1)[:, None, None]  # the ties at k kept are those up to it
     blocks = ids_bm // _BLOCK
     lane_ids = blocks[:, :, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)
-    x = jnp.take_along_axis(scaled_bv, jnp.minimum(lane_ids, vocab - 1).reshape(b, -1),
-                            axis=-1).reshape(lane_ids.shape)
+    x = lanes
+    if x is None:
+        x = jnp.take_along_axis(scaled_bv, jnp.minimum(lane_ids, vocab - 1).reshape(b, -1),
+                                axis=-1).reshape(lane_ids.shape)
     valid = lane_ids < vocab
     n_tied_kept = jnp.sum(valid & (_order_keys(x) == k) & (lane_ids <= last_id), axis=-1,
                           dtype=jnp.int32)
@@ -540,15 +552,19 @@ def _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b):
                   jnp.log(mass) + _gumbel_at(keypair_b2, blocks, _BLOCK_STREAM), -jnp.inf)
     block = _argmax_lowest_id(z, blocks)
     quota = jnp.max(jnp.where(blocks == block[:, None], n_tied_kept, 0), axis=-1)
-    return _token_in_block(scaled_bv, keypair_b2, block, k[:, 0, 0], quota)
+    # The drawn block's entries: those of the first candidate in it.
+    in_block = _at_row(x, jnp.argmax(blocks == block[:, None], axis=-1))
+    return _token_in_block(scaled_bv, keypair_b2, block, k[:, 0, 0], quota, in_block)
 
 
-def _token_in_block(scaled_bv, keypair_b2, block_b, k_b, n_tied_kept_b):
+def _token_in_block(scaled_bv, keypair_b2, block_b, k_b, n_tied_kept_b, vals=None):
     """The draw's second stage: in block_b, the kept token (above k_b, or among the block's first
-    n_tied_kept_b tokens tied at k_b) with the largest logit + noise, ties to the lower id."""
+    n_tied_kept_b tokens tied at k_b) with the largest logit + noise, ties to the lower id.
+    `vals` [B, 16]: the block's entries, if already read (those past the vocabulary unused)."""
     vocab = scaled_bv.shape[-1]
     ids = block_b[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)[None, :]
-    vals = jnp.take_along_axis(scaled_bv, jnp.minimum(ids, vocab - 1), axis=-1)
+    if vals is None:
+        vals = jnp.take_along_axis(scaled_bv, jnp.minimum(ids, vocab - 1), axis=-1)
     keys, valid = _order_keys(vals), ids < vocab
     tied = valid & (keys == k_b[:, None])
     kept = (valid & (keys > k_b[:, None])) | (
@@ -767,12 +783,13 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
         """The level of the m largest logits; `ranked`: their `_ranked` for every row, if already
         computed (the first level's)."""
         def level(scaled, lse, target, keypair, block_max=None):
-            vals, ids, bound = ranked if ranked is not None else _ranked(scaled, m, block_max)
+            vals, ids, bound, lanes = (ranked if ranked is not None
+                                       else _ranked(scaled, m, block_max))
             n_kept, complete, mass = _nucleus(vals, lse, target, vocab)
             # The last kept token must rank before the first token the candidates may miss.
             exact = _ranks_before(_order_keys(_at(vals, n_kept - 1)), _at(ids, n_kept - 1),
                                   *bound)
-            found = _finish(scaled, vals, ids, n_kept, mass, lse, keypair, vocab)
+            found = _finish(scaled, vals, ids, n_kept, mass, lse, keypair, vocab, lanes)
             return found, complete & exact
         return level
 
@@ -831,7 +848,7 @@ def sample_reference(
     logits, scaled, greedy, top_p, lse, lse_raw, keypair, _, _, _ = _prepare(
         logits_bv, keys, temperature, top_p)
     vocab = logits.shape[-1]
-    vals, ids, _ = _ranked(scaled, vocab)  # one sort of the row
+    vals, ids, _, _ = _ranked(scaled, vocab)  # one sort of the row
     n_kept, _, mass = _nucleus(vals, lse, _mass_target(top_p), vocab)
     n_kept = jnp.where(greedy, 1, jnp.where(top_p >= 1.0, vocab, n_kept))
     mass = jnp.where(top_p >= 1.0, _MASS_ONE, mass)  # unused: a whole-vocabulary set keeps lse
