@@ -780,8 +780,8 @@ class Engine:
             cache=out.cache,
             # Every row's new logits, idle ones too: an idle row draws greedily and its token is
             # discarded, and `insert` rewrites its logits before it is active again, so keeping
-            # its old logits bought nothing and cost a pass over [B, V] every step (64 x 32k:
-            # 0.3 ms of a 6-7 ms step).
+            # its old logits bought nothing and cost a pass over [B, V] every step (64 slots,
+            # one process: the greedy step 7.3 -> 5.6 ms at 32k ids, 22.3 -> 14.7 ms at 152k).
             logits=out.logits[:, 0].astype(jnp.float32),
             logits_version=jnp.where(valid, version, state.logits_version),
             positions=state.positions + step,
