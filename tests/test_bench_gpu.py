@@ -30,12 +30,15 @@ def _numbers(x, path=""):
 
 
 @pytest.mark.slow
-def test_gpu_bench_reduced_on_cpu():
+def test_gpu_bench_reduced_on_cpu(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "hcjax.bench.gpu", "--reduced"], cwd=REPO,
+    json_out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "hcjax.bench.gpu", "--reduced",
+                           "--json_out", str(json_out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads(json_out.read_text()) == out  # the file after the last section
     assert out["backend"] == "cpu" and out["sizes"] == "reduced" and out["jax_version"]
     assert out["peak_tflops"] == {"bfloat16": None, "tfloat32": None}  # no peak for a CPU
     for name in SECTIONS:
@@ -45,6 +48,7 @@ def test_gpu_bench_reduced_on_cpu():
         assert len(figures) > 3, (name, section)
         for path, value in figures:
             assert math.isfinite(value), (name, path, value)
+    assert out["ceilings"]["matmul_bf16_tflops"] > 0 and out["ceilings"]["copy_gb_per_s"] > 0
     kernels = {e["kernel"] for e in out["kernels"]["results"]}
     assert kernels == {"flash_attention_fwd", "flash_attention_fwd_bwd", "gmm", "tgmm",
                        "decode_attention"}
@@ -62,8 +66,10 @@ def test_a_failing_section_is_recorded_and_the_rest_run():
     def broken(phase):
         raise RuntimeError("no cuDNN here")
 
+    seen = []
     out = run_sections({"first": broken, "second": lambda phase: {"x": 1.0}},
-                       Phases("test", mode="off"))
+                       Phases("test", mode="off"), after_each=lambda r: seen.append(list(r)))
+    assert seen == [["first"], ["first", "second"]]  # the partial results after each section
     assert out["first"]["error"] == "RuntimeError: no cuDNN here"
     assert "Traceback" in out["first"]["traceback"]
     assert out["second"]["x"] == 1.0 and out["second"]["section_s"] >= 0

@@ -17,6 +17,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,8 @@ class Sizes:
     """Every shape the script runs: FULL for a GPU (minutes in all), REDUCED for CPU (seconds)."""
 
     repeats: int
+    ceiling_matmul_n: int
+    ceiling_copy_mib: int
     # (label, fn(*shape, impls, repeats) -> kernels entries, shape)
     kernel_cases: tuple
     moe: dict  # bench.moe.bench_case shape: tokens, latent, hidden
@@ -135,6 +138,8 @@ CPU_MOE = dataclasses.replace(lbench.TINY, num_layers=2, max_seq_len=128)
 
 FULL = Sizes(
     repeats=10,
+    ceiling_matmul_n=8192,
+    ceiling_copy_mib=4096,
     kernel_cases=(
         ("attention T=8192 window 512", kbench.bench_attention, (1, 8192, 32, 8, 128, 512)),
         ("attention T=8192 global", kbench.bench_attention, (1, 8192, 32, 8, 128, None)),
@@ -153,6 +158,8 @@ FULL = Sizes(
 )
 REDUCED = Sizes(
     repeats=2,
+    ceiling_matmul_n=256,
+    ceiling_copy_mib=4,
     kernel_cases=(
         ("attention T=128 window 32", kbench.bench_attention, (1, 128, 2, 1, 32, 32)),
         ("gmm M=256 G=4", kbench.bench_gmm, (256, 64, 128, 4)),
@@ -178,6 +185,30 @@ def _add_tflops(entry: dict, peak: float | None) -> dict:
         entry[f"{impl}_tflops"] = round(tflops, 4)
         entry[f"{impl}_fraction_of_peak"] = _fraction(tflops, peak)
     return entry
+
+
+def section_ceilings(sizes: Sizes, peak: float | None, phase) -> dict:
+    """What this device measurably reaches: a square bf16 matmul (fp32 accumulation) and a
+    device-to-device copy, the ceilings the other sections' figures are read against."""
+    n, copy_mib = sizes.ceiling_matmul_n, sizes.ceiling_copy_mib
+    phase.now(f"ceilings: bf16 matmul {n}^3")
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    matmul_s = kbench._time(
+        jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32)), a, b,
+        repeats=sizes.repeats)
+    phase.now(f"ceilings: copy of {copy_mib} MiB")
+    x = jnp.zeros((copy_mib * 2**20 // 4,), jnp.float32)
+    copy_s = kbench._time(jax.jit(lambda x: x + 1.0), x, repeats=sizes.repeats)
+    matmul_tflops = 2 * n**3 / matmul_s / 1e12
+    return {
+        "matmul_bf16_n": n,
+        "matmul_bf16_tflops": round(matmul_tflops, 2),
+        "matmul_bf16_fraction_of_peak": _fraction(matmul_tflops, peak),
+        "copy_mib": copy_mib,
+        # x + 1 reads and writes every byte once.
+        "copy_gb_per_s": round(2 * x.nbytes / copy_s / 1e9, 1),
+    }
 
 
 def section_kernels(sizes: Sizes, accelerated: bool, peak: float | None, phase) -> dict:
@@ -291,9 +322,11 @@ def _model_summary(cfg: ModelConfig) -> dict:
                                          "attention_impl")}
 
 
-def run_sections(sections: dict[str, Callable[[], dict]], phases: Phases) -> dict:
+def run_sections(sections: dict[str, Callable[[], dict]], phases: Phases,
+                 after_each: Callable[[dict], None] | None = None) -> dict:
     """Runs each section in order; one that raises is recorded as {"error", "traceback"} and the
-    next one runs. Every section's dict gets its wall time as "section_s"."""
+    next one runs. Every section's dict gets its wall time as "section_s". `after_each(results so
+    far)` runs after every section (bench.gpu keeps a partial JSON file with it)."""
     out = {}
     with phases.phase("running sections", total=len(sections)) as phase:
         for name, fn in sections.items():
@@ -305,6 +338,8 @@ def run_sections(sections: dict[str, Callable[[], dict]], phases: Phases) -> dic
                 out[name] = {"error": f"{type(e).__name__}: {e}"[:2000],
                              "traceback": traceback.format_exc()[-4000:]}
             out[name]["section_s"] = round(time.perf_counter() - start, 2)
+            if after_each is not None:
+                after_each(out)
             phase.advance()
     return out
 
@@ -313,11 +348,12 @@ EXAMPLES = """examples:
   python -m hcjax.bench.gpu                            # on a GPU: every section, full sizes
   python -m hcjax.bench.gpu --reduced                  # tiny sizes on CPU, well under a minute
   python -m hcjax.bench.gpu --sections kernels,moe | tail -1
+  python -m hcjax.bench.gpu --json_out gpu.json        # gpu.json holds each finished section
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
 
-SECTIONS = ("kernels", "moe", "learner", "decode")
+SECTIONS = ("ceilings", "kernels", "moe", "learner", "decode")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -325,6 +361,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     hcfg.set_examples(parser, EXAMPLES)
     parser.add_argument("--reduced", action="store_true",
                         help="tiny sizes on CPU (also chosen when there is no GPU)")
+    parser.add_argument("--json_out", default=None,
+                        help="also write the JSON here, rewritten after every section (a run cut "
+                             "short keeps the sections it finished)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
@@ -344,13 +383,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     peak_bf16 = peak_tflops(device_kind, "bfloat16") if accelerated else None
     peak_tf32 = peak_tflops(device_kind, "tfloat32") if accelerated else None
     sections = {
+        "ceilings": lambda ph: section_ceilings(sizes, peak_bf16, ph),
         "kernels": lambda ph: section_kernels(sizes, accelerated, peak_bf16, ph),
         "moe": lambda ph: section_moe(sizes, peak_tf32, ph),
         "learner": lambda ph: section_learner(sizes, peak_bf16, ph),
         "decode": lambda ph: section_decode(sizes, ph),
     }
-    results = run_sections({s: sections[s] for s in chosen}, Phases("hcjax.bench.gpu"))
-    out = {
+    header = {
         "bench": "gpu",
         "backend": backend,
         "device_kind": device_kind,
@@ -358,8 +397,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "jax_version": jax.__version__,
         "sizes": "reduced" if reduced else "full",
         "peak_tflops": {"bfloat16": peak_bf16, "tfloat32": peak_tf32},
-        **results,
     }
+
+    def write_partial(results: dict) -> None:
+        if args.json_out:
+            path = Path(args.json_out)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({**header, **results}))
+            tmp.replace(path)
+
+    results = run_sections({s: sections[s] for s in chosen}, Phases("hcjax.bench.gpu"),
+                           after_each=write_partial)
+    out = {**header, **results}
     print(json.dumps(out))
     return out
 
