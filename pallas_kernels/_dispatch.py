@@ -6,6 +6,7 @@ Kept free of any kernel logic so each kernel module reads as reference + kernel 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("auto", "pallas", "reference")
 LOWERINGS = ("gpu", "tpu")
@@ -58,3 +59,20 @@ def next_power_of_2(x: int) -> int:
 
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+# Matmuls inside kernels, accumulating in fp32. Triton lowers them to tl.dot (each dimension
+# >= 16); fp32 inputs run as TF32 there unless precision is HIGHEST (then IEEE fp32).
+def dot_nt(a, b, precision=None):  # a [m, d] . b [n, d]^T -> [m, n]
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def dot_tn(a, b, precision=None):  # a [m, n]^T . b [m, d] -> [n, d]
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def dot_nn(a, b, precision=None):  # a [m, n] . b [n, d] -> [m, d]
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)

@@ -130,16 +130,7 @@ class _Config:
         return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-def _dot_nt(a, b):  # a [m, d] . b [n, d]^T -> [m, n] in fp32
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):  # a [m, n]^T . b [m, d] -> [n, d] in fp32
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+_dot_nt, _dot_tn, _dot_nn = _dispatch.dot_nt, _dispatch.dot_tn, _dispatch.dot_nn
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config):

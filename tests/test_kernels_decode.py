@@ -87,6 +87,18 @@ def test_gpu_kernel_matches_reference(hq, hkv, lengths, window, ring, num_splits
     _close(out, want, tol)
 
 
+def test_gpu_kernel_block_below_16_and_a_cache_in_another_dtype():
+    # The kernel's matmuls need >= 16 keys a block (block_k=8 becomes 16) and compute in the wider
+    # of q's and the cache's dtypes (fp32 q against a bf16 cache: the bf16 values, exactly).
+    q, k, v = _inputs(4, 2, jnp.float32)
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    lengths = jnp.asarray([0, 9, 33, 48], jnp.int32)
+    out = pk.decode_attention(q, k, v, lengths, impl="pallas", interpret=True, block_k=8)
+    assert out.dtype == jnp.float32
+    want = _numpy_decode(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, None, False)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
 def test_odd_cache_length_is_padded():
     q, k, v = _inputs(4, 2, jnp.float32, s=21)
     lengths = jnp.asarray([0, 4, 21, 9], jnp.int32)
