@@ -269,7 +269,7 @@ def _interleaved(cases: dict, rounds: int, seed: int = 0) -> dict:
 
 
 def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
-                        repeats: int) -> dict:
+                        repeats: int, note=lambda item: None) -> dict:
     """Per vocabulary size: one jitted `sample` call and one whole engine decode step (the model
     forward included) with greedy rows, top-p rows, top_p = 1 rows and the full-sort reference;
     `confident` repeats top-p on logits whose nucleus nearly always fits the first candidates.
@@ -277,7 +277,7 @@ def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
     top-p / greedy ratios from 1.0 to 3.0 for one code on this noisy host, and with 15 rounds the
     medians' ratio still moved by 0.1 between runs (hence 60 by default: compiling takes most of
     the time). The full-sort reference, 100-300x slower, is the best of repeats // 5 runs, at
-    most 3."""
+    most 3. `note(item)` hears what is being compiled or timed (the phase line)."""
     reference_runs = max(1, min(3, repeats // 5))
     out = {}
     for vocab in vocabs:
@@ -293,18 +293,24 @@ def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
                  "top_p_1": (fast, logits, ones, ones), "top_p_confident": (fast, confident, ones)}
         sample_cases = {}
         for name, (f, x, t, *q) in calls.items():
+            note(f"V={vocab}: compiling the sampler, {name}")
             args = (x, keys, t, q[0] if q else p)
             jax.block_until_ready(f(*args))
             sample_cases[name] = (f, lambda args=args: args)
+        note(f"V={vocab}: timing the sampler, {repeats} rounds")
         sample_s = _interleaved(sample_cases, repeats)
         # The full sort is 100-300x slower: timed apart, fewer times.
         sample_s["reference_top_p"] = _best_seconds(
             ref, reference_runs, lambda args=(logits, keys, ones, p): args)
         n_kept = np.asarray(fast(logits, keys, ones, p).n_kept)
-        step_s = _interleaved({
+        note(f"V={vocab}: compiling three decode steps")
+        steps = {
             "greedy": _decode_step(cfg, sample, logits, zeros, p),
             "top_p": _decode_step(cfg, sample, logits, ones, p),
-            "top_p_confident": _decode_step(cfg, sample, confident, ones, p)}, repeats)
+            "top_p_confident": _decode_step(cfg, sample, confident, ones, p)}
+        note(f"V={vocab}: timing the decode steps, {repeats} rounds")
+        step_s = _interleaved(steps, repeats)
+        note(f"V={vocab}: the decode step with the full-sort reference")
         work, prepare = _decode_step(cfg, sample_reference, logits, ones, p)
         step_s["reference_top_p"] = _best_seconds(work, reference_runs, prepare)
 
@@ -370,9 +376,9 @@ def main(argv=None) -> dict:
     cfg = ModelConfig()
     vocabs = [int(v) or cfg.vocab_size for v in args.sampling_vocabs.split(",") if v.strip()]
     phases = Phases("hcjax.bench.rollout")
-    with phases.phase("top-p vs greedy vs full-sort sampling"):
+    with phases.phase("top-p vs greedy vs full-sort sampling") as phase:
         sampling = sampling_comparison(cfg, vocabs, args.sampling_batch, 0.97,
-                                       args.sampling_repeats)
+                                       args.sampling_repeats, note=phase.now)
     sampling_summary = {
         f"{key}_{v}": r[key] for v, r in sampling["by_vocab"].items()
         for key in ("topp_over_greedy", "decode_topp_over_greedy", "fast_over_reference",
