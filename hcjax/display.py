@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 __all__ = ["FORMATS", "PHASE_MODES", "ClimbDisplay", "ClimbState", "Phase", "Phases", "StepBar",
@@ -425,10 +425,15 @@ class Phase:
     item: str = ""
     t_start: float = dataclasses.field(default_factory=time.monotonic)
     t_last: float | None = None  # when the latest step ended
+    # Called after every change (Phases off a terminal: a throttled progress line).
+    on_change: Callable[[], None] | None = dataclasses.field(default=None, repr=False,
+                                                             compare=False)
 
     def now(self, item: str) -> None:
         """What the phase works on now (a case, a model, a checkpoint)."""
         self.item = item
+        if self.on_change is not None:
+            self.on_change()
 
     def advance(self, n: int = 1, item: str | None = None) -> None:
         """`n` more steps done (and, optionally, what comes next)."""
@@ -436,6 +441,8 @@ class Phase:
         self.t_last = time.monotonic()
         if item is not None:
             self.item = item
+        if self.on_change is not None:
+            self.on_change()
 
     def count(self) -> str:
         return "" if self.total is None else f"{self.done}/{self.total}"
@@ -501,14 +508,20 @@ class Phases:
     JSON). Each `phase(...)` block is one phase: on a terminal one line redraws in place
     ("hcjax.plan · compiling the train step · elapsed 0:12"; with a total also i/N and the ETA)
     and is replaced by "hcjax.plan: compiling the train step … done in 12.3 s" when the block
-    ends; off a terminal only those plain lines, one when a phase starts and one when it ends.
+    ends; off a terminal those plain lines, one when a phase starts and one when it ends, and in
+    between, when the phase moves on (a step, a new item) at least `progress_every_s` after the
+    last line, the live line's text as a plain line (a log shows where a long phase is).
 
     mode: "auto" (live when `stream`, default stderr, is a terminal, else "lines"), "live",
     "lines" or "off" (prints nothing). One phase at a time."""
 
-    def __init__(self, entry: str, mode: str = "auto", stream: TextIO | None = None) -> None:
+    def __init__(self, entry: str, mode: str = "auto", stream: TextIO | None = None,
+                 progress_every_s: float = 30.0) -> None:
         if mode not in PHASE_MODES:
             raise ValueError(f"mode={mode!r}; expected one of {PHASE_MODES}")
+        if not progress_every_s >= 0:
+            raise ValueError(f"progress_every_s={progress_every_s!r} is not a number >= 0")
+        self.progress_every_s = float(progress_every_s)
         self.entry = entry
         self.stream = sys.stderr if stream is None else stream
         if mode == "auto":
@@ -546,6 +559,8 @@ class Phases:
         live = self._start_live(p) if self.mode == "live" and redraw else None
         if live is None and self.mode != "off":
             self._print(self._line(p, ""))
+            if self.mode == "lines":
+                p.on_change = self._progress_printer(p)
         ended = "done"
         try:
             yield p
@@ -560,6 +575,18 @@ class Phases:
                 seconds = time.monotonic() - p.t_start
                 self._print(self._line(p, f" {ended} {'in' if ended == 'done' else 'after'} "
                                           f"{seconds:.1f} s"))
+
+    def _progress_printer(self, p: Phase) -> Callable[[], None]:
+        """`p.on_change` off a terminal: the live line's text, at most every progress_every_s."""
+        last = [time.monotonic()]  # the phase's first line was printed just now
+
+        def changed() -> None:
+            now = time.monotonic()
+            if now - last[0] >= self.progress_every_s:
+                last[0] = now
+                self._print(render_phase(self.entry, p, now))
+
+        return changed
 
     def _start_live(self, p: Phase) -> tuple[Any, TextIO | None]:
         """(the rich Live, the real stdout when it was replaced by `_Above`)."""

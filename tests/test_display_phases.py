@@ -49,6 +49,27 @@ def test_render_phase_shows_count_item_elapsed_and_eta():
         "hcjax.plan · compiling · elapsed 1:15")
 
 
+def test_off_a_terminal_a_long_phase_prints_progress_lines():
+    buf = io.StringIO()
+    phases = Phases("demo", mode="lines", stream=buf, progress_every_s=0)
+    with phases.phase("measuring", total=2) as phase:
+        phase.now("case a")
+        phase.advance(item="case b")
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "demo: measuring 0/2 …"
+    assert re.fullmatch(r"demo · measuring · 0/2 · elapsed 0:00 · ETA .* · case a", lines[1])
+    assert re.fullmatch(r"demo · measuring · 1/2 · elapsed 0:00 · ETA .* · case b", lines[2])
+    assert lines[3].startswith("demo: measuring 1/2 … done in")
+    assert len(lines) == 4
+    # The default waits 30 s between lines: a quick phase prints only its start and end.
+    buf = io.StringIO()
+    with Phases("demo", mode="lines", stream=buf).phase("quick") as phase:
+        phase.now("x")
+    assert len(buf.getvalue().splitlines()) == 2
+    with pytest.raises(ValueError, match="progress_every_s"):
+        Phases("demo", progress_every_s=-1)
+
+
 def test_off_a_terminal_plain_lines_on_stderr_and_nothing_on_stdout(capsys):
     phases = Phases("demo")
     assert phases.mode == "lines"  # stderr is captured: not a terminal
