@@ -130,9 +130,6 @@ class _Config:
         return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-_dot_nt, _dot_tn, _dot_nn = _dispatch.dot_nt, _dispatch.dot_tn, _dispatch.dot_nn
-
-
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config):
     if cfg.has_segments:
         q_seg_ref, k_seg_ref, o_ref, lse_ref = refs
@@ -151,12 +148,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config):
         v = v_ref[pl.ds(k_start, bk), :]
         k_seg = k_seg_ref[pl.ds(k_start, bk)] if cfg.has_segments else None
         mask = cfg.visible(q_pos, k_start + jnp.arange(bk), q_seg, k_seg)
-        s = jnp.where(mask, _dot_nt(q, k) * cfg.scale, _NEG)
+        s = jnp.where(mask, _dispatch.dot_nt(q, k) * cfg.scale, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         denom = denom * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + _dispatch.dot_nn(p.astype(v.dtype), v)
         return m_new, denom, acc
 
     init = (
@@ -217,9 +214,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Con
         v = v_ref[pl.ds(k_start, bk), :]
         k_seg = k_seg_ref[pl.ds(k_start, bk)] if cfg.has_segments else None
         mask = cfg.visible(q_pos, k_start + jnp.arange(bk), q_seg, k_seg)
-        p = jnp.where(mask, jnp.exp(_dot_nt(q, k) * cfg.scale - lse[:, None]), 0.0)
-        ds = p * (_dot_nt(do, v) - delta[:, None])  # softmax backward: dS = P (dP - rowsum(dO O))
-        return dq + _dot_nn(ds.astype(k.dtype), k)
+        p = jnp.where(mask, jnp.exp(_dispatch.dot_nt(q, k) * cfg.scale - lse[:, None]), 0.0)
+        ds = p * (_dispatch.dot_nt(do, v) - delta[:, None])  # softmax backward: dS = P (dP - rowsum(dO O))
+        return dq + _dispatch.dot_nn(ds.astype(k.dtype), k)
 
     lo, hi = cfg.kv_block_range(q_start)
     dq = jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
@@ -252,10 +249,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
             delta = delta_ref[g, pl.ds(q_start, bq)]
             q_seg = q_seg_ref[pl.ds(q_start, bq)] if cfg.has_segments else None
             mask = cfg.visible(q_start + jnp.arange(bq), k_pos, q_seg, k_seg)
-            p = jnp.where(mask, jnp.exp(_dot_nt(q, k) * cfg.scale - lse[:, None]), 0.0)
-            dv = dv + _dot_tn(p.astype(do.dtype), do)
-            ds = p * (_dot_nt(do, v) - delta[:, None])
-            dk = dk + _dot_tn(ds.astype(q.dtype), q)
+            p = jnp.where(mask, jnp.exp(_dispatch.dot_nt(q, k) * cfg.scale - lse[:, None]), 0.0)
+            dv = dv + _dispatch.dot_tn(p.astype(do.dtype), do)
+            ds = p * (_dispatch.dot_nt(do, v) - delta[:, None])
+            dk = dk + _dispatch.dot_tn(ds.astype(q.dtype), q)
             return dk, dv
 
         dk, dv = jax.lax.fori_loop(lo, hi, body, (dk, dv))
