@@ -379,43 +379,38 @@ def test_threshold_search_on_ties_and_a_total_short_of_top_p():
         assert int(half.tokens[row]) in kept
 
 
-def test_threshold_search_in_chunks_equals_reference_and_bounds_memory():
-    """More rows than `search_rows` reach the search: they are searched a chunk at a time (the
-    last chunk overlapping the one before), with the same results as the sort; and the compiled
-    sampler's scratch memory stops growing with the rows searched at once."""
+def test_threshold_search_row_by_row_equals_reference_and_bounds_memory():
+    """However many rows reach the threshold search (one, a few, every row; flat rows anywhere in
+    the batch, some at other temperatures), it searches them one at a time with the same results
+    as the sort; and the compiled sampler's scratch memory stays a small multiple of the logits
+    (a batched search held two 65536-bin histograms and several row-sized arrays per row)."""
     rng = np.random.default_rng(17)
     b, v = 40, 600
     ref = jax.jit(sample_reference)
-    # 5 flat rows: the b/4 bucket (10 rows); 13 and 40: every row is searched (3 chunks of 16).
-    for flat_rows, search_rows in ((5, 4), (13, 16), (40, 16)):
+    fast = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=0))
+    for flat_rows in (1, 5, 13, 40):
         logits, _, _ = _mixed_batch(rng, b, v)
-        flat = np.arange(b) < flat_rows
+        flat = rng.permutation(np.arange(b) < flat_rows)
         logits = jnp.where(flat[:, None], logits * 0.01, logits * 20.0)
         temperature = jnp.where(flat, 1.0, jnp.asarray(rng.choice([0.0, 0.7, 1.0], size=b)))
         top_p = jnp.full((b,), 0.99)
         keys = _keys(b, seed=30 + flat_rows)
-        fast = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=0,
-                                         search_rows=search_rows))
         r = ref(logits, keys, temperature, top_p)
         _assert_same(fast(logits, keys, temperature, top_p), r)
-        assert np.all(np.asarray(r.n_kept)[:flat_rows] > 8)
+        assert np.all(np.asarray(r.n_kept)[flat] > 8)
 
-    def scratch(rows, search_rows):
+    def scratch(rows):
         args = (jax.ShapeDtypeStruct((rows, 8192), jnp.float32), _keys(rows),
                 jnp.ones((rows,)), jnp.ones((rows,)))
-        fn = jax.jit(functools.partial(sample_eager, search_rows=search_rows))
-        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+        return jax.jit(sample_eager).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    whole, chunked = scratch(256, 256), scratch(256, 16)
-    logits_bytes = 256 * 8192 * 4
-    # Unchunked, every row's two 65536-bin histograms (8x a row of 8192 logits each) and the
-    # search's row-sized arrays: 20x the logits. In chunks of 16 rows: one scaled copy
-    # (temperatures other than 0 and 1), the gathered buckets (b/4 and b/16 rows) and one
-    # chunk's search, 2.6x.
-    assert whole > 10 * logits_bytes, whole
-    assert chunked < 3 * logits_bytes, chunked
-    with pytest.raises(ValueError, match="search_rows=0"):
-        sample_eager(jnp.zeros((2, 8)), _keys(2), jnp.ones((2,)), jnp.ones((2,)), search_rows=0)
+    # Per row: the scaled copy (temperatures other than 0 and 1) and a few [rows, V / 16] block
+    # arrays; the search's arrays and histograms are one row's, whatever the batch. (Searching
+    # every row at once: 20x the logits.)
+    row_bytes = 8192 * 4
+    few, many = scratch(16), scratch(256)
+    assert many < 1.5 * 256 * row_bytes, many
+    assert many - few < 1.4 * 240 * row_bytes, (few, many)
 
 
 def test_threefry_in_plain_arithmetic_equals_jax_primitive():

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DEFAULT_CANDIDATES", "SEARCH_ROWS", "SORT_UP_TO", "SampleOutput", "sample",
-           "sample_reference", "sampling_keys"]
+__all__ = ["DEFAULT_CANDIDATES", "SORT_UP_TO", "SampleOutput", "sample", "sample_reference",
+           "sampling_keys"]
 
 # Candidate-set sizes tried before the threshold search. `lax.top_k`'s cost on CPU grows with k:
 # 32 candidates instead of 64 took the top-p draw of 64 rows from 3.0 to 2.3 ms at a 32k
@@ -32,11 +31,6 @@ DEFAULT_CANDIDATES = (32,)
 # hundred ids costs less than the search's two 65536-bin histograms, which do not shrink with it
 # (at 272 ids the search's branches alone added 0.15 ms to a 0.15 ms greedy draw of 64 rows).
 SORT_UP_TO = 4096
-# Rows searched at once: the threshold search holds about five [rows, V] arrays and two
-# [rows, 65536] histograms, so more rows than this are searched in chunks of this many, one after
-# another. Compiled for 1024 rows of 152k ids, an unchunked search made the sampler's scratch
-# memory 2.9 GB (5x the logits), reserved whether or not a row ever reaches the search.
-SEARCH_ROWS = 64
 
 # Probability 1 in the fixed-point masses. A token's mass is round(p * 2^30) (int32); the
 # vocabulary's total stays below 2^31 for any vocabulary under 2^31 tokens, and the rounding
@@ -324,19 +318,22 @@ def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
         block_max = _block_maxima(x_bv)
     n = block_max.shape[-1]
     if n < 4 * _GROUP * m:
-        chosen = jnp.sort(jax.lax.top_k(block_max, m)[1], axis=-1).astype(jnp.int32)
+        chosen = _top_indices(block_max, m)
         bound = None
     else:
         groups = _row_blocks(block_max, _GROUP)  # padded with -inf: never chosen over a block
-        picked = jnp.sort(jax.lax.top_k(jnp.max(groups, axis=-1), m)[1], axis=-1)
+        picked = _top_indices(jnp.max(groups, axis=-1), m)
         (_, pos), bound = _two_largest(_order_keys(_at_rows(groups, picked)))
         chosen = (picked[:, :, None] * _GROUP + pos).reshape(b, -1)
         bound = (bound[0], (picked * _GROUP + bound[1]) * _BLOCK)  # the block's first id
         bound = _earliest(*bound)
+    chosen_padding = n % _GROUP != 0 and n >= 4 * _GROUP * m
     # A padding block (past the last real one, in its group) reads as -inf at ids past the
-    # vocabulary: ranked after every real token.
-    lanes = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1, mode="fill",
-                                fill_value=-jnp.inf)
+    # vocabulary: ranked after every real token. Without padding blocks every index is in
+    # bounds, and the gather needs no check (0.06 -> 0.024 ms at 64 x 152k ids).
+    mode = "fill" if chosen_padding else "promise_in_bounds"
+    lanes = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1, mode=mode,
+                                fill_value=-jnp.inf if mode == "fill" else None)
     (keys, pos), (rest_key, rest_pos) = _two_largest(_order_keys(lanes))
     lane_bound = _earliest(rest_key, chosen * _BLOCK + rest_pos)
     bound = lane_bound if bound is None else _earlier(lane_bound, bound)
@@ -345,6 +342,24 @@ def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
     # Candidate c is entry c % 2 of chosen block c // 2.
     return (vals, jnp.take_along_axis(cand_ids, at, axis=-1), bound,
             jnp.take_along_axis(lanes, (at // 2)[:, :, None], axis=1))
+
+
+def _top_indices(x_bn: jax.Array, m: int) -> jax.Array:
+    """int32 [B, m]: the indices of the m largest entries of each row, in increasing order (ties:
+    the lower index ranks first, as in `lax.top_k`, whose cost on CPU grows with the entries it
+    reads). Many entries are first narrowed to those of the m groups of 8 with the largest maxima
+    (recursively): an entry among the m largest lies in such a group, since a group left out
+    ranks after m groups, each holding an entry that ranks before all of its own. At 64 rows
+    of 1187 entries, `lax.top_k` read 1187 a row, this 149 + 256."""
+    b, n = x_bn.shape
+    if n < 4 * _GROUP * m:
+        return jnp.sort(jax.lax.top_k(x_bn, m)[1], axis=-1).astype(jnp.int32)
+    groups = _row_blocks(x_bn, _GROUP)  # padded with -inf: ranked after every real entry
+    outer = _top_indices(jnp.max(groups, axis=-1), m)
+    # The chosen groups' entries, in increasing index order.
+    at = jnp.sort(jax.lax.top_k(_at_rows(groups, outer).reshape(b, -1), m)[1], axis=-1)
+    return (jnp.take_along_axis(outer, at // _GROUP, axis=-1) * _GROUP + at % _GROUP).astype(
+        jnp.int32)
 
 
 def _two_largest(keys_bnk: jax.Array):
@@ -516,9 +531,15 @@ def _block_stats(scaled_bv, lse_b, k_b) -> _BlockStats:
 def _draw_in_blocks(scaled_bv, lse_b, keypair_b2, k_b, n_ties_kept_b, stats: _BlockStats):
     """The token drawn from whole rows' kept sets: every token above k_b and the first
     n_ties_kept_b tokens tied at k_b (by id). `stats`: `_block_stats(scaled_bv, lse_b, k_b)`."""
-    # The ties kept fill the blocks in id order.
-    before = jnp.cumsum(stats.n_tied, axis=-1) - stats.n_tied
-    tied_kept = jnp.clip(n_ties_kept_b[:, None] - before, 0, stats.n_tied)
+    # The ties kept fill the blocks in id order. Usually every tie is kept (one token at k), and
+    # the prefix sum over the blocks, which costs XLA:CPU 0.07 ms a row of 9496 blocks (more
+    # than the rest of the draw), is skipped.
+    def in_id_order():
+        before = jnp.cumsum(stats.n_tied, axis=-1) - stats.n_tied
+        return jnp.clip(n_ties_kept_b[:, None] - before, 0, stats.n_tied)
+
+    every_tie = jnp.all(n_ties_kept_b >= jnp.sum(stats.n_tied, axis=-1))
+    tied_kept = jax.lax.cond(every_tie, lambda: stats.n_tied, in_id_order)
     tie_e = jnp.exp(_key_value(k_b) - lse_b)  # NaN when nothing ties at k: then unused
     mass = _block_mass(stats.above_e, tied_kept, tie_e[:, None])
     # Stored once: `_first_argmax` reads it in several passes, each of which would hash again.
@@ -669,24 +690,32 @@ def _searched(scaled_bv, lse_b, target_b, keypair_b2):
     return token, n_kept, threshold, _kept_lse(n_kept, mass, lse_b, vocab)
 
 
-def _in_chunks(fn, n: int, *xs):
-    """`fn(*xs)` for a function of rows (row r of its outputs depends on row r of each input
-    alone), computed on at most n rows at a time: a loop over chunks of n rows, the last chunk
-    ending at the last row (it overlaps the one before; the overlapping rows are computed twice,
-    to the same values). No padded copy of the inputs is made."""
-    r = xs[0].shape[0]
-    if r <= n:
-        return fn(*xs)
-    shapes = jax.eval_shape(fn, *[x[:n] for x in xs])
-    out = jax.tree.map(lambda s: jnp.zeros((r,) + s.shape[1:], s.dtype), shapes)
+def _search_each(state, pending_b, scaled_bv, lse_b, target_b, keypair_b2):
+    """`_searched` on the pending rows, one row at a time, writing each result into `state`.
 
-    def chunk(i, out):
-        start = jnp.minimum(i * n, r - n)
-        part = fn(*[jax.lax.dynamic_slice_in_dim(x, start, n) for x in xs])
-        return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, start, 0),
-                            out, part)
+    A loop over single rows, each read in place (a dynamic slice of the batch, no gathered copy):
+    its scratch is one row's (a few row-sized arrays and two 65536-bin histograms) whatever the
+    batch and however many rows are searched, and the loop reuses it from row to row. XLA:CPU
+    allocates an executable's scratch afresh on every call (the sampler's is larger than malloc
+    keeps for reuse, so it is a fresh mmap), and every scratch page a call touches is a page
+    fault: searching rows in batches wrote each batch's arrays to new pages. At 64 x 152k ids
+    with 3 rows whose nuclei hold 123k ids, a call took 3520 page faults searching them as a
+    batch of 4, and 788 (as many as a call that searches nothing) one row at a time; the whole
+    draw took 11.0 -> 9.1 ms (7.0 / 7.3 ms without those rows). With 16 such rows 21.5 -> 15.3
+    ms, with all 64 56.5 -> 32.5 ms (32k ids: 18.0 -> 11.2 ms). One process, interleaved."""
+    order = _first_rows(pending_b, pending_b.shape[0])
 
-    return jax.lax.fori_loop(0, -(-r // n), chunk, out)
+    def one_row(i, state):
+        r = order[i]
+
+        def row(x):
+            return jax.lax.dynamic_slice_in_dim(x, r, 1, axis=0)
+
+        found = _searched(row(scaled_bv), row(lse_b), row(target_b), row(keypair_b2))
+        return jax.tree.map(lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new, r, 0),
+                            state, found)
+
+    return jax.lax.fori_loop(0, jnp.sum(pending_b), one_row, state)
 
 
 def _first_rows(mask_b: jax.Array, n: int) -> jax.Array:
@@ -714,7 +743,6 @@ def sample(
     top_p: jax.Array,
     candidates: tuple[int, ...] = DEFAULT_CANDIDATES,
     sort_up_to: int = SORT_UP_TO,
-    search_rows: int = SEARCH_ROWS,
 ) -> SampleOutput:
     """Draw one token per row of `logits_bv` [B, V] with per-row temperature and top_p [B].
 
@@ -723,23 +751,18 @@ def sample(
     `candidates[0]` largest logits (`lax.top_k`, no sort of the vocabulary), then among
     `candidates[1]`, ..., and a row whose nucleus is still incomplete finds its threshold by a
     search over the whole row (`_searched`), or by a sort when the vocabulary has at most
-    `sort_up_to` ids. The search takes at most `search_rows` rows at a time (`SEARCH_ROWS`), which
-    bounds its memory whatever the batch. Every path gives bit-identical results to
-    `sample_reference`.
+    `sort_up_to` ids. The search takes one row at a time, so its memory is one row's whatever
+    the batch. Every path gives bit-identical results to `sample_reference`.
     """
-    if isinstance(search_rows, bool) or not isinstance(search_rows, numbers.Integral) or (
-            search_rows < 1):
-        raise ValueError(f"search_rows={search_rows!r} must be a positive number of rows")
     temperature = jnp.asarray(temperature, jnp.float32)
     # Temperatures of 0 and 1 only (greedy rows and RL's usual T = 1): no division, no copy.
     unit = jnp.all((temperature <= 0.0) | (temperature == 1.0))
-    body = functools.partial(_sample, candidates=candidates, sort_up_to=sort_up_to,
-                             search_rows=search_rows)
+    body = functools.partial(_sample, candidates=candidates, sort_up_to=sort_up_to)
     return jax.lax.cond(unit, functools.partial(body, divide=False),
                         functools.partial(body, divide=True), logits_bv, keys, temperature, top_p)
 
 
-def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_rows,
+def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to,
             divide) -> SampleOutput:
     """`sample`'s body; `divide` as in `_prepare`."""
     vocab = logits_bv.shape[-1]
@@ -771,11 +794,10 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
     state = jax.lax.cond(jnp.any(whole), keep_all, lambda s: s, state)
 
     # top_p < 1: widen the candidate set level by level while some row's nucleus is incomplete,
-    # then search the threshold of what is left. After the first level only a few rows are
-    # usually left: they are gathered into a batch of 1, b/16 or b/4 rows, so that one flat row
-    # does not make every row pay for a wide top-k or a search (8 flat rows of 64 at 152k ids:
-    # 140 ms searching all 64 rows, a quarter of that in the b/4 batch). Each row's arithmetic is
-    # the same whichever batch it is in (fixed-point masses; see `_kept_lse`).
+    # then search the threshold of what is left, row by row (`_search_each`). After the first
+    # level only a few rows are usually left: a wider level gathers them into a batch of 1, b/16
+    # or b/4 rows, so that one flat row does not make every row pay for a wide top-k. Each row's
+    # arithmetic is the same whichever batch it is in (fixed-point masses; see `_kept_lse`).
     pending = ~greedy & (top_p < 1.0)
     buckets = sorted({1, max(1, b // 16), max(1, b // 4)})
 
@@ -793,12 +815,9 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
             return found, complete & exact
         return level
 
-    def search_level(scaled, lse, target, keypair, block_max=None):
-        found = _in_chunks(_searched, int(search_rows), scaled, lse, target, keypair)
-        return found, jnp.ones(scaled.shape[:1], bool)
-
-    last = ranked_level(vocab) if vocab <= sort_up_to else search_level
-    levels = [ranked_level(m, ranked if i == 0 else None) for i, m in enumerate(sizes)] + [last]
+    levels = [ranked_level(m, ranked if i == 0 else None) for i, m in enumerate(sizes)]
+    if vocab <= sort_up_to:
+        levels.append(ranked_level(vocab))
     for index, level in enumerate(levels):
 
         def run(state, pending, rows, level=level):
@@ -807,8 +826,8 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
             def sub(x):
                 if rows is None:
                     return x
-                # Materialised: a gather fused into each of the search's passes over the rows
-                # took ~3 of its 11 ms (3 rows of 152k ids).
+                # Materialised: a gather fused into each pass over the rows costs more (in the
+                # threshold search, when it took gathered rows: ~3 of its 11 ms at 3 x 152k).
                 return jax.lax.optimization_barrier(jnp.take(x, rows, axis=0, mode="clip"))
 
             # Every row, temperature 1: the scaled logits are the logits, whose block maxima
@@ -833,6 +852,8 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, search_
         for i, n in reversed(list(enumerate(gathered))):
             which = jnp.where((count > 0) & (count <= n), i + 1, which)
         state, pending = jax.lax.switch(which, branches, state, pending)
+    if vocab > sort_up_to:
+        state = _search_each(state, pending, scaled, lse, target, keypair)
     return _output(state, logits, scaled, greedy, lse_raw)
 
 
