@@ -187,6 +187,24 @@ def test_blocked_top_k_is_lax_top_k_before_its_bound_and_first_argmax_is_argmax(
     assert bounded > 0  # the ties and the packed head did reach a bound
 
 
+def test_top_indices_through_groups_equal_lax_top_k():
+    """The m largest entries found through groups of 8 (recursively, when there are many) are
+    lax.top_k's, ties to the lower index, in increasing index order: continuous values, heavy
+    ties, -inf rows with few finite entries, and lengths that leave a partial last group."""
+    from hcjax.rollout.sampling import _top_indices
+
+    rng = np.random.default_rng(5)
+    for n in (255, 256, 2048, 2053, 20001):
+        cases = [rng.normal(size=(5, n)), rng.integers(0, 3, size=(5, n)).astype(float),
+                 np.where(rng.random((5, n)) < 0.01, 1.0, -np.inf)]
+        for x in cases:
+            x = jnp.asarray(x, jnp.float32)
+            for m in (1, 8, 32):
+                got = np.asarray(jax.jit(_top_indices, static_argnums=1)(x, m))
+                want = np.sort(np.asarray(jax.lax.top_k(x, m)[1]), axis=-1)
+                np.testing.assert_array_equal(got, want)
+
+
 def test_signed_zeros_tie_at_the_top_on_every_path():
     """-0.0 and +0.0 are one value in the kept-set order (the reference's sort), so a tie between
     them goes to the lower id, whichever path ranks them: `lax.top_k` alone orders +0.0 first."""
