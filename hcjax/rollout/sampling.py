@@ -100,7 +100,11 @@ def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True, rank=None
         lse_raw = _logsumexp(logits, jnp.max(block_max, axis=-1))
         # The scaled rows' normaliser over the FULL vocabulary.
         lse = jax.nn.logsumexp(scaled, axis=-1) if divide else lse_raw
-        return lse, lse_raw, _first_argmax(logits, block_max)  # first maximum: lowest id
+        # The first maximum (lowest id), only if some row is greedy: a batch of top-p rows does
+        # not need it (0.05-0.1 ms of a 64 x 32k draw); the others' placeholder is overwritten.
+        token = jax.lax.cond(jnp.any(greedy), lambda: _first_argmax(logits, block_max),
+                             lambda: jnp.zeros(logits.shape[:1], jnp.int32))
+        return lse, lse_raw, token
 
     ranked = None
     if rank is None:
