@@ -350,8 +350,8 @@ def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range, s
     z = z[np.random.default_rng(0).permutation(v)]
     keys = sampling_keys(jnp.full((n,), 7), jnp.arange(n), jnp.zeros((n,), jnp.int32))
     fn = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=sort_up_to))
-    # All 20000 rows at once: the threshold search takes them SEARCH_ROWS at a time (unchunked,
-    # its two 65536-bin histograms per row came to 10 GB).
+    # All 20000 rows at once: the threshold search takes them one at a time (all at once, its
+    # two 65536-bin histograms per row came to 10 GB).
     rows = jnp.tile(jnp.asarray(z, jnp.float32), (n, 1))
     out = fn(rows, keys, jnp.ones((n,)), jnp.full((n,), top_p))
     kept, _ = reference_top_p(z, 1.0, top_p)
