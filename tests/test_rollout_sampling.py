@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hcjax.rollout.sampling import SORT_UP_TO, sample_reference, sampling_keys
+from hcjax.rollout.sampling import SORT_UP_TO, sample_reference, sampling_keys, searched_rows
 from hcjax.rollout.sampling import sample as sample_eager
 
 sample = jax.jit(sample_eager)  # as the engine runs it; also far fewer dispatches than eager
@@ -429,6 +429,42 @@ def test_threshold_search_row_by_row_equals_reference_and_bounds_memory():
     few, many = scratch(16), scratch(256)
     assert many < 1.5 * 256 * row_bytes, many
     assert many - few < 1.4 * 240 * row_bytes, (few, many)
+
+
+def test_searched_rows_are_the_rows_past_the_candidates():
+    """`searched_rows` names the rows that take the whole-row threshold search: a flat row's
+    nucleus, wider than the 32 candidates, and a narrow nucleus the candidates miss part of (the
+    third of three top tokens in one 16-id block ranks inside it, and the candidates hold only
+    each block's two largest); not a confident row, that narrow row at a smaller top_p, a greedy
+    row or a top_p = 1 row. The draws of all of them equal the full sort's."""
+    rng = np.random.default_rng(5)
+    b, v = 6, 2 * SORT_UP_TO  # above SORT_UP_TO: the search, not a sort, is the last resort
+    logits = rng.normal(size=(b, v)).astype(np.float32) * 0.1
+    logits[0, [7, 3000, 6000]] += 30.0  # confident: three tokens in three blocks
+    logits[1] *= 0.01  # flat
+    # Two tokens at 30 hold 99.2% (ids 160, 161), then id 162 at 25 in the same block, then four
+    # tokens at 24 in other blocks: at top_p 0.996 the nucleus is 160, 161, 162 and the first at
+    # 24; the candidates (160, 161 and the four) reach the target without 162 at their fifth, and
+    # 162 ranks before it.
+    for row in (2, 5):
+        logits[row, [160, 161]] += 30.0
+        logits[row, 162] += 25.0
+        logits[row, [5000, 5100, 5200, 5300]] += 24.0
+    logits[3] *= 0.01  # flat but greedy
+    logits[4] *= 0.01  # flat with top_p = 1
+    x = jnp.asarray(logits)
+    temperature = jnp.asarray([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    top_p = jnp.asarray([0.97, 0.97, 0.996, 0.97, 1.0, 0.9])
+    keys = _keys(b, seed=3)
+    searched = np.asarray(jax.jit(searched_rows)(x, keys, temperature, top_p))
+    np.testing.assert_array_equal(searched, [False, True, True, False, False, False])
+    out, ref = sample(x, keys, temperature, top_p), jax.jit(sample_reference)(x, keys, temperature,
+                                                                              top_p)
+    _assert_same(out, ref)
+    assert int(ref.n_kept[2]) == 4 and int(ref.n_kept[5]) == 2
+    # Temperatures other than 0 and 1 take the dividing branch: the same rows are searched.
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(searched_rows)(x * 2.0, keys, temperature * 2.0, top_p)), searched)
 
 
 def test_threefry_in_plain_arithmetic_equals_jax_primitive():

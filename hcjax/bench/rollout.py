@@ -24,7 +24,7 @@ from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer, cache_bytes, init_cache
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingParams
 from hcjax.rollout import engine as engine_module
-from hcjax.rollout.sampling import sample, sample_reference, sampling_keys
+from hcjax.rollout.sampling import sample, sample_reference, sampling_keys, searched_rows
 from hcjax.rollout.testing import perturbed
 
 
@@ -194,14 +194,18 @@ def kv_bytes(cfg: ModelConfig, batch: int, max_len: int) -> dict:
     return {"ring": cache_bytes(ring), "full_length": cache_bytes(full)}
 
 
-def peaked_logits(key: jax.Array, batch: int, vocab: int, lift: float = 5.0) -> jax.Array:
+def peaked_logits(key: jax.Array, batch: int, vocab: int, lift: float = 5.0,
+                  head: int | None = None) -> jax.Array:
     """f32[batch, vocab] logits shaped like a trained model's: a N(0, 1) background and, per row, a
-    head of 1..32 tokens about log(vocab) + lift above it, so with lift 5 the 0.97-nucleus usually
-    (not always) sits in the head, with lift 9 nearly always. A random tiny model's logits are
-    nearly flat, which no trained model's are."""
+    head of 1..32 tokens (`head` tokens in every row, if given) about log(vocab) + lift above it,
+    so with lift 5 the 0.97-nucleus usually (not always) sits in the head, with lift 9 nearly
+    always. A random tiny model's logits are nearly flat, which no trained model's are."""
+    if head is not None and not 1 <= head <= 32:
+        raise ValueError(f"head={head} must be 1..32 tokens")
     k_bg, k_n, k_ids, k_val = jax.random.split(key, 4)
     logits = jax.random.normal(k_bg, (batch, vocab))
-    heads = jax.random.randint(k_n, (batch, 1), 1, 33)
+    heads = (jax.random.randint(k_n, (batch, 1), 1, 33) if head is None
+             else jnp.full((batch, 1), head))
     ids = jax.random.randint(k_ids, (batch, 32), 0, vocab)
     lift = np.log(vocab) + lift + 1.5 * jax.random.normal(k_val, (batch, 32))
     lift = jnp.where(jnp.arange(32) < heads, lift, 0.0)
@@ -288,7 +292,7 @@ def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
                              jnp.zeros((batch,), jnp.int32))
         zeros, ones = jnp.zeros((batch,)), jnp.ones((batch,))
         p = jnp.full((batch,), top_p)
-        fast, ref = jax.jit(sample), jax.jit(sample_reference)
+        fast, ref, searched = jax.jit(sample), jax.jit(sample_reference), jax.jit(searched_rows)
         calls = {"greedy": (fast, logits, zeros), "top_p": (fast, logits, ones),
                  "top_p_1": (fast, logits, ones, ones), "top_p_confident": (fast, confident, ones)}
         sample_cases = {}
@@ -333,6 +337,14 @@ def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
                                     for k in (64, 1024, 16384)},
             "confident_rows_nucleus_within_64": round(float(np.mean(
                 np.asarray(fast(confident, keys, ones, p).n_kept) <= 64)), 3),
+            # The share of rows the sampler sends to its slow path, the whole-row threshold
+            # search: these logits, the confident ones, and heads of 24 tokens in every row
+            # (narrow nuclei that the first candidates can still miss part of).
+            "rows_searched": {
+                name: round(float(np.mean(np.asarray(searched(x, keys, ones, p)))), 3)
+                for name, x in (("peaked", logits), ("confident", confident),
+                                ("heads_24", peaked_logits(jax.random.key(vocab + 1), batch,
+                                                           vocab, head=24)))},
         }
     return {"batch": batch, "top_p": top_p, "logits": "peaked_logits", "by_vocab": out}
 

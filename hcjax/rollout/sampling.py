@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["DEFAULT_CANDIDATES", "SORT_UP_TO", "SampleOutput", "sample", "sample_reference",
-           "sampling_keys"]
+           "sampling_keys", "searched_rows"]
 
 # Candidate-set sizes tried before the threshold search. `lax.top_k`'s cost on CPU grows with k:
 # 32 candidates instead of 64 took the top-p draw of 64 rows from 3.0 to 2.3 ms at a 32k
@@ -771,8 +771,9 @@ def sample(
 
 
 def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to,
-            divide) -> SampleOutput:
-    """`sample`'s body; `divide` as in `_prepare`."""
+            divide, report_searched: bool = False):
+    """`sample`'s body; `divide` as in `_prepare`. With `report_searched`, also the rows sent to
+    the threshold search (`searched_rows`)."""
     vocab = logits_bv.shape[-1]
     sizes = _level_sizes(candidates, vocab)
     rank = None
@@ -860,9 +861,29 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to,
         for i, n in reversed(list(enumerate(gathered))):
             which = jnp.where((count > 0) & (count <= n), i + 1, which)
         state, pending = jax.lax.switch(which, branches, state, pending)
+    searched = pending if vocab > sort_up_to else jnp.zeros_like(pending)
     if vocab > sort_up_to:
         state = _search_each(state, pending, scaled, lse, target, keypair)
-    return _output(state, logits, scaled, greedy, lse_raw)
+    out = _output(state, logits, scaled, greedy, lse_raw)
+    return (out, searched) if report_searched else out
+
+
+def searched_rows(
+    logits_bv: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    candidates: tuple[int, ...] = DEFAULT_CANDIDATES,
+    sort_up_to: int = SORT_UP_TO,
+) -> jax.Array:
+    """bool [B]: the rows `sample` (same arguments) finds by the whole-row threshold search, its
+    slow path: a nucleus wider than the candidate levels, or one that reaches past a level's
+    exactness bound (its candidates may miss a token that ranks inside it, e.g. three of the top
+    tokens in one 16-id block). For benchmarks and diagnostics; `sample` itself does not call it.
+    """
+    temperature = jnp.asarray(temperature, jnp.float32)
+    return _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide=True,
+                   report_searched=True)[1]
 
 
 def sample_reference(
