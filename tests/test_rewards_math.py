@@ -6,6 +6,7 @@ import time
 import pytest
 
 from hcjax.rewards import math as math_grader
+from hcjax.rewards.timelimit import TimeLimitExceeded, call_with_time_limit
 
 
 @pytest.mark.parametrize("response, answer", [
@@ -72,6 +73,31 @@ def test_time_limit_stops_a_pathological_comparison():
     grade = math_grader.grade("\\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=1)
     assert grade.reward == 0.0 and "exceeded" in grade.reason
     assert time.monotonic() - start < 10  # the comparison alone would run far longer
+
+
+class _SlowToDelete:
+    def __del__(self):  # an alarm raised in here is printed and dropped by Python
+        end = time.monotonic() + 0.4
+        while time.monotonic() < end:
+            pass
+
+
+def _outlive_the_limit():
+    _SlowToDelete()  # deleted at once: the alarm fires inside __del__
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        pass
+    return "ran to the end"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_time_limit_survives_an_alarm_that_python_drops():
+    start = time.monotonic()
+    with pytest.raises(TimeLimitExceeded):
+        call_with_time_limit(_outlive_the_limit, (), 0.1)
+    assert time.monotonic() - start < 2  # the repeated alarm, not the 5 s loop, ended it
+    assert call_with_time_limit(sum, ([1, 2],), 0.1) == 3  # disarmed: nothing fires afterwards
+    time.sleep(0.3)
 
 
 @pytest.mark.slow

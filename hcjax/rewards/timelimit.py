@@ -28,15 +28,29 @@ def call_with_time_limit(fn: Callable[..., Any], args: tuple, timeout_s: float) 
     return _HELPER.call(fn, args, timeout_s)
 
 
+_REPEAT_S = 0.05  # the alarm repeats until disarmed: one raise may land where Python drops it
+
+
 def _with_alarm(fn, args, timeout_s):
+    # A raise from the handler can land in a weakref callback, a __del__ or a GC callback, where
+    # Python prints it as "Exception ignored" and goes on; a one-shot alarm would then leave `fn`
+    # running with no limit at all.  So the timer repeats every _REPEAT_S until the call returns.
+    armed = [True]
+
     def on_alarm(signum, frame):
-        raise TimeLimitExceeded(f"exceeded {timeout_s} s")
+        if armed[0]:
+            raise TimeLimitExceeded(f"exceeded {timeout_s} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s, _REPEAT_S)
     try:
         return fn(*args)
     finally:
+        while armed[0]:  # a raise landing before the flag drops is late, not news: drop it
+            try:
+                armed[0] = False
+            except TimeLimitExceeded:
+                pass
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
