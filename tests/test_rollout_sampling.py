@@ -215,12 +215,13 @@ def test_signed_zeros_tie_at_the_top_on_every_path():
     x[2, 8:40] = -0.0  # a run of -0.0 after the first
     keys = _keys(b, seed=4)
     temperature = jnp.ones((b,))
+    paths = [_both(candidates, sort_up_to)
+             for candidates, sort_up_to in [((1,), 0), ((4,), 0), ((32,), 0), ((1000,), 0),
+                                            ((8,), 2 * v)]]
     for top_p in (1e-6, 0.5):
         p = jnp.full((b,), top_p)
-        ref = sample_reference(jnp.asarray(x), keys, temperature, p)
-        for candidates, sort_up_to in [((1,), 0), ((4,), 0), ((32,), 0), ((1000,), 0),
-                                       ((8,), 2 * v)]:
-            fast, _ = _both(candidates, sort_up_to)
+        ref = paths[0][1](jnp.asarray(x), keys, temperature, p)
+        for fast, _ in paths:
             _assert_same(fast(jnp.asarray(x), keys, temperature, p), ref)
         if top_p < 0.01:
             np.testing.assert_array_equal(np.asarray(ref.tokens), 7)
@@ -286,7 +287,7 @@ def test_candidate_sampler_equals_full_sort_reference(v, candidates, sort_up_to)
         flat = np.arange(b) < flat_rows
         logits = jnp.where(flat[:, None], logits * 0.01, logits * 20.0)
         temperature = jnp.where(flat, 1.0, jnp.asarray(rng.choice([0.0, 1.0], size=b)))
-        top_p = jnp.full((b,), 0.99)
+        top_p = jnp.full((b,), 0.99, jnp.float32)  # not weakly typed: no second compile
         keys = _keys(b, seed=10 + flat_rows)
         a, r = fast(logits, keys, temperature, top_p), ref(logits, keys, temperature, top_p)
         _assert_same(a, r)
