@@ -423,3 +423,131 @@ def test_a_restarted_learner_may_publish_an_older_version(monkeypatch):
         with pytest.raises(RuntimeError, match="reached no replica"):
             after(4)
         after.close()
+
+
+def _serve_process(tmp_path, name):
+    """`python -m hcjax.serve` (the test_serve model, 2 devices) in its own process, so it can be
+    SIGSTOPped; returns (process, address) once it serves."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_serve import MODEL as SERVE_MODEL
+    from tests.test_serve import REPO, _env
+
+    cmd = [sys.executable, "-m", "hcjax.serve", "--max_prefill_length", "16",
+           "--max_target_length", "32", "--max_concurrent_decodes", "4"]
+    for p in SERVE_MODEL:
+        cmd += ["--gin_param", p]
+    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=_env(2), cwd=REPO,
+                            text=True)
+    line = proc.stdout.readline()
+    assert line, (tmp_path / f"{name}.log").read_text()[-3000:]
+    return proc, f"127.0.0.1:{json.loads(line)['port']}"
+
+
+@pytest.mark.slow
+def test_a_replica_stopped_in_the_middle_of_a_push_is_dropped_in_seconds(monkeypatch, tmp_path):
+    """A replica SIGSTOPped after the pre-push Health probe (so inside the push: the chaos
+    bench's replica_sigstop can land there) used to hold the push, and the learner with it, for
+    the publisher's whole timeout (120 s). The probe inside the push drops it within seconds,
+    the other replica installs the version, and the stopped replica's Pull is cancelled. Once
+    resumed it is readmitted, though the version it was pulling is gone (the learner's next step
+    donates those arrays), and installs the next version."""
+    import os
+    import signal
+
+    import jax
+
+    from hcjax.rl.inference import RemoteInference
+    from hcjax.rl.weight_sync import param_digests, weights_status
+    from tests.test_serve import MODEL as SERVE_MODEL
+    from tests.test_serve import learner_versions
+
+    for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    (pa, a), (pb, b) = _serve_process(tmp_path, "a"), _serve_process(tmp_path, "b")
+    hcfg.bind([], SERVE_MODEL)
+    v1, v2, v3 = learner_versions(1, 2, 3)
+    current = {"params": v1}
+    inference = RemoteInference([a, b], lambda: current["params"], ready_timeout=120,
+                                stall_seconds=None)
+    try:
+        inference.router._probe_interval = 0.2
+        inference.router._max_backoff = 1.0
+        inference.start(1)
+        os.kill(pb.pid, signal.SIGSTOP)
+        current["params"] = v2
+        t0 = time.monotonic()
+        inference.publisher(2)  # the push itself: the pre-push probe has passed
+        took = time.monotonic() - t0
+        assert took < 30, took  # a probe every 5 s, each bounded by the 2 s Health timeout
+        assert inference.publisher.timeout == 120.0
+        assert inference.publisher.live == [a]
+        assert "stopped answering during the push" in inference.publisher.dead[b]
+        assert not inference.router.is_up(b) and inference.router.is_up(a)
+        assert weights_status(a, digests=True)["digests"] == param_digests(v2)
+        for x in jax.tree.leaves(v2):  # the learner steps on, donating version 2's arrays
+            x.delete()
+        current["params"] = v3
+        os.kill(pb.pid, signal.SIGCONT)
+        # It answers again: handshaken anew, it waits in weight sync for the next version.
+        assert _until(lambda: b in inference.publisher.live, 60), inference.publisher.dead
+        inference.publish(3)
+        assert _until(lambda: inference.router.is_up(b), 60)
+        status = weights_status(b, digests=True)
+        assert status["version"] == 3 and status["digests"] == param_digests(v3)
+    finally:
+        inference.close()
+        for proc in (pa, pb):
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+    assert pa.wait(60) == 0 and pb.wait(60) == 0  # SIGTERM: both stopped cleanly
+
+
+class _Cancelled:
+    """A Pull's server-side context whose client gives up after `after` s."""
+
+    def __init__(self, after):
+        self.end = time.monotonic() + after
+
+    def is_active(self):
+        return time.monotonic() < self.end
+
+    def abort(self, code, details):
+        raise RuntimeError(f"aborted {code.name}: {details}")
+
+
+class _NeverArrives:
+    """A PlanReceiver whose chunks are never offered (the learner dropped this replica and gave
+    the version up)."""
+
+    def receive(self, version):
+        threading.Event().wait()
+
+
+def test_a_pull_the_learner_gave_up_releases_the_replica():
+    """The learner cancels the Pull of a replica it dropped from a push (or the Pull's deadline
+    passes). The replica stops waiting for chunks that will never come: the Pull ends, the lock a
+    Handshake needs is free, and the receiver is retired (the next version needs a Handshake)."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from hcjax.rl.weight_sync import WeightsServicer
+
+    mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+    template = {"w": jax.device_put(jnp.zeros((2, 2)), NamedSharding(mesh, PartitionSpec()))}
+    servicer = WeightsServicer(server=None, params_template=template)
+    servicer.receiver = _NeverArrives()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="INTERNAL: .*version 4: the learner gave the pull up"):
+        servicer.pull(json.dumps({"version": 4}).encode(), _Cancelled(0.3))
+    assert time.monotonic() - t0 < 5
+    assert servicer.receiver is None and servicer._lock.acquire(blocking=False)
+    servicer._lock.release()
+    with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: pull of version 5 before any"):
+        servicer.pull(json.dumps({"version": 5}).encode(), _Cancelled(10))

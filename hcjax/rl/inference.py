@@ -46,6 +46,12 @@ class LocalInference:
     def engines(self) -> list[Any]:
         return [r["engine"] for r in self.replicas]
 
+    def _unresponsive(self, among: list[str]) -> list[str]:
+        """The publisher's probe inside a push: those of `among` that no longer answer Health in
+        health_timeout s while another does (marked down in the router: their requests retry
+        elsewhere, and the prober readmits them once they answer)."""
+        return self.router.mark_down_unresponsive(self.health_timeout, among)
+
     def publish(self, version: int) -> None:
         for r in self.replicas:
             tree = r["served"].update(lambda r=r: r["plan"].execute(self._params()), version)
@@ -89,7 +95,8 @@ class RemoteInference:
                  params_lock: Any = None, health_timeout: float = 2.0) -> None:
         """params_lock: a lock the learner holds while it steps; given, a readmitted replica
         always gets the current params at once. health_timeout: a replica that does not answer
-        Health this fast before a push is left out of it (see `publish`)."""
+        Health this fast before a push is left out of it (see `publish`), and one that stops
+        answering during a push is dropped from it (the publisher probes every 5 s)."""
         from hcjax.rl.weight_sync import WeightPublisher
         from hcjax.rollout.router import Router
         from hcjax.rollout.service import wait_ready
@@ -106,7 +113,8 @@ class RemoteInference:
         self.router = Router(addresses, max_inflight_per_replica=256,
                              stall_seconds=stall_seconds, on_readmit=self._readmit)
         self.publisher = WeightPublisher(params, addresses, on_dead=self._on_dead,
-                                         is_up=self._in_sync, params_lock=params_lock)
+                                         is_up=self._in_sync, params_lock=params_lock,
+                                         unresponsive=self._unresponsive)
 
     def _in_sync(self, address: str) -> bool:
         """The publisher's is_up: up in the router, or readmitted and awaiting its weights."""
@@ -133,6 +141,12 @@ class RemoteInference:
         if address in publisher.live:
             self._awaiting.add(address)
         return False
+
+    def _unresponsive(self, among: list[str]) -> list[str]:
+        """The publisher's probe inside a push: those of `among` that no longer answer Health in
+        health_timeout s while another does (marked down in the router: their requests retry
+        elsewhere, and the prober readmits them once they answer)."""
+        return self.router.mark_down_unresponsive(self.health_timeout, among)
 
     def publish(self, version: int) -> None:
         # A stopped or hung replica would hold the push, and with it the learner, for the

@@ -38,6 +38,7 @@ from hcjax.transfer import (
     JaxTransferBackend,
     PlanReceiver,
     PlanSender,
+    TransferError,
     TransferPlan,
     UntrustedPeer,
     VersionedWeights,
@@ -223,6 +224,26 @@ def _rpc(channel, method: str, timeout: float) -> Callable[[dict], dict]:
     return invoke
 
 
+def _start_call(method, request: dict, timeout: float) -> tuple[cf.Future, Any]:
+    """Start a unary call; returns its decoded answer as a concurrent future (to wait on beside
+    other futures) and the gRPC call (to cancel: the other side then stops waiting for it)."""
+    import grpc
+
+    call = method.future(json.dumps(request).encode(), timeout=timeout)
+    answer: cf.Future = cf.Future()
+
+    def done(c) -> None:
+        try:
+            answer.set_result(json.loads(c.result()))
+        except grpc.FutureCancelledError:
+            answer.set_exception(RuntimeError("cancelled"))
+        except Exception as err:  # noqa: BLE001 - the call's error, for whoever waits on it
+            answer.set_exception(err)
+
+    call.add_done_callback(done)
+    return answer, call
+
+
 # Learner side ------------------------------------------------------------------------------------
 
 
@@ -231,7 +252,7 @@ class _Replica:
     address: str
     process: int
     channel: Any
-    pull: Callable[[dict], dict]
+    pull: Any  # the Pull method (a gRPC multi-callable)
     sender: PlanSender
     expected_bytes: int
 
@@ -246,6 +267,11 @@ class WeightPublisher:
     is_up(address): when given, a publish skips (and drops) replicas it says are down, so a hung
     replica cannot hold up a push for `timeout` s; a readmitted replica awaiting its first
     version is always included.
+    unresponsive(addresses): when given, a push still waiting after `probe_every` s (and every
+    `probe_every` s after that) asks it which of the push's replicas no longer answer (e.g. the
+    router's Health probe), and drops those it is waiting for: a replica that hangs or is
+    stopped in the middle of a push holds the learner for seconds, not `timeout`. A dropped
+    replica's Pull is cancelled, so it stops waiting for the rest of that version.
 
     Readmission (`readmit`): a replica that comes back (restarted, or resumed after a hang) gets
     a fresh handshake under a new transfer process index (so no transfer id of an interrupted
@@ -266,6 +292,8 @@ class WeightPublisher:
         transfer_address: str | None = None,
         is_up: Callable[[str], bool] | None = None,
         params_lock: Any = None,
+        unresponsive: Callable[[list[str]], Sequence[str]] | None = None,
+        probe_every: float = 5.0,
     ) -> None:
         import grpc
 
@@ -275,8 +303,11 @@ class WeightPublisher:
             raise ValueError("addresses=[]: weight sync needs at least one inference process")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be positive")
+        if probe_every <= 0:
+            raise ValueError(f"probe_every={probe_every} must be positive")
         self.params, self.on_dead, self.timeout = params, on_dead, timeout
         self.is_up, self.params_lock = is_up, params_lock
+        self.unresponsive, self.probe_every = unresponsive, probe_every
         self.addresses = list(addresses)
         self.current_version: int | None = None  # the last version published
         self.installed: dict[str, int] = {}  # address -> version it installed last
@@ -336,8 +367,8 @@ class WeightPublisher:
         if reply["expected_bytes"] != expected:
             raise ValueError(f"inference process {address} expects {reply['expected_bytes']} B "
                              f"per version, the learner's plan sends it {expected} B")
-        return _Replica(address, process, channel, _rpc(channel, "Pull", self.timeout), sender,
-                        expected)
+        return _Replica(address, process, channel,
+                        channel.unary_unary(f"/{WEIGHTS_SERVICE}/Pull"), sender, expected)
 
     @property
     def live(self) -> list[str]:
@@ -368,20 +399,41 @@ class WeightPublisher:
 
     def _push(self, replicas: list[_Replica], version: int, params: Any) -> None:
         t0 = time.perf_counter()
-        inflight = [(r, _in_daemon_thread(r.sender.send, params, version),
-                     _in_daemon_thread(r.pull, {"version": int(version)})) for r in replicas]
+        waiting = {r.address: (r, _in_daemon_thread(r.sender.send, params, version),
+                               *_start_call(r.pull, {"version": version}, self.timeout))
+                   for r in replicas}
         deadline = time.monotonic() + self.timeout
+        next_probe = time.monotonic() + self.probe_every
         failed: dict[str, str] = {}
-        for replica, sent, pulled in inflight:
-            done, _ = cf.wait([sent, pulled], timeout=max(0.0, deadline - time.monotonic()),
-                              return_when=cf.FIRST_EXCEPTION)
-            errors = [f.exception() for f in done if f.exception() is not None]
-            if errors:
-                failed[replica.address] = _why(errors[0])
-            elif len(done) < 2:
-                failed[replica.address] = f"timed out after {self.timeout} s"
-            elif (got := pulled.result())["bytes"] != replica.expected_bytes:
-                failed[replica.address] = (f"received {got['bytes']} B, the plan sends "
+
+        def drop(address: str, why: str) -> None:
+            failed[address] = why
+            waiting.pop(address)[3].cancel()  # the replica stops waiting for this version
+
+        while waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                for address in list(waiting):
+                    drop(address, f"timed out after {self.timeout} s")
+                break
+            if self.unresponsive is not None and now >= next_probe:
+                among = [r.address for r in replicas if r.address not in failed]
+                for address in set(self.unresponsive(among)) & set(waiting):
+                    drop(address, f"stopped answering during the push ({now - t0:.1f} s in)")
+                next_probe = time.monotonic() + self.probe_every
+                continue
+            wake = deadline if self.unresponsive is None else min(deadline, next_probe)
+            cf.wait([f for _, sent, pulled, _ in waiting.values() for f in (sent, pulled)],
+                    timeout=max(0.0, wake - now), return_when=cf.FIRST_EXCEPTION)
+            for address, (replica, sent, pulled, _) in list(waiting.items()):
+                errors = [f.exception() for f in (sent, pulled)
+                          if f.done() and f.exception() is not None]
+                if errors:
+                    drop(address, _why(errors[0]))
+                elif sent.done() and pulled.done():
+                    waiting.pop(address)
+                    if (got := pulled.result())["bytes"] != replica.expected_bytes:
+                        failed[address] = (f"received {got['bytes']} B, the plan sends "
                                            f"{replica.expected_bytes} B")
         for replica in [r for r in replicas if r.address in failed]:
             self.replicas.remove(replica)
@@ -392,7 +444,7 @@ class WeightPublisher:
             if replica.address not in failed:
                 self.installed[replica.address] = int(version)
                 self._pending.discard(replica.address)
-        if len(failed) == len(inflight):
+        if len(failed) == len(replicas):
             raise RuntimeError(f"weights version {version} reached no replica: {failed}")
         self.history.append({"version": int(version), "seconds": time.perf_counter() - t0,
                              "bytes": sum(r.expected_bytes for r in replicas
@@ -523,7 +575,7 @@ class WeightsServicer:
             received = {}
 
             def build():
-                result = receiver.receive(version)
+                result = self._receive(receiver, version, context)
                 received["bytes"] = result.bytes_moved
                 tree = jax.tree.unflatten(self.treedef, [result.leaves[p] for p in self.paths])
                 if self._new_session and version < getattr(self.server, "version", version):
@@ -539,6 +591,23 @@ class WeightsServicer:
             self._new_session = False
             self.served.append({"version": version, "bytes": received["bytes"]})
         return json.dumps({"version": version, "bytes": received["bytes"]}).encode()
+
+    def _receive(self, receiver: PlanReceiver, version: int, context) -> Any:
+        """receiver.receive(version), given up when the learner cancels the Pull or its deadline
+        passes (it dropped this replica from the push): the version's remaining chunks will never
+        be offered. The receiver is then retired (its pulls may stay blocked; a daemon thread
+        holds them), so the next version needs a new Handshake, which readmission does."""
+        pulling = _in_daemon_thread(receiver.receive, version)
+        while True:
+            try:
+                return pulling.result(timeout=0.2)
+            except cf.TimeoutError:
+                if context.is_active():
+                    continue
+            if self.receiver is receiver:
+                self.receiver = None
+            raise TransferError(f"version {version}: the learner gave the pull up (cancelled or "
+                                "past its deadline); a new Handshake is needed")
 
     def status(self, data: bytes, context) -> bytes:
         request = json.loads(data or b"{}")

@@ -12,8 +12,7 @@ import os
 import socket
 import threading
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -175,6 +174,30 @@ def _pair_entries(
     return pairs
 
 
+def _in_daemon_threads(fn: Callable[[int], int], keys: Sequence[int], name: str) -> dict[int, int]:
+    """{key: fn(key)}, each call in its own daemon thread; re-raises the first error. Not an
+    executor: a pull left waiting on a peer that died, stopped, or gave the transfer up would keep
+    an executor's thread, and with it the process, from exiting (they are joined at exit)."""
+    results: dict[int, int] = {}
+    errors: list[BaseException] = []
+
+    def run(key: int) -> None:
+        try:
+            results[key] = fn(key)
+        except BaseException as err:  # re-raised on the calling thread below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(k,), daemon=True, name=f"{name}-{k}")
+               for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 _ACK = np.ones((1,), np.int32)
 
 
@@ -234,25 +257,7 @@ class PlanSender:
                 self._wait_ack(version, dst, unacked.popleft(), ack_device)
             return sent
 
-        # Daemon threads, not an executor: a receiver that died leaves its ack pull blocked
-        # forever, and the interpreter joins executor threads at exit (a hang, not an error).
-        results: dict[int, int] = {}
-        errors: list[BaseException] = []
-
-        def run(c: int) -> None:
-            try:
-                results[c] = serve(c)
-            except BaseException as err:  # re-raised on the calling thread below
-                errors.append(err)
-
-        threads = [threading.Thread(target=run, args=(c,), daemon=True, name=f"plan-send-{c}")
-                   for c in sorted(self.chunks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        results = _in_daemon_threads(serve, sorted(self.chunks), "plan-send")
         sent = sum(results.values())
         self.bytes_sent += sent
         return sent
@@ -348,8 +353,7 @@ class PlanReceiver:
                             self._assemble(key, arrived.pop(key), shards, devices)
             return received
 
-        with ThreadPoolExecutor(max_workers=max(1, len(self.chunks))) as pool:
-            received = sum(pool.map(pull_from, sorted(self.chunks)))
+        received = sum(_in_daemon_threads(pull_from, sorted(self.chunks), "plan-pull").values())
         self.bytes_received += received
 
         out = {}
