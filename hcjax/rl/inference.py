@@ -46,12 +46,6 @@ class LocalInference:
     def engines(self) -> list[Any]:
         return [r["engine"] for r in self.replicas]
 
-    def _unresponsive(self, among: list[str]) -> list[str]:
-        """The publisher's probe inside a push: those of `among` that no longer answer Health in
-        health_timeout s while another does (marked down in the router: their requests retry
-        elsewhere, and the prober readmits them once they answer)."""
-        return self.router.mark_down_unresponsive(self.health_timeout, among)
-
     def publish(self, version: int) -> None:
         for r in self.replicas:
             tree = r["served"].update(lambda r=r: r["plan"].execute(self._params()), version)
@@ -143,9 +137,9 @@ class RemoteInference:
         return False
 
     def _unresponsive(self, among: list[str]) -> list[str]:
-        """The publisher's probe inside a push: those of `among` that no longer answer Health in
-        health_timeout s while another does (marked down in the router: their requests retry
-        elsewhere, and the prober readmits them once they answer)."""
+        """The probe before a push (`publish`) and the publisher's inside one: those of `among`
+        that no longer answer Health in health_timeout s while another does (marked down in the
+        router: their requests retry elsewhere, and the prober readmits them once they answer)."""
         return self.router.mark_down_unresponsive(self.health_timeout, among)
 
     def publish(self, version: int) -> None:
@@ -154,7 +148,7 @@ class RemoteInference:
         # does not answer Health in health_timeout s while another does is left out (its
         # requests retry elsewhere; the router readmits it once it answers and has the weights).
         among = [a for a in self.publisher.live if self._in_sync(a)]
-        for address in self.router.mark_down_unresponsive(self.health_timeout, among):
+        for address in self._unresponsive(among):
             self._awaiting.discard(address)
         self.publisher(version)
 
