@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hcjax.rollout.records import Rollout, mask_logits_to_support, support_mask_from_record
+from hcjax.rollout.records import (
+    Rollout,
+    mask_logits_to_support,
+    order_keys,
+    support_mask_from_record,
+)
 from hcjax.rollout.sampling import sample, sampling_keys
 
 
@@ -42,8 +47,23 @@ def test_support_mask_equals_the_sort_rank_on_real_valued_rows(seed):
     n = rng.integers(0, 100, size=(40,))
     n[:3] = [0, 97, 1]
     got = np.asarray(support_mask_from_record(x, n))
+    jitted = np.asarray(jax.jit(support_mask_from_record)(x, n))
     for i in range(40):
         np.testing.assert_array_equal(got[i], _reference_mask(x[i] + 0.0, n[i]), err_msg=f"row {i}")
+        np.testing.assert_array_equal(jitted[i], got[i], err_msg=f"row {i}, jitted")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_signed_zeros_tie_in_the_support_order_also_under_jit(jit):
+    # -0.0 and +0.0 are one value (the sampler's order): the tie goes to the lower id. Under jit
+    # XLA drops an `x + 0.0`, which once left -0.0 ranked after +0.0 in the learner's rebuild.
+    mask = jax.jit(support_mask_from_record) if jit else support_mask_from_record
+    x = jnp.array([[-0.0, 0.0, -1.0], [0.0, -0.0, -1.0], [-1.0, -0.0, 0.0]])
+    np.testing.assert_array_equal(mask(x, jnp.array([1, 1, 1])),
+                                  [[True, False, False], [True, False, False],
+                                   [False, True, False]])
+    keys = (jax.jit(order_keys) if jit else order_keys)(jnp.array([-0.0, 0.0]))
+    assert int(keys[0]) == int(keys[1])
 
 
 def test_support_record_replays_the_sampler():

@@ -143,7 +143,8 @@ def test_blocked_top_k_is_lax_top_k_before_its_bound_and_first_argmax_is_argmax(
     ties (where the bound falls early), sparse peaks among -inf, a head of tokens packed into a
     few blocks, and vocabularies that are not a multiple of the block (a padding block in the
     last group). The blocked argmax is jnp.argmax's first maximum."""
-    from hcjax.rollout.sampling import _blocked_top_k, _first_argmax, _order_keys, _ranks_before
+    from hcjax.rollout.records import order_keys
+    from hcjax.rollout.sampling import _blocked_top_k, _first_argmax, _ranks_before
 
     rng = np.random.default_rng(11)
     blocked = jax.jit(_blocked_top_k, static_argnums=1)
@@ -166,7 +167,7 @@ def test_blocked_top_k_is_lax_top_k_before_its_bound_and_first_argmax_is_argmax(
                 np.testing.assert_array_equal(
                     np.asarray(lanes), padded.reshape(6, -1, 16)[np.arange(6)[:, None],
                                                                  np.asarray(ids) // 16])
-                before = np.asarray(_ranks_before(_order_keys(vals), ids, bound_key[:, None],
+                before = np.asarray(_ranks_before(order_keys(vals), ids, bound_key[:, None],
                                                   bound_id[:, None]))
                 # The exact ranks are a prefix, and the bound is a real token of the top m.
                 assert np.all(before[:, :-1] >= before[:, 1:])

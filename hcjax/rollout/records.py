@@ -37,6 +37,7 @@ __all__ = [
     "array_field",
     "graded_field",
     "mask_logits_to_support",
+    "order_keys",
     "record_schema",
     "rollout_arrays",
     "rollout_from_parts",
@@ -308,10 +309,14 @@ def rollout_from_parts(
     return cls(**kwargs)
 
 
-def _order_keys(x: jax.Array) -> jax.Array:
-    """uint32 keys that order like the float32 values (-0.0 taken as +0.0): the sign bit flipped
-    for non-negatives, every bit flipped for negatives."""
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32) + 0.0, jnp.uint32)
+def order_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys that order like the float32 values (-0.0 taken as +0.0, so the two tie): the
+    sign bit flipped for non-negatives, every bit flipped for negatives. The kept-set order of the
+    sampler (`hcjax.rollout.sampling`) and of the learner's rebuilt support, one function for both."""
+    x = jnp.asarray(x, jnp.float32)
+    # A select, not `x + 0.0`: XLA simplifies that add away inside jit, and -0.0 kept its sign
+    # bit (a key below +0.0's).
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0.0, 0.0, x), jnp.uint32)
     negative = (bits >> 31) == 1
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
@@ -343,7 +348,7 @@ def support_mask_from_record(logits_v: jax.Array, n_kept: jax.Array) -> jax.Arra
     n_kept = jnp.asarray(n_kept, jnp.int32)
     vocab = logits_v.shape[-1]
     n = jnp.where(n_kept <= 0, vocab, jnp.minimum(n_kept, vocab))[..., None]
-    keys = _order_keys(logits_v)
+    keys = order_keys(logits_v)
     v = _nth_largest_key(keys, n)
     above = keys > v
     tied = keys == v

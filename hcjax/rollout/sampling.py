@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hcjax.rollout.records import order_keys
+
 __all__ = ["DEFAULT_CANDIDATES", "SORT_UP_TO", "SampleOutput", "sample", "sample_reference",
            "sampling_keys", "searched_rows"]
 
@@ -329,7 +331,7 @@ def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
     else:
         groups = _row_blocks(block_max, _GROUP)  # padded with -inf: never chosen over a block
         picked = _top_indices(jnp.max(groups, axis=-1), m)
-        (_, pos), bound = _two_largest(_order_keys(_at_rows(groups, picked)))
+        (_, pos), bound = _two_largest(order_keys(_at_rows(groups, picked)))
         chosen = (picked[:, :, None] * _GROUP + pos).reshape(b, -1)
         bound = (bound[0], (picked * _GROUP + bound[1]) * _BLOCK)  # the block's first id
         bound = _earliest(*bound)
@@ -342,7 +344,7 @@ def _blocked_top_k(x_bv: jax.Array, m: int, block_max=None):
                                     fill_value=-jnp.inf)
     else:
         lanes = jnp.take_along_axis(blocks, chosen[:, :, None], axis=1, mode="promise_in_bounds")
-    (keys, pos), (rest_key, rest_pos) = _two_largest(_order_keys(lanes))
+    (keys, pos), (rest_key, rest_pos) = _two_largest(order_keys(lanes))
     lane_bound = _earliest(rest_key, chosen * _BLOCK + rest_pos)
     bound = lane_bound if bound is None else _earlier(lane_bound, bound)
     cand_ids = (chosen[:, :, None] * _BLOCK + pos).reshape(b, -1)
@@ -450,7 +452,7 @@ def _finish(scaled_bv, vals_bm, ids_bm, n_kept_b, mass_b, lse_b, keypair_b2, voc
     if vals_bm.shape[-1] * _BLOCK < vocab:
         token = _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b, lanes)
     else:
-        token = _draw_whole_rows(scaled_bv, lse_b, keypair_b2, _order_keys(threshold), n_kept_b)
+        token = _draw_whole_rows(scaled_bv, lse_b, keypair_b2, order_keys(threshold), n_kept_b)
     return token, n_kept_b, threshold, _kept_lse(n_kept_b, mass_b, lse_b, vocab)
 
 
@@ -563,7 +565,7 @@ def _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b, lanes=N
     16]: they, already read; the entries past the vocabulary are never used)."""
     b, m = ids_bm.shape
     vocab = scaled_bv.shape[-1]
-    k = _order_keys(_at(vals_bm, n_kept_b - 1))[:, None, None]
+    k = order_keys(_at(vals_bm, n_kept_b - 1))[:, None, None]
     last_id = _at(ids_bm, n_kept_b - 1)[:, None, None]  # the ties at k kept are those up to it
     blocks = ids_bm // _BLOCK
     lane_ids = blocks[:, :, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)
@@ -572,7 +574,7 @@ def _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b, lanes=N
         x = jnp.take_along_axis(scaled_bv, jnp.minimum(lane_ids, vocab - 1).reshape(b, -1),
                                 axis=-1).reshape(lane_ids.shape)
     valid = lane_ids < vocab
-    n_tied_kept = jnp.sum(valid & (_order_keys(x) == k) & (lane_ids <= last_id), axis=-1,
+    n_tied_kept = jnp.sum(valid & (order_keys(x) == k) & (lane_ids <= last_id), axis=-1,
                           dtype=jnp.int32)
     tie_e = jnp.exp(_key_value(k[:, 0, 0]) - lse_b)
     above_e = _lane_sums(x, k[:, 0, 0], lse_b, valid)[0]
@@ -594,18 +596,12 @@ def _token_in_block(scaled_bv, keypair_b2, block_b, k_b, n_tied_kept_b, vals=Non
     ids = block_b[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)[None, :]
     if vals is None:
         vals = jnp.take_along_axis(scaled_bv, jnp.minimum(ids, vocab - 1), axis=-1)
-    keys, valid = _order_keys(vals), ids < vocab
+    keys, valid = order_keys(vals), ids < vocab
     tied = valid & (keys == k_b[:, None])
     kept = (valid & (keys > k_b[:, None])) | (
         tied & (jnp.cumsum(tied, axis=-1) <= n_tied_kept_b[:, None]))
     z = jnp.where(kept, vals + _gumbel_at(keypair_b2, ids), -jnp.inf)
     return _argmax_lowest_id(z, ids)
-
-
-def _order_keys(x):
-    """uint32 keys in the order of the float32s x, -0.0 and +0.0 one key (a tie, as in top_k)."""
-    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0.0, 0.0, x), jnp.uint32)
-    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
 _RADIX = 1 << 16  # two histogram passes of 16 key bits each
@@ -647,7 +643,7 @@ def _histogram(bins_rv, weights_rv):
 
 
 def _key_value(key_b):
-    """The float32 whose `_order_keys` key is key_b (zero as +0.0)."""
+    """The float32 whose `order_keys` key is key_b (zero as +0.0)."""
     bits = jnp.where((key_b >> 31) == 1, key_b & jnp.uint32(0x7FFFFFFF), ~key_b)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -670,7 +666,7 @@ def _searched(scaled_bv, lse_b, target_b, keypair_b2):
     """
     vocab = scaled_bv.shape[-1]
     q = _fixed_mass(scaled_bv, lse_b)
-    keys = _order_keys(scaled_bv)
+    keys = order_keys(scaled_bv)
     high = (keys >> 16).astype(jnp.int32)
     zero = jnp.zeros_like(target_b)
     b_high, above_bin = _last_bin_reaching(_histogram(high, q), zero, target_b)
@@ -681,7 +677,7 @@ def _searched(scaled_bv, lse_b, target_b, keypair_b2):
     everything = b_high < 0
     row_min = jax.lax.cond(jnp.any(everything), lambda: jnp.min(scaled_bv, axis=-1),
                            lambda: jnp.zeros_like(lse_b))
-    k = jnp.where(everything, _order_keys(row_min),
+    k = jnp.where(everything, order_keys(row_min),
                   (b_high.astype(jnp.uint32) << 16) | b_low.astype(jnp.uint32))
     stats = _block_stats(scaled_bv, lse_b, k)
     n_above = jnp.sum(stats.n_above, axis=-1)
@@ -796,7 +792,7 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to,
     def keep_all(state):
         row_min = jnp.min(scaled, axis=-1)  # the last kept token's logit
         n_kept = jnp.full((b,), vocab, jnp.int32)
-        tok = _draw_whole_rows(scaled, lse, keypair, _order_keys(row_min), n_kept)
+        tok = _draw_whole_rows(scaled, lse, keypair, order_keys(row_min), n_kept)
         found = (tok, n_kept, row_min, lse)
         return _select(whole, found, state)
 
@@ -818,7 +814,7 @@ def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to,
                                        else _ranked(scaled, m, block_max))
             n_kept, complete, mass = _nucleus(vals, lse, target, vocab)
             # The last kept token must rank before the first token the candidates may miss.
-            exact = _ranks_before(_order_keys(_at(vals, n_kept - 1)), _at(ids, n_kept - 1),
+            exact = _ranks_before(order_keys(_at(vals, n_kept - 1)), _at(ids, n_kept - 1),
                                   *bound)
             found = _finish(scaled, vals, ids, n_kept, mass, lse, keypair, vocab, lanes)
             return found, complete & exact
