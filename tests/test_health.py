@@ -425,6 +425,38 @@ def test_a_restarted_learner_may_publish_an_older_version(monkeypatch):
         after.close()
 
 
+@pytest.mark.slow
+def test_a_restarted_learner_never_reuses_a_transfer_index_the_replica_handed_out(monkeypatch):
+    """Transfer ids are (version, process index, chunk), and a learner killed inside a push
+    leaves a pull of that push's ack ids pending on the replica's transfer server, which takes
+    the next offer of the same id (checked with jax 0.10.2: a later puller then waits forever).
+    A restarted learner re-sends the same versions, so the replica refuses an index it handed
+    out before and the publisher takes the next one: here the restarted learner's random start
+    is forced onto the dead one's index, and it still re-sends version 7 through a fresh one."""
+    import secrets
+
+    from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
+    from hcjax.serve import ServeOptions
+    from tests.test_serve import InProcess, learner_versions
+
+    for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(secrets, "randbelow", lambda n: n - 1)  # the last index, then wrap
+    hcfg.bind([], MODEL)
+    v1, v2 = learner_versions(1, 2)
+    with InProcess(ServeOptions(warmup=False)) as address:
+        before = WeightPublisher(lambda: v1, [address], timeout=60)
+        assert [r.process for r in before.replicas] == [1023]
+        before(7)
+        before.close()
+        after = WeightPublisher(lambda: v2, [address], timeout=60)  # the same random start
+        assert [r.process for r in after.replicas] == [1]  # 1023 refused, the next one taken
+        after(7)
+        status = weights_status(address, digests=True)
+        assert status["version"] == 7 and status["digests"] == param_digests(v2)
+        after.close()
+
+
 def _serve_process(tmp_path, name):
     """`python -m hcjax.serve` (the test_serve model, 2 devices) in its own process, so it can be
     SIGSTOPped; returns (process, address) once it serves."""

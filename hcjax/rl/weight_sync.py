@@ -313,9 +313,11 @@ class WeightPublisher:
         self.installed: dict[str, int] = {}  # address -> version it installed last
         self._pending: set[str] = set()  # readmitted, waiting for their first version
         # Transfer ids are (version, process index, chunk): a learner restarted from a checkpoint
-        # numbers its versions from there again, so each publisher draws its replicas' process
-        # indices from its own random start; ids left half-used on a replica by a push the
-        # killed learner never finished are then not met again.
+        # numbers its versions from there again, and an id left half-used on a replica by a push
+        # the killed learner never finished must not be met again (the dead learner's pending
+        # pull of that id's ack takes the replica's next offer of it, and the push hangs until
+        # its timeout). So the indices start at a random point, and a replica refuses one it has
+        # handed out before (`WeightsServicer.handshake`): the publisher then takes the next.
         self._handshakes = secrets.randbelow(_MAX_PROCESSES - 1)
         self._lock = threading.RLock()  # one publish or readmission at a time
         self.max_bytes_per_pull = max_bytes_per_pull
@@ -331,7 +333,7 @@ class WeightPublisher:
         for address in addresses:
             channel = open_channel(address)
             try:
-                self.replicas.append(self._handshake(address, self._next_process(), channel))
+                self.replicas.append(self._handshake_unused(address, channel))
             except grpc.RpcError as err:
                 channel.close()
                 if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -345,6 +347,20 @@ class WeightPublisher:
         process = 1 + self._handshakes % (_MAX_PROCESSES - 1)
         self._handshakes += 1
         return process
+
+    def _handshake_unused(self, address: str, channel) -> _Replica:
+        """`_handshake` with the next process index the replica has not used before: one it
+        refuses (ALREADY_EXISTS) is skipped. Raises grpc.RpcError for any other refusal."""
+        import grpc
+
+        for _ in range(_MAX_PROCESSES - 1):
+            try:
+                return self._handshake(address, self._next_process(), channel)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+                last = err
+        raise last
 
     def _handshake(self, address: str, process: int, channel) -> _Replica:
         request = {"layout": self.layout, "process_index": process,
@@ -477,9 +493,8 @@ class WeightPublisher:
                 self.replicas.remove(stale)
                 stale.channel.close()
             channel = open_channel(address)
-            process = self._next_process()  # a fresh one: no id of an interrupted push reused
-            try:
-                replica = self._handshake(address, process, channel)
+            try:  # a fresh process index: no id of an interrupted push reused
+                replica = self._handshake_unused(address, channel)
             except (grpc.RpcError, ValueError) as err:
                 channel.close()
                 log.warning("readmission of %s failed at the handshake: %s", address, _why(err))
@@ -488,7 +503,7 @@ class WeightPublisher:
             self.dead.pop(address, None)
             self._pending.add(address)
             log.info("inference process %s readmitted to weight sync (process %d)", address,
-                     process)
+                     replica.process)
             if not push or self.current_version is None:
                 return False
             try:
@@ -532,6 +547,11 @@ class WeightsServicer:
         self.expected_bytes = 0
         self.served: list[dict] = []
         self._new_session = False  # no version pulled since the last Handshake
+        # Transfer process indices handed out by this replica's Handshakes so far. A learner
+        # killed inside a push leaves a pull of that push's ack ids pending on this process's
+        # transfer server, and such a pull takes the next offer of its id whoever it is for; a
+        # restarted learner re-sends the same versions, so it must not get an index used before.
+        self._indices_used: set[int] = set()
         self._lock = threading.Lock()  # one handshake or pull at a time
 
     def handshake(self, data: bytes, context) -> bytes:
@@ -545,6 +565,15 @@ class WeightsServicer:
         process = int(request["process_index"])
         entries = assign_processes(plan.entries, LEARNER_PROCESS, process)
         with self._lock:
+            if process in self._indices_used:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"process index {process} was used by an earlier weights session "
+                              "on this replica; take another")
+            if len(self._indices_used) >= _MAX_PROCESSES - 1:
+                # Every index used (over a thousand handshakes): start the record again. A reused
+                # index then meets a stale pull only if a learner also re-sends that pull's
+                # version to it.
+                self._indices_used.clear()
             if self.backend is None:
                 self.backend = JaxTransferBackend(f"{self.host}:0")
             learner = _reachable(request["transfer_address"], _peer_host(context.peer()))
@@ -554,6 +583,7 @@ class WeightsServicer:
                     max_bytes_per_pull=int(request["max_bytes_per_pull"]))
             except UntrustedPeer as err:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+            self._indices_used.add(process)
             self.expected_bytes = sum(e.nbytes for e in entries)
             self.weights = VersionedWeights()  # a new learner session
             # whose first version may be older than the one served (the learner restarted from
