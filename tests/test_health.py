@@ -457,6 +457,65 @@ def test_a_restarted_learner_never_reuses_a_transfer_index_the_replica_handed_ou
         after.close()
 
 
+_DEAD_LEARNER = """
+import sys
+import jax
+from hcjax.transfer.remote import _ACK, JaxTransferBackend
+device = jax.local_devices()[0]
+spec = jax.ShapeDtypeStruct(_ACK.shape, _ACK.dtype,
+                            sharding=jax.sharding.SingleDeviceSharding(device))
+backend = JaxTransferBackend()
+print("pulling", flush=True)
+backend.pull(sys.argv[1], int(sys.argv[2]), [spec])[0].block_until_ready()
+print("got it", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_learners_pending_ack_pull_does_not_hang_its_successor(monkeypatch):
+    """The hazard itself: a learner process waiting for the ack of version 7's first chunk on
+    the replica's transfer server is killed; its successor, forced onto the same random start,
+    re-sends version 7. With the dead index reused, the replica's ack would go to the dead
+    pull and the push would wait out its timeout; the replica refuses the index and the push
+    lands in seconds."""
+    import secrets
+    import subprocess
+    import sys
+
+    from hcjax.rl.weight_sync import WeightPublisher, weights_status
+    from hcjax.serve import ServeOptions
+    from hcjax.transfer.remote import transfer_uuid
+    from tests.test_serve import REPO, InProcess, _env, learner_versions
+
+    for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(secrets, "randbelow", lambda n: n - 1)
+    hcfg.bind([], MODEL)
+    v1, v2 = learner_versions(1, 2)
+    with InProcess(ServeOptions(warmup=False)) as address:
+        before = WeightPublisher(lambda: v1, [address], timeout=60)
+        before(6)
+        (process, replica_transfer), = before.replicas[0].sender.peers.items()
+        before.close()
+        dead = subprocess.Popen(
+            [sys.executable, "-c", _DEAD_LEARNER, replica_transfer,
+             str(transfer_uuid(7, 0, process, 0, True))],
+            cwd=REPO, env=_env(1), stdout=subprocess.PIPE, text=True)
+        try:
+            assert dead.stdout.readline().strip() == "pulling"
+            time.sleep(3.0)  # its pull request reaches the replica's transfer server
+        finally:
+            dead.kill()
+            dead.wait(30)
+        after = WeightPublisher(lambda: v2, [address], timeout=30)
+        assert after.replicas[0].process != process
+        start = time.monotonic()
+        after(7)
+        assert time.monotonic() - start < 20 and after.dead == {}
+        assert weights_status(address)["version"] == 7
+        after.close()
+
+
 def _serve_process(tmp_path, name):
     """`python -m hcjax.serve` (the test_serve model, 2 devices) in its own process, so it can be
     SIGSTOPped; returns (process, address) once it serves."""
