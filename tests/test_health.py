@@ -642,3 +642,43 @@ def test_a_pull_the_learner_gave_up_releases_the_replica():
     servicer._lock.release()
     with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: pull of version 5 before any"):
         servicer.pull(json.dumps({"version": 5}).encode(), _Cancelled(10))
+
+
+def test_the_replica_refuses_a_used_transfer_index_until_every_index_is_used():
+    """`WeightsServicer.handshake` alone: an index it handed out is refused (ALREADY_EXISTS); once
+    all 1023 are used the record starts again instead of refusing every handshake."""
+    import json
+
+    import jax
+    import numpy as np
+
+    from hcjax.rl.weight_sync import WeightsServicer, describe_layout
+
+    class Context:
+        def peer(self):
+            return "ipv4:127.0.0.1:5000"
+
+        def abort(self, code, details):
+            raise RuntimeError(code, details)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    params = {"w": jax.device_put(np.zeros((4, 4), np.float32),
+                                  jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))}
+    servicer = WeightsServicer(server=None, params_template=params)
+
+    def handshake(process):
+        request = {"layout": describe_layout(params), "process_index": process,
+                   "transfer_address": "127.0.0.1:5001", "max_bytes_per_pull": 1 << 20}
+        return json.loads(servicer.handshake(json.dumps(request).encode(), Context()))
+
+    assert handshake(5)["expected_bytes"] == 64
+    with pytest.raises(RuntimeError) as refused:
+        handshake(5)
+    assert refused.value.args[0] == grpc.StatusCode.ALREADY_EXISTS
+    assert "process index 5" in refused.value.args[1]
+    for process in range(1, 1024):
+        if process != 5:
+            handshake(process)
+    assert handshake(5)["expected_bytes"] == 64  # all used: the record started again
+    with pytest.raises(RuntimeError):
+        handshake(5)

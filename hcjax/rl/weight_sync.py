@@ -565,15 +565,15 @@ class WeightsServicer:
         process = int(request["process_index"])
         entries = assign_processes(plan.entries, LEARNER_PROCESS, process)
         with self._lock:
+            if len(self._indices_used) >= _MAX_PROCESSES - 1:
+                # Every index used (over a thousand handshakes): start the record again, or no
+                # index would be accepted. A reused index then meets a stale pull only if a
+                # learner also re-sends that pull's version to it.
+                self._indices_used.clear()
             if process in self._indices_used:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS,
                               f"process index {process} was used by an earlier weights session "
                               "on this replica; take another")
-            if len(self._indices_used) >= _MAX_PROCESSES - 1:
-                # Every index used (over a thousand handshakes): start the record again. A reused
-                # index then meets a stale pull only if a learner also re-sends that pull's
-                # version to it.
-                self._indices_used.clear()
             if self.backend is None:
                 self.backend = JaxTransferBackend(f"{self.host}:0")
             learner = _reachable(request["transfer_address"], _peer_host(context.peer()))
