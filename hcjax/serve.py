@@ -8,7 +8,7 @@ are the seeded initialisation, optionally with noise (`--init_noise`, for tests 
 an untrained model), or a Hugging Face folder's (`--hf_checkpoint DIR`, whose tokenizer's stop ids
 the serving line reports as `eos_ids`); new versions arrive from a learner's
 `hcjax.rl.weight_sync.WeightPublisher` through the Weights service, pulled by the reshard plan.
-Security (hcjax.rollout.auth): loopback unless --host says otherwise, a shared token (--token_file
+Security (hcjax.rpc.auth): loopback unless --host says otherwise, a shared token (--token_file
 or $HCJAX_TOKEN / $HCJAX_TOKEN_FILE) on every RPC of both services, TLS with --tls_dir, weights
 pulled only from loopback or $HCJAX_TRUSTED_PEERS; per-request limits (`RequestLimits`) with
 --max_n, --queue_share, --max_request_mb. This module must not read the climb's configuration:
@@ -89,7 +89,9 @@ def _extra_args(parser) -> None:
                         help="serve a non-loopback --host without a token")
     parser.add_argument("--max_n", type=int, default=d.max_n, help="most samples per request")
     parser.add_argument("--queue_share", type=float, default=d.queue_share,
-                        help="fraction of the request queue one client host may hold")
+                        help="fraction of the server's capacity (work and requests, in flight "
+                             "and queued) one client host may hold; at 0.5 or more one host can "
+                             "still fill every slot")
     parser.add_argument("--max_request_mb", type=int, default=d.max_request_mb,
                         help="largest request message accepted")
     parser.add_argument("--seed", type=int, default=d.seed, help="parameter initialisation seed")
@@ -111,8 +113,10 @@ def _extra_args(parser) -> None:
                         help="longest prompt (default: gin Engine.max_prefill_length, else half "
                              "of the target length)")
     parser.add_argument("--max_queue", type=int, default=None,
-                        help="requests waiting for a decode slot (default: gin "
-                             "RolloutServer.max_queue, else 64)")
+                        help="samples' worth of work the server queues beyond its slots, at "
+                             "least as many as the slots (default: gin RolloutServer.max_queue, "
+                             "else 64); capacity = slots + max(max_queue, slots) samples of "
+                             "max_target_length tokens")
     parser.add_argument("--status_every", type=float, default=d.status_every,
                         help="seconds between one-line status reports on stderr (requests, "
                              "queue, tokens/s, weights version); 0: none")
@@ -166,14 +170,13 @@ def serve(options: ServeOptions, *, ready: Callable[[dict], None] | None = None,
     from hcjax.model import ModelConfig, create_sharded
     from hcjax.rl.weight_sync import weights_service
     from hcjax.rollout import Engine, GenerateRequest, RolloutServer
-    from hcjax.rollout.auth import Security, add_port, check_exposure
-    from hcjax.rollout.service import RequestLimits, RolloutServicer, grpc_server
+    from hcjax.rollout.service import RequestLimits, RolloutServicer, rpc_server
     from hcjax.rollout.testing import perturbed
+    from hcjax.rpc.auth import Security, check_exposure
 
     security = Security.from_env(token_file=options.token_file, tls_dir=options.tls_dir)
     check_exposure(options.host, security, allow_unauthenticated=options.allow_unauthenticated)
-    limits = RequestLimits(max_n=options.max_n, queue_share=options.queue_share,
-                           max_message_mb=options.max_request_mb)
+    limits = RequestLimits(max_n=options.max_n, max_message_mb=options.max_request_mb)
     mesh = inference_mesh()
     info: dict = {}
     if options.hf_checkpoint:
@@ -197,15 +200,18 @@ def serve(options: ServeOptions, *, ready: Callable[[dict], None] | None = None,
     engine = Engine(model, mesh=mesh, **{k: v for k, v in sizes.items() if v is not None})
     params = engine.load_params()
     queue = {} if options.max_queue is None else {"max_queue": options.max_queue}
-    server = RolloutServer(engine, params, version=options.version, **queue).start()
+    server = RolloutServer(engine, params, version=options.version,
+                           queue_share=options.queue_share, **queue).start()
     try:
         if options.warmup:  # compile prefill, insert and generate before announcing readiness
             server.generate(GenerateRequest(prompt=[0], max_tokens=2, temperature=0.0, seed=0))
-        grpc_srv = grpc_server(security, max_receive_mb=limits.max_message_mb)
-        # Weights: the learner's handshake and pulls; its transfer server binds on --host too.
-        grpc_srv.add_generic_rpc_handlers((RolloutServicer(server, limits).handler(),
-                                           weights_service(server, params, options.host)))
-        port = add_port(grpc_srv, f"{options.host}:{options.port}", security)
+        grpc_srv = rpc_server(security, max_receive_mb=limits.max_message_mb)
+        # Weights: the learner's handshake and pulls, in the server's blocking pool; its
+        # transfer server binds on --host too.
+        grpc_srv.add_generic_rpc_handlers((
+            RolloutServicer(server, limits).handler(),
+            weights_service(server, params, grpc_srv.blocking_pool, options.host)))
+        port = grpc_srv.bind(f"{options.host}:{options.port}")
         grpc_srv.start()
         try:
             stop = stop or threading.Event()

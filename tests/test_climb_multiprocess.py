@@ -8,10 +8,8 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import jax
 import numpy as np
 import pytest
@@ -27,6 +25,8 @@ from hcjax.rl.weight_sync import (
     param_digests,
     weights_status,
 )
+from hcjax.rpc.auth import Security
+from hcjax.rpc.server import RpcServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,8 +61,8 @@ class FakeServer:
 
 def serve(template, server):
     servicer = WeightsServicer(server, template)
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    grpc_server.add_generic_rpc_handlers((servicer.handler(),))
+    grpc_server = RpcServer(Security())
+    grpc_server.add_generic_rpc_handlers((servicer.handler(grpc_server.blocking_pool),))
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     grpc_server.start()
     return grpc_server, f"127.0.0.1:{port}"

@@ -12,16 +12,16 @@ import pytest
 
 from hcjax import config as hcfg
 from hcjax.rollout import GenerateRequest
-from hcjax.rollout.auth import Security
 from hcjax.rollout.router import Router
 from hcjax.rollout.service import (
     NOT_SERVING,
     SERVING,
     RolloutClient,
     RolloutServicer,
-    grpc_server,
+    rpc_server,
     wait_ready,
 )
+from hcjax.rpc.auth import Security
 
 TOKEN = "health-test-token-0123456789"
 
@@ -39,11 +39,17 @@ class _Engine:
 
 
 class _Handle:
+    """A request on a hung engine: never a token, never finished."""
+
+    done = False
+
     def __init__(self):
         self.cancelled = threading.Event()
 
-    def poll(self, timeout=None):  # a hung engine: never a token, never finished
-        self.cancelled.wait(timeout)
+    def set_notifier(self, notify):
+        pass
+
+    def drain(self):
         return [], False
 
     def cancel(self):
@@ -61,12 +67,12 @@ class HungServer:
     def health(self):
         return {"ok": True, "error": None}
 
-    def submit(self, request, block=True, timeout=None):
+    def submit(self, request, block=True, timeout=None, client="local", priority=None):
         return _Handle()
 
 
 def start_service(server, port=0, *, security=None, stall_seconds=120.0):
-    srv = grpc_server(security or Security())
+    srv = rpc_server(security or Security())
     servicer = RolloutServicer(server, stall_seconds=stall_seconds)
     srv.add_generic_rpc_handlers((servicer.handler(),))
     port = srv.add_insecure_port(f"127.0.0.1:{port}")

@@ -155,3 +155,53 @@ def test_invalid_request_is_not_retried():
 def test_router_rejects_bad_settings():
     with pytest.raises(ValueError, match="max_inflight_per_replica=0"):
         Router([], max_inflight_per_replica=0)
+
+
+class _Refusal(grpc.RpcError):
+    def __init__(self, details):
+        self._details = details
+
+    def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self):
+        return self._details
+
+
+class BusyReplica(FakeReplica):
+    """Refuses for lack of room (its client host's share is full) `refusals` times, then serves."""
+
+    def __init__(self, refusals):
+        super().__init__()
+        self.refusals = refusals
+
+    def generate(self, request, timeout=None, on_event=None):
+        with self.lock:
+            self.calls += 1
+            if self.refusals:
+                self.refusals -= 1
+                raise _Refusal("client ipv4:127.0.0.1 holds 96 tokens of work ... retry later")
+        return [f"record-{request.seed}"]
+
+
+def test_a_replica_refusing_for_lack_of_room_is_waited_out_not_failed():
+    """RESOURCE_EXHAUSTED is back-pressure: more refusals than max_attempts still succeed, the
+    breaker stays closed; a message over the size limit is the request's fault and fails at
+    once; a refusal that outlasts the timeout fails the request naming the last refusal."""
+    busy = BusyReplica(refusals=5)
+    with _router([busy], max_attempts=2) as router:
+        assert router.generate(GenerateRequest(prompt=[1], seed=3), timeout=30) == ["record-3"]
+        metrics = router.metrics()
+    assert busy.calls == 6 and metrics["backpressure_waits"] == 5
+    assert metrics["replicas"]["fake:0"]["state"] == "closed"
+    too_large = BusyReplica(refusals=10**6)
+    too_large.generate = lambda *a, **k: (_ for _ in ()).throw(
+        _Refusal("Received message larger than max (5 vs. 1)"))
+    with _router([too_large]) as router:
+        with pytest.raises(ValueError, match="larger than max"):
+            router.generate(GenerateRequest(prompt=[1]), timeout=30)
+    with _router([BusyReplica(refusals=10**6)]) as router:
+        t0 = time.monotonic()
+        with pytest.raises(NoReplicaAvailable, match="retry later"):
+            router.generate(GenerateRequest(prompt=[1]), timeout=0.5)
+        assert time.monotonic() - t0 < 5

@@ -10,9 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
-import threading
 import time
-import types
 from pathlib import Path
 
 import grpc
@@ -22,17 +20,16 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
-from hcjax.rollout.auth import Security, check_exposure, is_loopback
 from hcjax.rollout.request import request_from_dict
 from hcjax.rollout.service import (
     RequestLimits,
     RolloutClient,
-    RolloutServicer,
     _request_to_bytes,
     serve_grpc,
 )
 from hcjax.rollout.testing import tiny_model
 from hcjax.rollout.wire import decode, encode
+from hcjax.rpc.auth import Security, check_exposure, is_loopback
 from hcjax.transfer import PlanReceiver, UntrustedPeer
 from hcjax.transfer.remote import check_trusted, trusted_peers_from_env
 
@@ -357,66 +354,52 @@ def test_request_limits_name_the_limit(rollout_server):
                              reason)
     finally:
         grpc_server.stop(None)
-    with pytest.raises(ValueError, match="queue_share=0"):
-        RequestLimits(queue_share=0)
     with pytest.raises(ValueError, match="max_n=0"):
         RequestLimits(max_n=0)
 
 
-class _NeverDone:
-    """A request handle that never produces anything (a request stuck in the queue)."""
-
-    def __init__(self):
-        self.cancelled = threading.Event()
-
-    def cancel(self):
-        self.cancelled.set()
-
-    def poll(self, timeout):
-        time.sleep(min(timeout, 0.05))
-        return [], False
-
-
-def test_one_client_gets_only_its_share_of_the_queue():
-    handles = []
-    fake = types.SimpleNamespace(
-        engine=types.SimpleNamespace(max_concurrent_decodes=1, vocab_size=VOCAB,
-                                     max_prefill_length=16, max_target_length=64),
-        max_queue=4, version=0,
-        submit=lambda request, block: handles.append(_NeverDone()) or handles[-1],
-        health=lambda: {"ok": True}, metrics=lambda: {})
-    servicer = RolloutServicer(fake, RequestLimits(queue_share=0.5))
-    assert servicer.max_per_client == 3  # half the queue of 4, plus the one decode slot
-    server = grpc.server(__import__("concurrent.futures").futures.ThreadPoolExecutor(16))
-    server.add_generic_rpc_handlers((servicer.handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+def test_one_client_gets_only_its_share_of_the_server():
+    """A server whose queue never drains (not started): one host's streams are admitted up to
+    its share of the work, then refused with RESOURCE_EXHAUSTED naming the share; a stream the
+    client cancels gives its share back."""
+    engine = Engine(tiny_model(0), max_concurrent_decodes=1, max_prefill_length=MAX_PREFILL,
+                    max_target_length=MAX_TARGET)
+    stalled = RolloutServer(engine, max_queue=8, queue_share=0.5)  # capacity 1 + 8 samples
+    assert stalled.admission.host_work == int(0.5 * 9 * MAX_TARGET) == 288
+    grpc_server, port = serve_grpc(stalled, security=Security())
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     call = channel.unary_stream("/hcjax.Rollout/Generate")
+    request = _message({"prompt": [1] * 8, "n": 2, "max_tokens": 56})  # 2 x 64 tokens each
+    streams = []
     try:
-        streams = [call(_message({"prompt": [1]}), timeout=30) for _ in range(3)]
-        deadline = time.monotonic() + 10
-        while len(handles) < 3:
+        for _ in range(2):
+            streams.append(call(request, timeout=30))
+        deadline = time.monotonic() + 30
+        while stalled.admission.snapshot()["requests"] < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(grpc.RpcError) as err:
-            list(call(_message({"prompt": [1]}), timeout=30))
+            list(call(request, timeout=30))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "queue share" in err.value.details()
+        assert ("client ipv4:127.0.0.1 holds 256 tokens of work and this request needs 128: 96 "
+                "over its share of 288") in err.value.details()
         streams[0].cancel()  # a client that leaves frees its share
-        deadline = time.monotonic() + 10
-        while len(handles) < 4:
+        deadline = time.monotonic() + 30
+        while stalled.admission.snapshot()["requests"] > 1:
             assert time.monotonic() < deadline
-            try:
-                streams.append(call(_message({"prompt": [1]}), timeout=30))
-                time.sleep(0.2)
-            except grpc.RpcError:
-                pass
+            time.sleep(0.01)
+        streams.append(call(request, timeout=30))
+        while stalled.admission.snapshot()["requests"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     finally:
         for s in streams:
             s.cancel()
         channel.close()
-        server.stop(None)
+        grpc_server.stop(None)
+        stalled.stop()
+    with pytest.raises(ValueError, match="queue_share=0"):
+        RolloutServer(engine, queue_share=0)
 
 
 # Authentication, TLS, exposure -------------------------------------------------------------------

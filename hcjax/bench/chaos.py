@@ -608,7 +608,7 @@ class Chaos:
         import grpc
 
         from hcjax.rl.weight_sync import WEIGHTS_SERVICE
-        from hcjax.rollout.auth import open_channel
+        from hcjax.rpc.auth import open_channel
 
         channels = {r.address: open_channel(r.address) for r in self.replicas}
         status = {a: c.unary_unary(f"/{WEIGHTS_SERVICE}/Status") for a, c in channels.items()}

@@ -297,7 +297,7 @@ class WeightPublisher:
     ) -> None:
         import grpc
 
-        from hcjax.rollout.auth import open_channel
+        from hcjax.rpc.auth import open_channel
 
         if not addresses:
             raise ValueError("addresses=[]: weight sync needs at least one inference process")
@@ -480,7 +480,7 @@ class WeightPublisher:
         the handshake or push failed and the caller may try again later)."""
         import grpc
 
-        from hcjax.rollout.auth import open_channel
+        from hcjax.rpc.auth import open_channel
 
         if address not in self.addresses:
             raise ValueError(f"readmit({address!r}): not one of this publisher's replicas "
@@ -647,24 +647,29 @@ class WeightsServicer:
             reply["digests"] = param_digests(tree)
         return json.dumps(reply).encode()
 
-    def handler(self):
+    def handler(self, pool):
+        """The `hcjax.Weights` handler for an `hcjax.rpc.server.RpcServer`; its calls block (a
+        Pull waits for the transfer), so they run in `pool` (the server's blocking pool): a push
+        never waits for a thread behind generation streams, nor holds up the event loop."""
         import grpc
 
+        from hcjax.rpc.server import blocking
+
         return grpc.method_handlers_generic_handler(WEIGHTS_SERVICE, {
-            "Handshake": grpc.unary_unary_rpc_method_handler(self.handshake),
-            "Pull": grpc.unary_unary_rpc_method_handler(self.pull),
-            "Status": grpc.unary_unary_rpc_method_handler(self.status),
-        })
+            name: grpc.unary_unary_rpc_method_handler(blocking(fn, pool))
+            for name, fn in (("Handshake", self.handshake), ("Pull", self.pull),
+                             ("Status", self.status))})
 
 
-def weights_service(server: Any, params_template: Any, host: str = "127.0.0.1"):
-    """The gRPC handler of `hcjax.Weights` for an inference process serving `server`."""
-    return WeightsServicer(server, params_template, host).handler()
+def weights_service(server: Any, params_template: Any, pool, host: str = "127.0.0.1"):
+    """The gRPC handler of `hcjax.Weights` for an inference process serving `server`, its calls
+    run in `pool` (an RpcServer's blocking_pool)."""
+    return WeightsServicer(server, params_template, host).handler(pool)
 
 
 def weights_status(address: str, digests: bool = False, timeout: float = 60.0) -> dict:
     """Call a replica's debug `Status` RPC (served versions, bytes, optional per-leaf digests)."""
-    from hcjax.rollout.auth import open_channel
+    from hcjax.rpc.auth import open_channel
 
     with open_channel(address) as channel:
         return _rpc(channel, "Status", timeout)({"digests": digests})

@@ -81,7 +81,8 @@ class TokenEvent:
 
 
 _FIELDS = (
-    "prompt n max_tokens temperature top_p seed stop_tokens token_budget request_id group_id"
+    "prompt n max_tokens temperature top_p seed stop_tokens token_budget request_id group_id "
+    "priority"
 ).split()
 
 
@@ -92,6 +93,8 @@ class GenerateRequest:
     token_budget: at most this many new tokens per sample in this call (partial rollouts); a
     sample that hits it comes back with `partial=True`. seed None lets the server pick one (the
     records carry the seed used). continue_from: partial records of this prompt to resume.
+    priority: an integer in [-8, 8]; among the server's waiting work, a lane of higher priority
+    gets 2**priority times the slots of a priority-0 lane (fair queueing, never starvation).
     """
 
     prompt: tuple[int, ...]
@@ -105,6 +108,7 @@ class GenerateRequest:
     request_id: str = ""
     group_id: str | int = 0
     continue_from: tuple[SampledRollout, ...] = ()
+    priority: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", _token_ids("prompt", self.prompt))
@@ -126,6 +130,7 @@ class GenerateRequest:
             raise ValueError(f"request_id={self.request_id!r:.80} must be a string of at most "
                              f"{_MAX_ID_CHARS} characters")
         _group_id(self.group_id)
+        _integer("priority", self.priority, -_MAX_PRIORITY, _MAX_PRIORITY + 1)
         if self.continue_from:
             self._check_continuation()
 
@@ -211,6 +216,7 @@ def request_from_dict(
 
 _INT32 = 2**31
 _UINT32 = 2**32
+_MAX_PRIORITY = 8
 _MAX_ID_CHARS = 256
 
 

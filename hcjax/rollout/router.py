@@ -30,6 +30,15 @@ CLOSED, OPEN = "closed", "open"  # circuit-breaker states: closed = healthy, tak
 
 # Errors that say "this request is wrong", not "this replica is unwell": never retried.
 _FATAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
+# A replica that refuses for lack of room (RESOURCE_EXHAUSTED) is asked again after this long,
+# doubling up to the maximum.
+_PRESSURE_BACKOFF, _MAX_PRESSURE_BACKOFF = 0.05, 1.0
+
+
+def _too_large(err: grpc.RpcError) -> bool:
+    """gRPC's own RESOURCE_EXHAUSTED for a message over the size limit: retrying cannot help."""
+    return (err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "larger than max" in (err.details() or ""))
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -67,11 +76,13 @@ class Router:
         max_attempts: int = 3,
         stall_seconds: float | None = 120.0,
         on_readmit: Callable[[str], bool] | None = None,
+        max_backpressure_seconds: float = 600.0,
     ) -> None:
         """stall_seconds: in-flight requests with no token for this long open the replica's
         breaker (None: no watchdog). on_readmit(address): called (from the prober thread) when
         an open replica answers SERVING; it rejoins only if this returns True (else it is probed
-        again later)."""
+        again later). max_backpressure_seconds: how long a request without a timeout keeps asking
+        replicas that refuse it for lack of room (RESOURCE_EXHAUSTED) before it fails."""
         if max_inflight_per_replica <= 0:
             raise ValueError(f"max_inflight_per_replica={max_inflight_per_replica} must be > 0")
         if failure_threshold <= 0:
@@ -87,6 +98,8 @@ class Router:
         self._probe_interval = probe_interval
         self._max_backoff = max_probe_backoff
         self._max_attempts = max_attempts
+        self._max_backpressure = max_backpressure_seconds
+        self._backpressure = 0  # refusals for lack of room, waited out
         self._cond = threading.Condition()
         self._replicas: dict[str, _Replica] = {}
         self._requests = 0
@@ -172,7 +185,9 @@ class Router:
             self._requests += 1
         tried: set[str] = set()
         last_error: Exception | None = None
-        for attempt in range(self._max_attempts):
+        attempt, pressure = 0, _PRESSURE_BACKOFF
+        pressure_until = time.monotonic() + self._max_backpressure
+        while attempt < self._max_attempts:
             try:
                 rep = self._acquire(tried, deadline)
             except NoReplicaAvailable:
@@ -188,14 +203,21 @@ class Router:
                 records = rep.client.generate(request, timeout=remaining, on_event=callback)
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
-                if code in _FATAL:
+                if code in _FATAL or _too_large(e):
                     self._release(rep, ok=True)
                     raise ValueError(e.details()) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    # Back-pressure, not ill health: try elsewhere without opening the breaker.
+                    # Back-pressure (the replica holds this host's share), not ill health: wait
+                    # and ask again, without opening the breaker or spending an attempt.
                     self._release(rep, ok=True, count=False)
                     last_error = e
-                    time.sleep(0.05)
+                    now = time.monotonic()
+                    if now >= (pressure_until if deadline is None else deadline):
+                        break
+                    with self._cond:
+                        self._backpressure += 1
+                    time.sleep(pressure if deadline is None else min(pressure, deadline - now))
+                    pressure = min(2 * pressure, _MAX_PRESSURE_BACKOFF)
                     continue
                 self._release(rep, ok=False)
                 last_error = e
@@ -206,10 +228,11 @@ class Router:
                 self._release(rep, ok=True)
                 return records
             tried.add(rep.address)
+            attempt += 1
         with self._cond:
             self._failed_requests += 1
         raise NoReplicaAvailable(
-            f"request failed on {self._max_attempts} attempts; last error: {last_error!r}"
+            f"request failed after {attempt} attempts; last error: {last_error!r}"
         )
 
     def _acquire(self, tried: set[str], deadline: float | None) -> _Replica:
@@ -319,6 +342,7 @@ class Router:
             return {
                 "requests": self._requests,
                 "retries": self._retries,
+                "backpressure_waits": self._backpressure,
                 "failed_requests": self._failed_requests,
                 "replicas": {
                     a: {

@@ -1,8 +1,11 @@
-"""The continuous-batching rollout server: a bounded request queue and JetStream-style prefill,
-generate and result threads around one `Engine`, with versioned weights and partial rollouts.
+"""The continuous-batching rollout server: admission by work, fair queues per client host, and
+JetStream-style prefill, generate and result threads around one `Engine`, with versioned weights
+and partial rollouts.
 
-New samples join free slots between generate steps while others are still running. Transport
-(gRPC) lives in service.py; this module is in-process and knows nothing of losses.
+New samples join free slots between generate steps while others are still running; which
+waiting request is prefilled next, and which prefilled sample takes a freed slot, is decided by
+fair queueing across (client, priority) lanes (scheduler.py). Transport (gRPC) lives in
+service.py; this module is in-process and knows nothing of losses.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gin
@@ -21,12 +25,9 @@ import numpy as np
 
 from hcjax.rollout.engine import Engine, SamplingParams, VersionedParams
 from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
+from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
 
 __all__ = ["QueueFull", "RequestHandle", "RolloutServer", "ServerStopped"]
-
-
-class QueueFull(RuntimeError):
-    """The bounded request queue is full (back-pressure): retry later or elsewhere."""
 
 
 class ServerStopped(RuntimeError):
@@ -37,17 +38,41 @@ _DONE = object()
 
 
 class RequestHandle:
-    """A submitted request: stream its events or wait for its records."""
+    """A submitted request: stream its events or wait for its records.
 
-    def __init__(self, request: GenerateRequest, seed: int) -> None:
+    client / priority: the lane it was queued in. on_end: called once when it ends (done,
+    failed or cancelled): the server gives its admitted work back."""
+
+    def __init__(self, request: GenerateRequest, seed: int, *, client: str = "local",
+                 priority: int = 0, on_end: Callable[[], None] | None = None) -> None:
         self.request = request
         self.seed = seed
+        self.client, self.priority = client, priority
         self._events: queue.Queue = queue.Queue()
         self._records: dict[int, SampledRollout] = {}
         self._remaining = request.n
         self._finished = threading.Event()
         self._error: str | None = None
         self.cancelled = threading.Event()
+        self._on_end = on_end
+        self._on_cancel: Callable[[RequestHandle], None] | None = None
+        self._notify: Callable[[], None] | None = None
+        self._end_lock = threading.Lock()
+
+    @property
+    def lane(self) -> tuple[str, int]:
+        return self.client, self.priority
+
+    def set_notifier(self, notify: Callable[[], None] | None) -> None:
+        """Call `notify()` (from the server's threads) after every event this handle receives,
+        e.g. to wake an asyncio task; called once now if events are already waiting."""
+        self._notify = notify
+        if notify is not None and not self._events.empty():
+            notify()
+
+    def drain(self) -> tuple[list, bool]:
+        """`poll` without waiting: (events available now, request finished?)."""
+        return self.poll(timeout=None, wait=False)
 
     def events(self, timeout: float | None = None) -> Iterator[TokenEvent | SampledRollout]:
         """TokenEvents as tokens are generated and each sample's record when it ends."""
@@ -59,13 +84,13 @@ class RequestHandle:
                 return
             yield item
 
-    def poll(self, timeout: float) -> tuple[list, bool]:
+    def poll(self, timeout: float | None, wait: bool = True) -> tuple[list, bool]:
         """(events available now, waiting up to `timeout` for the first; request finished?).
 
         Raises ServerStopped when the request failed or was cancelled.
         """
         try:
-            batch = [self._events.get(timeout=timeout)]
+            batch = [self._events.get(block=wait, timeout=timeout)]
         except queue.Empty:
             return [], False
         while True:
@@ -91,29 +116,41 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop generating and free the slots; waiting on the handle raises ServerStopped."""
         self.cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)
 
     @property
     def done(self) -> bool:
         return self._finished.is_set()
 
     # Called by the server's threads.
+    def _put(self, item: Any) -> None:
+        self._events.put(item)
+        if self._notify is not None:
+            self._notify()
+
     def _token(self, event: TokenEvent) -> None:
-        self._events.put(event)
+        self._put(event)
 
     def _sample_done(self, record: SampledRollout) -> None:
         self._records[record.sample_index] = record
-        self._events.put(record)
+        self._put(record)
         self._remaining -= 1
         if self._remaining == 0:
-            self._finished.set()
-            self._events.put(_DONE)
+            self._end(None)
 
     def _fail(self, message: str) -> None:
-        if self._finished.is_set():
-            return
-        self._error = message
-        self._finished.set()
-        self._events.put(_DONE)
+        self._end(message)
+
+    def _end(self, error: str | None) -> None:
+        with self._end_lock:
+            if self._finished.is_set():
+                return
+            self._error = error
+            self._finished.set()
+        self._put(_DONE)
+        if self._on_end is not None:
+            self._on_end()
 
 
 @dataclasses.dataclass
@@ -143,13 +180,20 @@ class _Job:
     prefix: Any
     samples: list  # of _Sample, not yet in a slot
     budget: int
+    handle: RequestHandle
 
 
 @gin.configurable
 class RolloutServer:
     """Serves GenerateRequests on one engine; thread-safe `submit`, `update_weights`, `metrics`.
 
-    min_step_seconds throttles the generate loop (a stand-in for a slower device in tests).
+    Capacity: the server holds at most `slots + max(max_queue, slots)` samples' worth of work
+    (each counted at max_target_length tokens; a request costs what its samples may hold,
+    scheduler.request_cost) and as many requests, in flight and queued; one client host holds
+    at most `queue_share` of each (1.0: one client may fill the server; a shared server uses
+    less, e.g. `python -m hcjax.serve`'s 0.5, which still lets one host fill every slot).
+    max_pending_prefills: prefilled requests waiting for slots, per lane. min_step_seconds
+    throttles the generate loop (a stand-in for a slower device in tests).
     """
 
     def __init__(
@@ -159,19 +203,30 @@ class RolloutServer:
         *,
         version: int = 0,
         max_queue: int = 64,
+        queue_share: float = 1.0,
         max_pending_prefills: int = 2,
         min_step_seconds: float = 0.0,
     ) -> None:
         if max_queue <= 0:
             raise ValueError(f"max_queue={max_queue} must be positive")
+        if max_pending_prefills <= 0:
+            raise ValueError(f"max_pending_prefills={max_pending_prefills} must be positive")
         self.engine = engine
-        self.max_queue = max_queue  # requests waiting for a slot, at most
+        self.max_queue = max_queue
+        slots = engine.max_concurrent_decodes
+        samples = slots + max(max_queue, slots)
+        self.admission = Admission(samples * engine.max_target_length, samples, queue_share)
         self._params = engine.load_params() if params is None else params
         self._version = int(version)
         self._weights_lock = threading.Lock()
         self._pending_weights: tuple[Any, int] | None = None
-        self._requests: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._jobs: queue.Queue = queue.Queue(maxsize=max_pending_prefills)
+        # Waiting requests and prefilled jobs, each a fair queue over (client, priority) lanes;
+        # one condition guards both and wakes the prefill and generate threads.
+        self._cond = threading.Condition()
+        self._waiting = FairQueue()
+        self._ready = FairQueue()
+        self._lane_jobs: Counter = Counter()  # jobs of a lane in prefill or waiting for slots
+        self._max_pending_prefills = max_pending_prefills
         self._results: queue.Queue = queue.Queue(maxsize=2)  # bounds how far generate runs ahead
         self._freed: queue.Queue = queue.Queue()
         self._min_step = min_step_seconds
@@ -234,25 +289,39 @@ class RolloutServer:
 
     # Public API ------------------------------------------------------------------------------
     def submit(
-        self, request: GenerateRequest, *, block: bool = True, timeout: float | None = None
+        self, request: GenerateRequest, *, block: bool = True, timeout: float | None = None,
+        client: str = "local", priority: int | None = None,
     ) -> RequestHandle:
-        """Queue a request; raises QueueFull when the bounded queue stays full."""
+        """Queue a request in the lane of (client, priority; default the request's). Raises
+        QueueFull when the client's share or the server's capacity has no room (at once, or
+        after `timeout` s of waiting when `block`), ValueError when the request can never be
+        served (beyond the engine's limits or larger than one client's share)."""
         if self._stop.is_set():
             raise ServerStopped(self._error or "server stopped")
         self._check_limits(request)
+        priority = request.priority if priority is None else priority
+        done = tuple(rec.response_len for rec in request.continue_from)
+        cost = request_cost(len(request.prompt), request.n, request.max_tokens,
+                            request.token_budget, done)
+        self.admission.admit(client, cost, block=block, timeout=timeout)
         seed = request.seed if request.seed is not None else random.randrange(2**32)
-        handle = RequestHandle(request, seed)
+        handle = RequestHandle(request, seed, client=client, priority=priority,
+                               on_end=lambda: self.admission.release(client, cost))
+        handle._on_cancel = self._withdraw
         with self._handles_lock:
             self._handles.add(handle)
-        try:
-            self._requests.put(handle, block=block, timeout=timeout)
-        except queue.Full:
-            with self._handles_lock:
-                self._handles.discard(handle)
-            raise QueueFull(f"request queue is full ({self._requests.maxsize} waiting)") from None
-        with self._handles_lock:
             self._requests_total += 1
+        with self._cond:
+            self._waiting.push(handle.lane, handle, weight=2.0 ** priority)
+            self._cond.notify_all()
         return handle
+
+    def _withdraw(self, handle: RequestHandle) -> None:
+        """A cancelled request still waiting leaves its queue at once (its work is given back)."""
+        with self._cond:
+            removed = self._waiting.remove(handle.lane, handle)
+        if removed:
+            self._cancel(handle)
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> list:
         return self.submit(request).result(timeout)
@@ -286,8 +355,10 @@ class RolloutServer:
         now = time.monotonic()
         recent = [(t, n) for t, n in self._recent if now - t <= 5.0]
         window = max(1e-9, min(5.0, now - self._started_at))
+        with self._cond:
+            waiting = len(self._waiting)
         return {
-            "queue_depth": self._requests.qsize(),
+            "queue_depth": waiting,
             "slots_total": self.engine.max_concurrent_decodes,
             "slots_occupied": self._occupied,
             "slot_occupancy": self._occupied / self.engine.max_concurrent_decodes,
@@ -296,6 +367,7 @@ class RolloutServer:
             "generate_steps": self._steps,
             "requests_total": self._requests_total,
             "version": self.version,
+            "admission": self.admission.snapshot(),
         }
 
     def _check_limits(self, request: GenerateRequest) -> None:
@@ -327,12 +399,24 @@ class RolloutServer:
                 return self._pending_weights
             return self._params, self._version
 
+    def _next_request(self) -> RequestHandle | None:
+        """The waiting request to prefill next: the fairest lane's head among lanes that have
+        fewer than max_pending_prefills jobs prefilled or in prefill (None when stopping)."""
+        with self._cond:
+            while not self._stop.is_set():
+                lane = self._waiting.choose(
+                    lambda lane: self._lane_jobs[lane] < self._max_pending_prefills)
+                if lane is not None:
+                    handle = self._waiting.head(lane)
+                    self._waiting.charge(lane, handle.request.n)
+                    self._waiting.pop(lane)
+                    self._lane_jobs[lane] += 1  # in prefill
+                    return handle
+                self._cond.wait(0.05)
+        return None
+
     def _prefill_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                handle = self._requests.get(timeout=0.05)
-            except queue.Empty:
-                continue
+        while (handle := self._next_request()) is not None:
             req = handle.request
             sampling = SamplingParams(
                 temperature=float(req.temperature), top_p=float(req.top_p), seed=handle.seed,
@@ -350,6 +434,10 @@ class RolloutServer:
                 handle._fail(f"prefill of request {req.request_id!r} failed: {e!r}")
                 with self._handles_lock:
                     self._handles.discard(handle)
+            finally:
+                with self._cond:
+                    self._lane_jobs[handle.lane] -= 1  # out of prefill
+                    self._cond.notify_all()
 
     def _put_job(self, handle, sampling, tokens, indices, prior) -> None:
         if handle.cancelled.is_set():
@@ -367,13 +455,11 @@ class RolloutServer:
             budget = min(budget, handle.request.token_budget)
         prompt = np.asarray(handle.request.prompt, np.int32)
         samples = [_Sample(handle, i, prompt, routing, prior, sampling) for i in indices]
-        job = _Job(prefix, samples, budget)
-        while not self._stop.is_set():
-            try:
-                self._jobs.put(job, timeout=0.05)
-                return
-            except queue.Full:
-                continue
+        with self._cond:
+            self._ready.push(handle.lane, _Job(prefix, samples, budget, handle),
+                             weight=2.0 ** handle.priority)
+            self._lane_jobs[handle.lane] += 1  # waiting for slots
+            self._cond.notify_all()
 
     def _cancel(self, handle: RequestHandle) -> None:
         handle._fail(f"request {handle.request.request_id!r} was cancelled")
@@ -392,7 +478,6 @@ class RolloutServer:
     def _generate_steps(self, owners: dict[int, _Sample]) -> None:
         eng = self.engine
         state = eng.init_decode_state()
-        job: _Job | None = None
         while not self._stop.is_set():
             step_start = time.monotonic()
             while True:  # slots the result thread has released
@@ -404,21 +489,14 @@ class RolloutServer:
                     state = eng.deactivate(state, slot)
                 owners.pop(slot, None)
                 eng.free_resource(slot)
-            while eng.num_free_slots:
-                if job is None:
-                    try:  # block briefly only when idle, so running slots never wait
-                        job = self._jobs.get_nowait() if owners else self._jobs.get(timeout=0.02)
-                    except queue.Empty:
-                        break
-                slots = eng.allocate_slots(len(job.samples))
-                placed, job.samples = job.samples[: len(slots)], job.samples[len(slots):]
+            for job, count in self._place(eng.num_free_slots, idle=not owners):
+                slots = eng.allocate_slots(count)
+                placed, job.samples = job.samples[:count], job.samples[count:]
                 state = eng.bulk_insert(
                     job.prefix, state, slots, sample_indices=[s.sample_index for s in placed],
                     max_tokens=job.budget,
                 )
                 owners.update(zip(slots, placed))
-                if not job.samples:
-                    job = None
             self._occupied = len(owners)
             if not owners:
                 continue
@@ -434,6 +512,33 @@ class RolloutServer:
             self._put_result((result, dict(owners)))
             if self._min_step:
                 time.sleep(max(0.0, self._min_step - (time.monotonic() - step_start)))
+
+    def _place(self, free: int, idle: bool) -> list[tuple[_Job, int]]:
+        """Which prefilled samples take the `free` slots: one slot at a time to the fairest
+        lane's head job, so a light client's sample is placed ahead of a heavy client's
+        backlog. Waits briefly for work only when `idle` (running slots never wait)."""
+        counts: dict[int, list] = {}
+        dropped: list[_Job] = []
+        with self._cond:
+            if idle and not len(self._ready):
+                self._cond.wait(0.02)
+            while free > 0 and (lane := self._ready.choose()) is not None:
+                job = self._ready.head(lane)
+                if job.handle.cancelled.is_set():  # its samples never take a slot
+                    dropped.append(job)
+                    taken = len(job.samples)
+                else:
+                    self._ready.charge(lane, 1)
+                    taken = counts.setdefault(id(job), [job, 0])[1] + 1
+                    counts[id(job)][1] = taken
+                    free -= 1
+                if taken >= len(job.samples):
+                    self._ready.pop(lane)
+                    self._lane_jobs[lane] -= 1
+                    self._cond.notify_all()  # the lane may prefill another request
+        for job in dropped:
+            self._cancel(job.handle)
+        return [(job, n) for job, n in counts.values()]
 
     def _put_result(self, item) -> None:
         while not self._stop.is_set():

@@ -1,12 +1,18 @@
 """gRPC transport for a `RolloutServer`: a streaming Generate call plus Health and Metrics, and the
 matching client. Generic method handlers with our own byte format (wire.py), so no protoc step.
 
+The service runs on an asyncio server (hcjax.rpc.server): a Generate stream waiting in the queue
+holds no thread, and Health and Metrics answer in the event loop whatever Generate traffic is in
+flight. Each client host (the peer address without its port) is a lane of the server's fair
+queues and holds at most its share of the server's work (RolloutServer, scheduler.py).
+
 Every request is parsed and checked in full (wire format, option types and ranges, continuation
 records, the engine's limits, `RequestLimits`) before it is queued, so no message can fail the
 server. Status codes: INVALID_ARGUMENT (with the reason) for any malformed or out-of-limit
-request, RESOURCE_EXHAUSTED when the queue or the client's share of it is full, UNAVAILABLE when
-the server is stopping or failed, UNAUTHENTICATED without the shared token (auth.py). The service
-keeps serving after any of them.
+request, RESOURCE_EXHAUSTED (naming the limit and by how much) when the client's share or the
+server's capacity has no room, UNAVAILABLE when the server is stopping or failed,
+UNAUTHENTICATED without the shared token (hcjax.rpc.auth). The service keeps serving after any
+of them.
 
 Health answers {"status": "SERVING" | "NOT_SERVING", "version", ...}: NOT_SERVING when the
 server's threads failed or when requests are in flight and no token has streamed for
@@ -17,19 +23,18 @@ read the token from the environment like any client.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
-from hcjax.rollout.auth import Security, add_port, open_channel
 from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent, request_from_dict
-from hcjax.rollout.server import QueueFull, RolloutServer, ServerStopped
+from hcjax.rollout.server import QueueFull, RequestHandle, RolloutServer, ServerStopped
 from hcjax.rollout.wire import (
     decode,
     encode,
@@ -38,9 +43,11 @@ from hcjax.rollout.wire import (
     record_from_wire,
     record_to_wire,
 )
+from hcjax.rpc.auth import Security, open_channel
+from hcjax.rpc.server import RpcServer
 
 __all__ = ["NOT_SERVING", "SERVING", "RequestLimits", "RolloutClient", "RolloutServicer",
-           "serve_grpc", "wait_ready"]
+           "rpc_server", "serve_grpc", "wait_ready"]
 
 SERVICE = "hcjax.Rollout"
 SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
@@ -53,16 +60,13 @@ class RequestLimits:
     limits on prompt length, prompt + max_tokens and stop tokens, which always apply).
 
     max_n: samples per request. max_tokens / max_prompt_len: caps below the engine's (None: the
-    engine's). queue_share: the fraction of the server's request queue one client (one peer host)
-    may hold; its requests being generated count too, so a client gets at most
-    queue_share * max_queue + max_concurrent_decodes requests in flight.
-    max_message_mb: the largest request message the server accepts.
+    engine's). max_message_mb: the largest request message the server accepts. (What one client
+    host may hold of the server is the server's `queue_share`.)
     """
 
     max_n: int = 256
     max_tokens: int | None = None
     max_prompt_len: int | None = None
-    queue_share: float = 0.5
     max_message_mb: int = 64
 
     def __post_init__(self) -> None:
@@ -70,8 +74,6 @@ class RequestLimits:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"RequestLimits.{name}={value!r} must be a positive integer")
-        if not 0.0 < self.queue_share <= 1.0:
-            raise ValueError(f"RequestLimits.queue_share={self.queue_share!r} must be in (0, 1]")
 
     def check(self, request: GenerateRequest) -> None:
         if request.n > self.max_n:
@@ -120,7 +122,8 @@ def _client_of(context: grpc.ServicerContext) -> str:
 
 
 class RolloutServicer:
-    """Adapts a RolloutServer to gRPC; one instance may be registered on any number of servers."""
+    """Adapts a RolloutServer to gRPC (on an `RpcServer`); one instance may be registered on any
+    number of servers."""
 
     def __init__(self, server: RolloutServer, limits: RequestLimits | None = None, *,
                  stall_seconds: float = 120.0) -> None:
@@ -132,11 +135,7 @@ class RolloutServicer:
         self.stall_seconds = stall_seconds
         self._last_progress = time.monotonic()
         self.limits = limits or RequestLimits()
-        engine = server.engine
-        self.max_per_client = max(
-            1, int(self.limits.queue_share * server.max_queue)
-            + engine.max_concurrent_decodes)
-        self._inflight: Counter[str] = Counter()
+        self._inflight: Counter[str] = Counter()  # streams per client host
         self._lock = threading.Lock()
         self._routing_dims: tuple[int, int] | None = None
         self.rejected = Counter()  # status code name -> requests refused, for metrics
@@ -165,14 +164,22 @@ class RolloutServicer:
                                  f"{list(rec.routing.shape)}; this engine records "
                                  f"[{layers}, P + R - 1, {k}]")
 
-    def _admit(self, client: str) -> bool:
+    def _parse(self, data: bytes) -> GenerateRequest:
+        """The request in `data`, checked; ValueError naming what is wrong, whatever the bytes."""
+        try:
+            request = _request_from_bytes(data)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any parse failure is the message's fault
+            raise ValueError(f"malformed request message ({type(e).__name__}: {e})") from None
+        self.validate(request)
+        return request
+
+    def _enter(self, client: str) -> None:
         with self._lock:
-            if self._inflight[client] >= self.max_per_client:
-                return False
             if not self._inflight:  # work arrives at an idle server: the progress clock starts
                 self._last_progress = time.monotonic()
             self._inflight[client] += 1
-            return True
 
     def _leave(self, client: str) -> None:
         with self._lock:
@@ -180,63 +187,76 @@ class RolloutServicer:
             if self._inflight[client] <= 0:
                 del self._inflight[client]
 
-    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str):
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                     message: str):
         with self._lock:
             self.rejected[code.name] += 1
-        context.abort(code, message)
+        await context.abort(code, message)
 
     # RPCs ------------------------------------------------------------------------------------
-    def generate(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        try:
-            request = _request_from_bytes(data)
-            self.validate(request)
+    async def generate(self, data: bytes, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        try:  # a large message is parsed off the event loop
+            request = await loop.run_in_executor(None, self._parse, data)
         except ValueError as e:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Exception as e:  # noqa: BLE001 - any parse failure is the message's fault
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"malformed request message ({type(e).__name__}: {e})")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         client = _client_of(context)
-        if not self._admit(client):
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"client {client} already has {self.max_per_client} requests in flight "
-                        f"(its queue share); retry later")
         try:
-            yield from self._serve(request, context)
+            handle = self.server.submit(request, block=False, client=client)
+        except ValueError as e:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ServerStopped as e:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        self._enter(client)
+        try:
+            async for message in self._stream(handle, context):
+                yield message
         finally:
             self._leave(client)
+            if not handle.done:  # the client went away: free its slots
+                handle.cancel()
 
-    def _serve(self, request: GenerateRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        try:
-            handle = self.server.submit(request, block=False)
-        except ValueError as e:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except ServerStopped as e:
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        context.add_callback(handle.cancel)  # client went away: free the slots
-        finished = False
-        while not finished:
+    async def _stream(self, handle: RequestHandle, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[bytes]:
+        """The handle's events as messages, woken by the server's threads (no thread waits)."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notify() -> None:  # from the server's threads
+            if not wake.is_set():  # a wake-up already on its way covers this event too
+                try:
+                    loop.call_soon_threadsafe(wake.set)
+                except RuntimeError:  # the loop closed: the service is stopping
+                    pass
+
+        handle.set_notifier(notify)
+        while True:
+            wake.clear()
             try:
-                batch, finished = handle.poll(timeout=1.0)
+                batch, finished = handle.drain()
             except ServerStopped as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            if not batch and not finished:
-                if not context.is_active():
-                    handle.cancel()
-                    return
-                continue
-            with self._lock:
-                self._last_progress = time.monotonic()
-            tokens = [e for e in batch if isinstance(e, TokenEvent)]
-            records = [e for e in batch if isinstance(e, SampledRollout)]
-            arrays = events_to_arrays(tokens)
-            metas = []
-            for i, rec in enumerate(records):
-                m, a = record_to_wire(rec, f"r{i}")
-                metas.append(m)
-                arrays.update(a)
-            yield encode({"records": metas, "version": self.server.version}, arrays)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            if batch:
+                with self._lock:
+                    self._last_progress = time.monotonic()
+                yield self._message(batch)
+            if finished:
+                return
+            await wake.wait()
+
+    def _message(self, batch: list) -> bytes:
+        tokens = [e for e in batch if isinstance(e, TokenEvent)]
+        records = [e for e in batch if isinstance(e, SampledRollout)]
+        arrays = events_to_arrays(tokens)
+        metas = []
+        for i, rec in enumerate(records):
+            m, a = record_to_wire(rec, f"r{i}")
+            metas.append(m)
+            arrays.update(a)
+        return encode({"records": metas, "version": self.server.version}, arrays)
 
     def health_status(self) -> dict:
         """SERVING or NOT_SERVING (with the reason), the served weights version, requests in
@@ -254,13 +274,15 @@ class RolloutServicer:
                 "version": self.server.version, "inflight": inflight,
                 "seconds_since_progress": round(quiet, 3) if inflight else 0.0}
 
-    def health(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+    async def health(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return json.dumps(self.health_status()).encode()
 
-    def metrics(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+    async def metrics(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         with self._lock:
             rejected = dict(self.rejected)
-        return json.dumps({**self.server.metrics(), "rejected": rejected}).encode()
+            streams = dict(self._inflight)
+        return json.dumps({**self.server.metrics(), "rejected": rejected,
+                           "streams_by_host": streams}).encode()
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -273,38 +295,28 @@ class RolloutServicer:
         )
 
 
-def grpc_server(
-    security: Security, *, max_workers: int = 64, max_receive_mb: int = 64,
-    max_send_mb: int = 256,
-) -> grpc.Server:
-    """A gRPC server with our message limits and, when a token is configured, its check."""
-    return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=security.server_interceptors(),
-        options=[("grpc.max_send_message_length", max_send_mb * _MB),
-                 ("grpc.max_receive_message_length", max_receive_mb * _MB)],
-    )
+def rpc_server(security: Security, *, max_receive_mb: int = 64) -> RpcServer:
+    """The server a rollout service runs on, with our message limits and the token check."""
+    return RpcServer(security, max_receive_mb=max_receive_mb)
 
 
 def serve_grpc(
     server: RolloutServer,
     address: str = "127.0.0.1:0",
     *,
-    max_workers: int = 64,
     security: Security | None = None,
     limits: RequestLimits | None = None,
-) -> tuple[grpc.Server, int]:
-    """Start a gRPC server for `server` on `address`; returns (grpc server, bound port).
+) -> tuple[RpcServer, int]:
+    """Start a gRPC server for `server` on `address`; returns (the RpcServer, bound port).
 
     security None: from the environment (HCJAX_TOKEN / HCJAX_TOKEN_FILE / HCJAX_TLS_DIR)."""
     security = Security.from_env() if security is None else security
     limits = limits or RequestLimits()
-    grpc_srv = grpc_server(security, max_workers=max_workers,
-                           max_receive_mb=limits.max_message_mb)
-    grpc_srv.add_generic_rpc_handlers((RolloutServicer(server, limits).handler(),))
-    port = add_port(grpc_srv, address, security)
-    grpc_srv.start()
-    return grpc_srv, port
+    host = rpc_server(security, max_receive_mb=limits.max_message_mb)
+    host.add_generic_rpc_handlers((RolloutServicer(server, limits).handler(),))
+    port = host.bind(address)
+    host.start()
+    return host, port
 
 
 class RolloutClient:

@@ -1,5 +1,6 @@
 """Who may call hcjax's gRPC services: a shared token checked on every RPC, optional TLS, and
-loopback-only binding unless a caller asks for more. Used by every server and client we build.
+loopback-only binding unless a caller asks for more. Used by every server (hcjax.rpc.server)
+and client we build.
 
 Configuration comes from flags or, so that child processes and launchers inherit it, from the
 environment: HCJAX_TOKEN (the token itself) or HCJAX_TOKEN_FILE (a file holding it), and
@@ -117,7 +118,8 @@ class Security:
         name = "ca.pem" if os.path.exists(os.path.join(self.tls_dir, "ca.pem")) else "cert.pem"
         return grpc.ssl_channel_credentials(root_certificates=self._read(name))
 
-    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """For `hcjax.rpc.server.RpcServer` (an asyncio gRPC server)."""
         return [] if self.token is None else [_TokenCheck(self.token)]
 
     def describe(self) -> dict:
@@ -179,25 +181,24 @@ def open_channel(address: str, security: Security | None = None,
 
 
 def _deny(message: str) -> Callable:
-    def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return behaviour
 
 
-class _TokenCheck(grpc.ServerInterceptor):
+class _TokenCheck(grpc.aio.ServerInterceptor):
     """Answers UNAUTHENTICATED, without running the method, when the token is missing or wrong."""
 
     def __init__(self, token: str) -> None:
         self._expected = (_SCHEME + token).encode()
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         sent = dict(handler_call_details.invocation_metadata or ()).get(_HEADER)
-        if sent is not None and hmac.compare_digest(str(sent).encode(), self._expected):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        handler = await continuation(handler_call_details)
+        if handler is None or (sent is not None and
+                               hmac.compare_digest(str(sent).encode(), self._expected)):
+            return handler
         why = ("missing 'authorization' metadata: this service needs its shared token"
                if sent is None else "wrong token")
         # Same call shape as the real method, so the client sees a status, not a protocol error.

@@ -1,0 +1,168 @@
+"""Admission by work and fair queueing (hcjax.rollout.scheduler), alone with hand-computed
+values, then inside a RolloutServer: a light client is served ahead of a heavy client's backlog,
+and no client holds more than its share."""
+
+import threading
+import time
+
+import pytest
+
+from hcjax.rollout import Engine, GenerateRequest, RolloutServer
+from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
+from hcjax.rollout.testing import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return Engine(tiny_model(0), max_concurrent_decodes=4, max_prefill_length=16,
+                  max_target_length=64)
+
+
+def test_request_cost_counts_what_each_sample_may_hold():
+    assert request_cost(10, 4, 32) == 4 * (10 + 32)
+    assert request_cost(10, 4, 32, token_budget=8) == 4 * (10 + 8)
+    # continued samples hold their earlier tokens and may add what is left of max_tokens
+    assert request_cost(10, 2, 32, done_tokens=(30, 5)) == (10 + 30 + 2) + (10 + 5 + 27)
+    assert request_cost(10, 2, 32, token_budget=4, done_tokens=(30, 5)) == (10 + 32) + (10 + 9)
+
+
+def test_admission_refuses_past_the_share_and_the_capacity_naming_the_limit():
+    adm = Admission(work_capacity=1000, request_capacity=10, host_share=0.5)
+    assert (adm.host_work, adm.host_requests) == (500, 5)
+    adm.admit("a", 400)
+    with pytest.raises(QueueFull, match=r"client a holds 400 tokens .* needs 200: 100 over its "
+                                        r"share of 500"):
+        adm.admit("a", 200)
+    adm.admit("b", 450)
+    with pytest.raises(QueueFull, match=r"the server holds 850 tokens .* needs 200: 50 over its "
+                                        r"capacity of 1000"):
+        adm.admit("c", 200)
+    with pytest.raises(ValueError, match="more than one host's share of this server"):
+        adm.admit("c", 501)
+    for _ in range(5):
+        adm.admit("d", 1)
+    with pytest.raises(QueueFull, match=r"client d holds 5 requests, its share is 5"):
+        adm.admit("d", 1)
+    snap = adm.snapshot()
+    assert snap["hosts"]["a"] == {"work": 400, "requests": 1} and snap["refused"] == 3
+    adm.release("a", 400)
+    adm.admit("a", 100)  # room again
+    assert "a" in adm.snapshot()["hosts"] and adm.snapshot()["work"] == 100 + 450 + 5
+
+
+def test_a_blocking_admission_waits_for_room():
+    adm = Admission(work_capacity=100, request_capacity=4, host_share=1.0)
+    adm.admit("a", 80)
+    threading.Timer(0.2, adm.release, ("a", 80)).start()
+    t0 = time.monotonic()
+    adm.admit("a", 50, block=True, timeout=10)
+    assert 0.1 < time.monotonic() - t0 < 5
+    with pytest.raises(QueueFull):
+        adm.admit("a", 60, block=True, timeout=0.1)
+
+
+def test_fair_queue_serves_a_light_lane_ahead_of_a_heavy_backlog():
+    q = FairQueue()
+    for i in range(10):
+        q.push("heavy", f"h{i}")
+    served = []
+    for _ in range(3):  # the heavy lane runs alone for a while
+        lane = q.choose()
+        q.charge(lane, 4)
+        served.append(q.pop(lane))
+    q.push("light", "l0")
+    lane = q.choose()
+    assert lane == "light"  # it starts at the current virtual time, ahead of the backlog
+    q.charge(lane, 1)
+    assert q.pop(lane) == "l0" and served == ["h0", "h1", "h2"]
+
+
+def test_fair_queue_shares_by_weight_and_idle_lanes_earn_no_credit():
+    q = FairQueue()
+    for i in range(60):
+        q.push("p1", i, weight=2.0)
+        q.push("p0", i, weight=1.0)
+    picks = []
+    for _ in range(30):
+        lane = q.choose()
+        q.charge(lane, 1)
+        q.pop(lane)
+        picks.append(lane)
+    assert picks.count("p1") == 20 and picks.count("p0") == 10
+    # a lane that was idle while another was served gets no burst when it comes back
+    q = FairQueue()
+    for i in range(20):
+        q.push("busy", i)
+    for _ in range(10):
+        lane = q.choose()
+        q.charge(lane, 1)
+        q.pop(lane)
+    for i in range(10):
+        q.push("back", i)
+    picks = []
+    for _ in range(6):
+        lane = q.choose()
+        q.charge(lane, 1)
+        q.pop(lane)
+        picks.append(lane)
+    assert picks.count("back") == 3 and picks[0] == "back"
+
+
+def test_a_light_client_is_served_ahead_of_a_heavy_clients_backlog(tiny_engine):
+    """Four slots; one client queues 8 requests of 4 samples x 12 tokens, then another asks for
+    one sample of 3 tokens. In one FIFO the light request would end last; with fair queues it
+    ends before most of the heavy backlog."""
+    with RolloutServer(tiny_engine, max_queue=64).start() as srv:
+        done: list[str] = []
+        lock = threading.Lock()
+
+        def watch(handle, name):
+            handle.result(timeout=300)
+            with lock:
+                done.append(name)
+
+        threads = []
+        for i in range(8):
+            h = srv.submit(GenerateRequest(prompt=[1, 2, 3], n=4, max_tokens=12, seed=i,
+                                           temperature=0.0), client="heavy")
+            threads.append(threading.Thread(target=watch, args=(h, f"heavy{i}")))
+        light = srv.submit(GenerateRequest(prompt=[4, 5], n=1, max_tokens=3, temperature=0.0),
+                           client="light")
+        threads.append(threading.Thread(target=watch, args=(light, "light")))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(done) == 9
+        assert done.index("light") <= 3, done
+        assert srv.metrics()["admission"]["work"] == 0  # everything given back
+
+
+def test_one_client_never_holds_more_than_its_share(tiny_engine):
+    srv = RolloutServer(tiny_engine, max_queue=8, queue_share=0.5)  # not started: nothing drains
+    adm = srv.admission
+    # 4 slots + max(8, 4) queue = 12 samples at max_target_length tokens; half to each host
+    assert adm.request_capacity == 12 and adm.work_capacity == 12 * 64
+    assert adm.host_work == 6 * 64 >= 4 * 64  # one host can still fill every slot
+    request = GenerateRequest(prompt=[1, 2, 3, 4], n=2, max_tokens=44)  # 2 x 48 = 96 tokens
+    for _ in range(4):
+        srv.submit(request, block=False, client="flood")
+    with pytest.raises(QueueFull, match="client flood holds 384 tokens .* over its share of 384"):
+        srv.submit(request, block=False, client="flood")
+    srv.submit(request, block=False, client="light")  # another host still gets in
+    held = srv.metrics()["admission"]["hosts"]
+    assert held == {"flood": {"work": 384, "requests": 4}, "light": {"work": 96, "requests": 1}}
+    with pytest.raises(ValueError, match="more than one host's share"):
+        srv.submit(GenerateRequest(prompt=[1], n=8, max_tokens=60), block=False, client="x")
+    srv.stop()
+    assert srv.metrics()["admission"]["work"] == 0  # stopping fails and releases everything
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_and_gives_its_work_back(tiny_engine):
+    srv = RolloutServer(tiny_engine, max_queue=8)  # not started: the request stays queued
+    handle = srv.submit(GenerateRequest(prompt=[1, 2], n=2, max_tokens=8), client="a")
+    assert srv.metrics()["queue_depth"] == 1
+    handle.cancel()
+    assert srv.metrics()["queue_depth"] == 0 and srv.metrics()["admission"]["work"] == 0
+    assert handle.done
+    srv.stop()
