@@ -5,7 +5,8 @@ from the latest, and a clear error when a directory belongs to an incompatible m
 Orbax writes each step into a temporary folder and renames it when complete, so a run that dies
 mid-save leaves the previous checkpoint intact. A latest step that is corrupt or partial anyway
 (truncated, deleted or overwritten files) is set aside as `corrupt-STEP-...` with a
-`CheckpointFallback` warning naming it, and the previous kept step is restored instead.
+`CheckpointFallback` warning naming it, and the previous kept step is restored instead. A step
+whose weights hold NaN or Inf is refused (NonFiniteWeights, naming the tensors).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import gin
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+from hcjax.finite import NonFiniteWeights, check_finite
 
 
 @gin.configurable
@@ -180,7 +183,9 @@ class Checkpointer:
         fallback (default: when restoring the latest step): if the step is corrupt or partial,
         warn (CheckpointFallback, naming it), set it aside and restore the newest older kept
         step that reads; `restored_step` says which step came back. A configuration mismatch
-        never falls back: it raises IncompatibleCheckpoint.
+        never falls back: it raises IncompatibleCheckpoint; nor do weights that read but hold
+        NaN or Inf: NonFiniteWeights names the tensors (an older step of the same run would most
+        likely diverge again; the caller decides).
         """
         steps = self.all_steps()
         if step is None:
@@ -199,7 +204,7 @@ class Checkpointer:
         for candidate in candidates:
             try:
                 state, data = self._restore_step(candidate, target)
-            except IncompatibleCheckpoint:
+            except (IncompatibleCheckpoint, NonFiniteWeights):
                 raise
             except Exception as err:  # noqa: BLE001 - any read failure means a damaged step
                 why = f"{type(err).__name__}: {err}"
@@ -232,6 +237,7 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()
             ),
         )
+        check_finite(out["state"], f"checkpoint {self.directory!r} step {step}")
         return out["state"], dict(out["data"] or {})
 
     def _set_aside(self, step: int) -> None:
@@ -275,6 +281,7 @@ class Checkpointer:
                 item={key: abstract}, restore_args={key: restore_args}, partial_restore=True
             ),
         )
+        check_finite(restored[key], f"checkpoint {self.directory!r} step {step} ({key!r})")
         return _keys_like(restored[key], target)
 
     def wait(self) -> None:

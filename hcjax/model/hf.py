@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from hcjax.finite import check_finite_array
 from hcjax.model import quant
 from hcjax.model.config import ModelConfig
 from hcjax.model.hf_config import from_hf_config, to_hf_config
@@ -274,17 +275,22 @@ class HFReader:
         return shape
 
     def read(self, name: str) -> Array:
+        """Tensor `name` as float32; NonFiniteWeights if it holds NaN or Inf (one pass over the
+        values just read)."""
         stored = self.stored_as(name)
         if stored is None:
             raise KeyError(name)
         if stored[0].endswith("_blocks"):
             w = quant.dequant_mxfp4(self.ckpt.read(stored[0]), self.ckpt.read(stored[1]))
             # GPT-OSS stores experts as [E, out, in] blocks; the unquantised layout is [E, in, out].
-            return np.ascontiguousarray(np.swapaxes(w, -1, -2))
-        w = self.ckpt.read(name)
-        if len(stored) == 2:
-            return quant.dequant_fp8_blocks(w, self.ckpt.read(stored[1]), self.block)
-        return np.asarray(w, dtype=np.float32)
+            w = np.ascontiguousarray(np.swapaxes(w, -1, -2))
+        elif len(stored) == 2:
+            w = quant.dequant_fp8_blocks(self.ckpt.read(name), self.ckpt.read(stored[1]),
+                                         self.block)
+        else:
+            w = np.asarray(self.ckpt.read(name), dtype=np.float32)
+        check_finite_array(name, w, f"Hugging Face checkpoint {self.ckpt.source}")
+        return w
 
 
 # Config and checks before any compute ------------------------------------------------------------

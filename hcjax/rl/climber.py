@@ -18,6 +18,7 @@ from typing import Any
 import gin
 import numpy as np
 
+from hcjax.finite import check_finite
 from hcjax.rl.controller import Controller, ControllerConfig, StepReport
 from hcjax.rl.entropy import TemperatureController
 from hcjax.rl.sampling import EarlyExit, LengthCurriculum
@@ -54,6 +55,8 @@ class ClimbConfig:
     max_prompt_len: the engine's max prefill length for single-turn prompts; None: the suite's
       longest templated prompt (at least 32). max_prefill_length: for multi-turn episodes, whose
       later turns carry the earlier ones (None: prompt + the episode budget's turns).
+    checkpoint_every: learner steps between the climb's checkpoints (its other checkpoint
+      settings, keep and async_save, are the gin CheckpointConfig's).
     """
 
     suite: Any = None
@@ -341,8 +344,11 @@ class Climb:
         from hcjax.rl.batch import BucketedLearner
 
         self.bucketed = BucketedLearner(self.dist or learner)
+        # ClimbConfig.checkpoint_every is the climb's save interval; the rest (keep, async_save)
+        # is the gin CheckpointConfig's.
         self.ckpt = Checkpointer(os.path.join(self.output_dir, "checkpoints"),
-                                 CheckpointConfig(save_every=cfg.checkpoint_every, keep=2),
+                                 dataclasses.replace(CheckpointConfig(),
+                                                     save_every=cfg.checkpoint_every),
                                  {"model_config": jsonable(model_cfg), **ckpt_meta})
         self.is_follower = self.dist is not None and not self.dist.is_leader
         if self.is_follower:
@@ -368,7 +374,7 @@ class Climb:
         self.store = RolloutStore(os.path.join(self.output_dir, "rollouts"),
                                   decode=self.tok.decode)
         self.controller = Controller(self.ctl_cfg, self.source, worker, self.bucketed,
-                                     self.inference.publish, on_group=self._on_group,
+                                     self._publish, on_group=self._on_group,
                                      on_step=self._on_step, stats=self.stats)
         from hcjax.rl.evaluate import HeldoutEval
 
@@ -397,7 +403,7 @@ class Climb:
     def _inference(self, model):
         from hcjax.rl.inference import LocalInference, RemoteInference
 
-        params = self.dist.local_params if self.dist is not None else self.learner.params
+        params = self._params
         if self.placement.remote:
             return RemoteInference(self.placement.inference_addresses, params)
         prefill, target = self.lengths.max_prefill_length, self.lengths.max_target_length
@@ -409,6 +415,19 @@ class Climb:
         return LocalInference(self.learner.model(), self.placement.inference_meshes, params,
                               max_concurrent_decodes=self.cfg.max_concurrent_decodes,
                               max_prefill_length=prefill, max_target_length=target)
+
+    def _params(self) -> Any:
+        """The learner's current parameters, as the inference side receives them."""
+        return self.dist.local_params() if self.dist is not None else self.learner.params()
+
+    def _publish(self, version: int) -> None:
+        """Move the learner's weights to inference as `version` once they are checked: an update
+        that left NaN or Inf in them stops the climb here, naming the tensors, before any
+        replica could serve it (one pass over the parameters on the learner's devices)."""
+        check_finite(self._params(), f"the learner's parameters for weights version {version} "
+                     "(the last train step made them non-finite; its metrics are in "
+                     f"{os.path.join(self.output_dir, 'metrics.jsonl')})")
+        self.inference.publish(version)
 
     # State ------------------------------------------------------------------------------------
     def _climb_wall(self) -> float:

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hcjax.finite import NonFiniteWeights
 from hcjax.transfer import (
     JaxTransferBackend,
     PlanReceiver,
@@ -64,6 +65,8 @@ LEARNER_PROCESS = 0
 _MAX_PROCESSES = 1024  # transfer ids hold 10 bits of process index (hcjax.transfer.remote)
 _WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+_NON_FINITE = "INVALID_ARGUMENT: refused: "  # a replica's answer to a push of NaN/Inf weights
 
 log = logging.getLogger(__name__)
 
@@ -451,15 +454,20 @@ class WeightPublisher:
                     if (got := pulled.result())["bytes"] != replica.expected_bytes:
                         failed[address] = (f"received {got['bytes']} B, the plan sends "
                                            f"{replica.expected_bytes} B")
+        # A replica that refused NaN/Inf weights keeps serving its version and stays in weight
+        # sync: the fault is the learner's, which must stop (raised below).
+        refused = {a: failed.pop(a) for a in list(failed) if _NON_FINITE in failed[a]}
         for replica in [r for r in replicas if r.address in failed]:
             self.replicas.remove(replica)
             replica.channel.close()
             self._pending.discard(replica.address)
             self._mark_dead(replica.address, f"version {version}: {failed[replica.address]}")
         for replica in replicas:
-            if replica.address not in failed:
+            if replica.address not in failed and replica.address not in refused:
                 self.installed[replica.address] = int(version)
                 self._pending.discard(replica.address)
+        if refused:
+            raise NonFiniteWeights(f"weights version {version} was refused: {refused}")
         if len(failed) == len(replicas):
             raise RuntimeError(f"weights version {version} reached no replica: {failed}")
         self.history.append({"version": int(version), "seconds": time.perf_counter() - t0,
@@ -617,6 +625,9 @@ class WeightsServicer:
             try:
                 self.weights.update(build, version)
             except Exception as err:  # the previous version keeps serving
+                if isinstance(err.__cause__, NonFiniteWeights):  # the learner's fault, not ours
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"refused: {err.__cause__}")
                 context.abort(grpc.StatusCode.INTERNAL, str(err))
             self._new_session = False
             self.served.append({"version": version, "bytes": received["bytes"]})

@@ -23,6 +23,7 @@ import gin
 import jax
 import numpy as np
 
+from hcjax.finite import check_finite
 from hcjax.rollout.engine import Engine, SamplingParams, VersionedParams
 from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
 from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
@@ -331,7 +332,10 @@ class RolloutServer:
 
         Versions only move forward, except with `rollback`: the first version of a new learner
         session (a learner restarted from a checkpoint numbers its versions from there), which
-        also empties the engine's prefix cache, whose blocks are keyed by version."""
+        also empties the engine's prefix cache, whose blocks are keyed by version. Weights with
+        NaN or Inf are refused (NonFiniteWeights, naming the tensors; one pass over them on the
+        device) and the current version keeps serving."""
+        check_finite(params, f"weights version {version}")
         with self._weights_lock:
             # The newest version given, served or still waiting for the next generate step.
             newest = self._pending_weights[1] if self._pending_weights else self._version
