@@ -49,6 +49,8 @@ class IncompatibleCheckpoint(ValueError):
 class CorruptCheckpoint(RuntimeError):
     """No readable step: every candidate step failed to restore (each one's reason named)."""
 
+    user_error = True  # an entry point reports it in one line (hcjax.config.run_main)
+
 
 class CheckpointFallback(RuntimeWarning):
     """The latest step could not be read and an older kept step was restored instead."""

@@ -22,8 +22,9 @@ if __name__ == "__main__":
 
     force_cpu_devices()
     from hcjax.climb import main as _main
+    from hcjax.config import run_main
 
-    _main(sys.argv[1:])
+    run_main(_main)
     raise SystemExit(0)
 
 import json  # noqa: E402

@@ -11,8 +11,10 @@ import argparse
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import gin
 
@@ -24,6 +26,7 @@ __all__ = [
     "hf_checkpoint_folder",
     "bind",
     "parse_flags",
+    "run_main",
     "write_config",
     "write_operative_config",
 ]
@@ -101,6 +104,33 @@ def force_cpu_devices(default: int = 2) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+# What a configuration or input mistake raises: a value or binding that is wrong (ValueError,
+# ConfigError, NonFiniteWeights), a file or folder that is missing or unreadable, a port that
+# cannot be bound (OSError). Programming errors keep their traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
+
+
+def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> None:
+    """Run an entry point's `main(argv)`: a configuration or input error (USER_ERRORS, or any
+    exception whose class sets `user_error = True`) becomes one `error: ...` line on stderr and
+    exit status 2, never a traceback (HCJAX_TRACEBACK=1 shows it); Ctrl-C exits with 130; an
+    integer that `main` returns is the exit status."""
+    try:
+        code = main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as err:  # noqa: BLE001 - sorted below: user errors vs bugs
+        if not (isinstance(err, USER_ERRORS) or getattr(err, "user_error", False)) \
+                or os.environ.get("HCJAX_TRACEBACK"):
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if isinstance(code, int) and not isinstance(code, bool):  # a main that returns its status
+        raise SystemExit(code)
 
 
 def parse_flags(

@@ -13,15 +13,15 @@ report; the SFT is `SFTTrainer`, the climb `hcjax.rl.climber.Climb`, the evaluat
 from __future__ import annotations
 
 import os
-import sys
 
 if __name__ == "__main__":
     from hcjax.config import force_cpu_devices
 
     force_cpu_devices()
+    from hcjax.config import run_main
     from hcjax.consolidate import main as _main
 
-    _main(sys.argv[1:])
+    run_main(_main)
     raise SystemExit(0)
 
 import dataclasses  # noqa: E402

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 
@@ -72,10 +71,10 @@ def from_hf(src: str, output_dir: str, *, dtype: str = "float32", quiet: bool = 
     cfg = from_hf_config(hf_config, dtype=dtype)
     mesh = make_mesh(MeshConfig())
     report = hf.LoadReport()
-    bar = _bar(len(hf.mapping(cfg)), "param", quiet)
-    model, cfg = hf.load(src, dtype=dtype, mesh=mesh, report=report,
-                         progress=lambda name: (bar.set_description(name[-40:]), bar.update()))
-    bar.close()
+    with _bar(len(hf.mapping(cfg)), "param", quiet) as bar:  # closed on an error too
+        model, cfg = hf.load(src, dtype=dtype, mesh=mesh, report=report,
+                             progress=lambda name: (bar.set_description(name[-40:]),
+                                                    bar.update()))
     t_load = time.perf_counter() - t0
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"), CheckpointConfig(async_save=False),
@@ -128,10 +127,9 @@ def to_hf(src: str, output_dir: str, *, hf_source: str | None = None, dtype: str
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     total = sum(int(x.size) for x in jax.tree.leaves(params))
-    bar = _bar(total * (4 if dtype == "float32" else 2), "B", quiet)
-    hf.save(model, output_dir, hf_config=base, dtype=dtype,
-            max_shard_bytes=int(max_shard_gb * 2**30), progress=lambda name, n: bar.update(n))
-    bar.close()
+    with _bar(total * (4 if dtype == "float32" else 2), "B", quiet) as bar:
+        hf.save(model, output_dir, hf_config=base, dtype=dtype,
+                max_shard_bytes=int(max_shard_gb * 2**30), progress=lambda name, n: bar.update(n))
     if hf_source is not None:
         copy_side_files(hf_source, output_dir, skip=("config.json",))
     else:
@@ -213,7 +211,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (hcfg.ConfigError, ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    hcfg.run_main(main)

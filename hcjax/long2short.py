@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,7 +93,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    from hcjax.config import run_main
+
+    run_main(main)

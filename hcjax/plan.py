@@ -13,11 +13,11 @@ from __future__ import annotations
 if __name__ == "__main__":
     # Run the importable module, so gin registers PlanConfig once, under hcjax.plan (not also
     # under __main__, which would make `--gin_param PlanConfig...` ambiguous).
-    import sys
 
+    from hcjax.config import run_main
     from hcjax.plan import main as _main
 
-    _main(sys.argv[1:])
+    run_main(_main)
     raise SystemExit(0)
 
 import dataclasses
@@ -25,7 +25,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence

@@ -269,4 +269,4 @@ def _model_name(hf_checkpoint: str | None) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    hcfg.run_main(main)

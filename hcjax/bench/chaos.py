@@ -900,4 +900,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from hcjax.config import run_main
+
+    run_main(main)

@@ -5,7 +5,6 @@ utilisation, final pass@1. Prints one JSON object last; never asserts timings.""
 from __future__ import annotations
 
 import os
-import sys
 
 if __name__ == "__main__":
     from hcjax.config import force_cpu_devices
@@ -89,4 +88,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from hcjax.config import run_main
+
+    run_main(main)

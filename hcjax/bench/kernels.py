@@ -132,7 +132,7 @@ def bench_decode(b, s, hq, hkv, d, window, impls, repeats) -> list[dict]:
     return [_entry("decode_attention", shape, flops, timings)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     backend = jax.default_backend()
     accelerated = backend in ("gpu", "tpu")
     impls = ["reference", "pallas"] if accelerated else ["reference"]
@@ -178,4 +178,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hcjax.config import run_main
+
+    run_main(main)

@@ -234,4 +234,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     host_memory.keep_freed_memory()  # a training-only process, before JAX starts its threads
-    main()
+    from hcjax.config import run_main
+
+    run_main(main)

@@ -271,4 +271,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from hcjax.config import run_main
+
+    run_main(main)

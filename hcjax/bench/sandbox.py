@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -106,4 +105,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from hcjax.config import run_main
+
+    run_main(main)

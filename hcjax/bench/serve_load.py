@@ -392,4 +392,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from hcjax.config import run_main
+
+    run_main(main)

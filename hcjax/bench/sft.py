@@ -89,4 +89,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hcjax.config import run_main
+
+    run_main(main)

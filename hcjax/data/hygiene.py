@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import unicodedata
 from collections.abc import Iterable, Sequence
 
@@ -210,4 +209,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from hcjax.config import run_main
+
+    run_main(main)

@@ -12,17 +12,13 @@ lives with the other losses.
 
 from __future__ import annotations
 
-import sys
-
 if __name__ == "__main__":
     # Run the imported module's main: defining the gin configurables here, in __main__, would
     # register DPOConfig twice and make `DPOConfig.beta = ...` in a gin file ambiguous.
+    from hcjax.config import run_main
     from hcjax.distill.dpo import main as _main
 
-    try:
-        _main(sys.argv[1:])
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"error: {e}")
+    run_main(_main)
     raise SystemExit(0)
 
 import dataclasses  # noqa: E402

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -340,7 +339,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        sys.exit(f"error: {e}")
+    from hcjax.config import run_main
+
+    run_main(main)

@@ -202,4 +202,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    from hcjax.config import run_main
+
+    run_main(main)

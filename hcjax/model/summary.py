@@ -8,7 +8,6 @@ chosen (experts_per_token of num_experts per MoE layer). The last line is JSON.
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
 
 import jax
@@ -125,7 +124,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (hcfg.ConfigError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    hcfg.run_main(main)

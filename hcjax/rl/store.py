@@ -390,4 +390,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    from hcjax.config import run_main
+
+    run_main(main)

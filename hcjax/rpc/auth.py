@@ -155,9 +155,9 @@ def add_port(server: grpc.Server, address: str, security: Security) -> int:
         else:
             port = server.add_insecure_port(address)
     except RuntimeError as e:  # grpc raises RuntimeError when it cannot bind
-        raise RuntimeError(f"could not bind {address}: {e}") from None
+        raise OSError(f"could not bind {address}: {e}") from None
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
+        raise OSError(f"could not bind {address}")
     return port
 
 
