@@ -137,3 +137,10 @@ def test_the_climb_stops_before_publishing_a_non_finite_update(tmp_path):
     params = {"layers": {"w": jnp.ones(3)}}
     Climb._publish(climb, 8)
     assert published == [8]
+
+
+def test_bench_finite_reports_both_costs():
+    from hcjax.bench.finite import main
+
+    out = main(["--host_mb", "1", "--models", "tiny", "--repeats", "1"])
+    assert out["host"]["check_s"] > 0 and out["device"][0]["check_over_copy"] > 0

@@ -5,6 +5,7 @@ and per answer extraction where the suite's grades report several (strict / flex
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
@@ -18,13 +19,17 @@ __all__ = ["HeldoutEval"]
 EXTRACTION_KEYS = ("strict", "flexible")
 
 
+EVAL_PRIORITY = 1  # GenerateRequest.priority of held-out evaluation requests
+
+
 class HeldoutEval:
     """`evaluate()` -> {"pass_at_1", "by_category", "by_suite" (a mixture's components),
     "category_sizes", "extraction", "problems", "aborted"}.
 
     client: the climb's inference side; builder: its TaskBuilder (prompts in the tokenizer's chat
     template, the suite's grader and tools); sampling: the training sampling settings, made greedy
-    (temperature 0, top-p 1, no partial rollouts) here."""
+    (temperature 0, top-p 1, no partial rollouts) here. Its requests carry EVAL_PRIORITY: on a
+    replica busy with training rollouts, the evaluation's lane gets twice their share of slots."""
 
     def __init__(self, client: Any, builder: Any, problems: Sequence[Any],
                  sampling: SamplingConfig, *, max_retries: int = 3, threads: int = 16) -> None:
@@ -32,15 +37,15 @@ class HeldoutEval:
         self.problems = list(problems)
         self.tasks = [builder.task(p) for p in self.problems]
         greedy = SamplingConfig(max_tokens=sampling.max_tokens, temperature=0.0, top_p=1.0,
-                                stop_tokens=sampling.stop_tokens, token_budget=None)
+                                stop_tokens=sampling.stop_tokens, token_budget=None,
+                                priority=EVAL_PRIORITY)
         self.worker = RolloutWorker(client, greedy, max_retries=max_retries, stats=WorkerStats())
         self.threads = threads
 
     def set_max_tokens(self, max_tokens: int) -> None:
         """Follow the length curriculum's current response budget."""
         s = self.worker.sampling
-        self.worker.sampling = SamplingConfig(max_tokens=max_tokens, temperature=0.0, top_p=1.0,
-                                              stop_tokens=s.stop_tokens)
+        self.worker.sampling = dataclasses.replace(s, max_tokens=max_tokens)
 
     def _one(self, task) -> tuple[bool, dict[str, float]]:
         rec = self.worker.run(task, 1, seed=0)[0]

@@ -67,13 +67,15 @@ class Task:
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How rollouts are sampled. token_budget: Kimi partial rollouts, at most this many new tokens
-    per call; an unfinished sample is continued by the next call (with the newest weights)."""
+    per call; an unfinished sample is continued by the next call (with the newest weights).
+    priority: the requests' lane weight on a shared server (GenerateRequest.priority)."""
 
     max_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 0.97
     stop_tokens: tuple[int, ...] = ()
     token_budget: int | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -172,7 +174,7 @@ class RolloutWorker:
         return GenerateRequest(
             prompt=task.prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature,
             top_p=s.top_p, seed=seed, stop_tokens=s.stop_tokens, token_budget=s.token_budget,
-            group_id=task.id, request_id=task.id,
+            group_id=task.id, request_id=task.id, priority=s.priority,
         )
 
     def _call(self, request: GenerateRequest) -> list[SampledRollout] | None:
@@ -268,7 +270,8 @@ class RolloutWorker:
             request = GenerateRequest(
                 prompt=tuple(ids), n=1, max_tokens=s.max_tokens, temperature=s.temperature,
                 top_p=s.top_p, seed=None if seed is None else (seed + len(turns)) % 2**32,
-                stop_tokens=s.stop_tokens, group_id=task.id, request_id=task.id)
+                stop_tokens=s.stop_tokens, group_id=task.id, request_id=task.id,
+                priority=s.priority)
             for _ in range(self.max_retries + 1):
                 records = self._call(request)
                 if records is not None and records[0].finish_reason not in ("error", "aborted"):
