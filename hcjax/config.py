@@ -183,7 +183,6 @@ _CONFIGURABLE_MODULES = [
     "hcjax.rl.learner",
     "hcjax.rollout.engine",
     "hcjax.rollout.server",
-    "hcjax.data.tasks",
     "hcjax.data.pipeline",
     "hcjax.distill.sft",
     "hcjax.checkpoint",

@@ -42,7 +42,7 @@ class ClimbConfig:
     (ControllerConfig), problem source (SourceConfig), model (ModelConfig) and base pre-training
     (SFTConfig) have their own.
 
-    suite: the TaskSuite to climb (None: ArithmeticTasks(), the synthetic suite of the tiny
+    suite: the TaskSuite to climb (None: ArithmeticSuite(), the synthetic suite of the tiny
       default); rewards: per suite name, its group reward shaping (hcjax.rewards.spec.RewardSpec).
     max_minutes: stop climbing after this much wall time (None: run all num_steps).
     early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
@@ -115,9 +115,9 @@ class ClimbConfig:
                          tuple(self.full_window))
 
     def make_suite(self) -> Any:
-        from hcjax.tasks import ArithmeticTasks, check_suite
+        from hcjax.tasks import ArithmeticSuite, check_suite
 
-        suite = self.suite if self.suite is not None else ArithmeticTasks()
+        suite = self.suite if self.suite is not None else ArithmeticSuite()
         check_suite(suite, "ClimbConfig.suite")
         return suite
 
