@@ -189,7 +189,7 @@ _CONFIGURABLE_MODULES = [
     "hcjax.profiling",
     "hcjax.rl.controller",
     "hcjax.rl.multihost",
-    "hcjax.rl.sampling",
+    "hcjax.rl.curriculum",
     "hcjax.rl.sources",
     "hcjax.rl.placement",
     "hcjax.rl.climber",

@@ -20,9 +20,9 @@ from hcjax.data.template import prompt_ids
 from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.rewards.spec import RewardSpec
 from hcjax.rewards.types import Grade
+from hcjax.rl.curriculum import EarlyExit
 from hcjax.rl.evaluate import HeldoutEval
 from hcjax.rl.placement import Placement
-from hcjax.rl.sampling import EarlyExit
 from hcjax.rl.sources import PrioritizedSource, SourceConfig, TaskBuilder, make_source
 from hcjax.rl.workers import ProblemWorker, RolloutWorker, SamplingConfig
 from hcjax.rollout.request import SampledRollout
@@ -288,7 +288,7 @@ def test_dataset_suite_climb_resumes_after_kill(tmp_path):
 
 def test_length_curriculum_sets_the_response_budget_by_step():
     from hcjax.rl.climber import ClimbConfig
-    from hcjax.rl.sampling import LengthCurriculum
+    from hcjax.rl.curriculum import LengthCurriculum
 
     cfg = ClimbConfig(max_tokens=8, length_curriculum=LengthCurriculum(
         stage_steps=(3, 3), start=16, end=64))

@@ -128,7 +128,7 @@ def test_reward_env_sampling_and_hygiene_modules_do_not_import_jax():
     modules = ["hcjax.rewards.math", "hcjax.rewards.code", "hcjax.rewards.instructions",
                "hcjax.rewards.shaping", "hcjax.rewards.compose", "hcjax.rewards.reward_model",
                "hcjax.envs.sandbox", "hcjax.envs.tools", "hcjax.envs.react", "hcjax.envs.shop",
-               "hcjax.envs.swe", "hcjax.rl.sampling", "hcjax.data.hygiene",
+               "hcjax.envs.swe", "hcjax.rl.curriculum", "hcjax.data.hygiene",
                "hcjax.bench.sandbox"]
     code = f"import sys\nfor m in {modules!r}:\n    __import__(m)\nprint('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -19,8 +19,8 @@ import gin
 import numpy as np
 
 from hcjax.rl.controller import Controller, ControllerConfig, StepReport
+from hcjax.rl.curriculum import EarlyExit, LengthCurriculum
 from hcjax.rl.entropy import TemperatureController
-from hcjax.rl.sampling import EarlyExit, LengthCurriculum
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
 from hcjax.rl.workers import (
     GroupResult,
@@ -46,7 +46,7 @@ class ClimbConfig:
       default); rewards: per suite name, its group reward shaping (hcjax.rewards.spec.RewardSpec).
     max_minutes: stop climbing after this much wall time (None: run all num_steps).
     early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
-    max_tokens: response tokens per model turn; length_curriculum (hcjax.rl.sampling
+    max_tokens: response tokens per model turn; length_curriculum (hcjax.rl.curriculum
       .LengthCurriculum) replaces it by a growing budget per stage of learner steps.
     temperature: the sampling temperature (the start value when it is controlled).
     temperature_delta / temperature_range: δ and bounds of the sampling-temperature lever
