@@ -1,7 +1,6 @@
 """Weight transfer by reshard plans: learner layout -> inference layout, in-process and across
 processes; the package sees pytrees of arrays and shardings, never a model."""
 
-from hcjax.transfer.expand import ExpandedPlan, assign_replicas, data_parallel_groups, expand_plan
 from hcjax.transfer.local import ExecutionResult, TransferError, execute_entries
 from hcjax.transfer.plan import (
     PlanError,
@@ -23,7 +22,6 @@ from hcjax.transfer.versioned import TransferFailed, VersionedWeights
 __all__ = [
     "Cast",
     "ExecutionResult",
-    "ExpandedPlan",
     "JaxTransferBackend",
     "PlanError",
     "PlanReceiver",
@@ -41,9 +39,6 @@ __all__ = [
     "UntrustedPeer",
     "VersionedWeights",
     "assign_processes",
-    "assign_replicas",
-    "data_parallel_groups",
     "execute_entries",
-    "expand_plan",
     "make_plan",
 ]
