@@ -16,7 +16,7 @@ from hcjax.transfer.remote import (
     TransferBackend,
     UntrustedPeer,
 )
-from hcjax.transfer.transforms import Cast, Reshape, Split, Stack, Transpose, Unstack
+from hcjax.transfer.transforms import Cast
 from hcjax.transfer.versioned import TransferFailed, VersionedWeights
 
 __all__ = [
@@ -26,16 +26,11 @@ __all__ = [
     "PlanError",
     "PlanReceiver",
     "PlanSender",
-    "Reshape",
-    "Split",
-    "Stack",
     "TransferBackend",
     "TransferEntry",
     "TransferError",
     "TransferFailed",
     "TransferPlan",
-    "Transpose",
-    "Unstack",
     "UntrustedPeer",
     "VersionedWeights",
     "assign_processes",
