@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hcjax.data.hf_tokenizer import HFTokenizer
-from hcjax.data.tasks import Problem, normalize_answer
-from hcjax.data.template import prompt_ids, response_answer, stop_ids
+from hcjax.data.problem import TaskProblem
+from hcjax.data.template import normalize_answer, prompt_ids, response_answer, stop_ids
 from hcjax.data.tokenizer import ByteTokenizer, Tokenizer
 from hcjax.model import init_cache
 
@@ -106,15 +105,13 @@ def generate(
     return result
 
 
-def grade_response(problem: Problem, text: str, tok: Tokenizer) -> bool:
-    """Whether a decoded response solves `problem`: `Problem.check` (its `<answer>` block) for our
-    template; for a Hugging Face chat template, whose models need not write `<answer>` tags, the
-    answer `hcjax.data.template.hf_answer` reads (tag, `\\boxed{}`, or last number after the
-    reasoning), compared the way `Problem.check` compares."""
-    if not isinstance(tok, HFTokenizer):
-        return problem.check(text)
+def grade_response(problem: TaskProblem, text: str, tok: Tokenizer) -> bool:
+    """Whether a decoded response's answer equals `problem.reference` (`normalize_answer`): its
+    `<answer>` block for our template; for a Hugging Face chat template, whose models need not
+    write `<answer>` tags, the answer `hcjax.data.template.hf_answer` reads (tag, `\\boxed{}`, or
+    last number after the reasoning)."""
     got = response_answer(text, tok)
-    return got is not None and normalize_answer(got) == normalize_answer(problem.answer)
+    return got is not None and normalize_answer(got) == normalize_answer(str(problem.reference))
 
 
 @dataclasses.dataclass
@@ -142,7 +139,7 @@ class EvalResult:
 
 def evaluate_problems(
     model: nnx.Module,
-    problems: Sequence[Problem],
+    problems: Sequence[TaskProblem],
     tok: Tokenizer | None = None,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
@@ -181,10 +178,10 @@ def evaluate_problems(
     by_kind: dict[str, list[float]] = defaultdict(list)
     by_difficulty: dict[int, list[float]] = defaultdict(list)
     for p, v in zip(problems, per_problem, strict=True):
-        by_kind[p.kind or "all"].append(float(v))
-        by_difficulty[p.difficulty].append(float(v))
+        by_kind[p.meta.get("kind") or "all"].append(float(v))
+        by_difficulty[p.meta.get("difficulty", 0)].append(float(v))
     examples = [
-        {"prompt": p.prompt, "answer": p.answer, "response": texts[i * num_samples]}
+        {"prompt": p.prompt, "answer": p.reference, "response": texts[i * num_samples]}
         for i, p in enumerate(problems[:5])
     ]
     return EvalResult(

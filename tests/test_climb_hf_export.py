@@ -113,7 +113,7 @@ TINY_CLIMB = [
     "ClimbConfig.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
     "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
     "ClimbConfig.max_minutes = None", "SourceConfig.sampler = 'sequential'",
-    "ArithmeticTasks.extraction = 'flexible'",
+    "ArithmeticSuite.extraction = 'flexible'",
     "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
     "ControllerConfig.max_inflight = None", "ControllerConfig.sync_every = 2",
     "LearnerConfig.seq_len = 64",

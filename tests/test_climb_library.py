@@ -20,13 +20,13 @@ from hcjax.data.template import prompt_ids
 from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.rewards.spec import RewardSpec
 from hcjax.rewards.types import Grade
+from hcjax.rl.curriculum import EarlyExit
 from hcjax.rl.evaluate import HeldoutEval
 from hcjax.rl.placement import Placement
-from hcjax.rl.sampling import EarlyExit
 from hcjax.rl.sources import PrioritizedSource, SourceConfig, TaskBuilder, make_source
 from hcjax.rl.workers import ProblemWorker, RolloutWorker, SamplingConfig
 from hcjax.rollout.request import SampledRollout
-from hcjax.tasks import ArithmeticTasks, CodeSuite, MixtureSuite, TaskProblem, ToolUseSuite
+from hcjax.tasks import ArithmeticSuite, CodeSuite, MixtureSuite, TaskProblem, ToolUseSuite
 from hcjax.tasks.base import SuiteBase
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,20 +64,8 @@ def arithmetic_answer(text, i=0):
 # Suites, mixtures, sources --------------------------------------------------------------------
 
 
-def test_arithmetic_tasks_grade_strict_and_flexible():
-    suite = ArithmeticTasks()
-    p = suite.heldout()[0]
-    right = suite.grade(p, f"<think>x</think><answer>{p.reference}</answer>")
-    assert right.correct and right.components == {"strict": 1.0, "flexible": 1.0}
-    loose = suite.grade(p, f"<think>x</think>so {p.reference}")
-    assert not loose.correct and loose.components == {"strict": 0.0, "flexible": 1.0}
-    assert ArithmeticTasks(extraction="flexible").grade(p, f"<think>x</think>{p.reference}").correct
-    with pytest.raises(ValueError, match="extraction='loose'"):
-        ArithmeticTasks(extraction="loose")
-
-
 def test_mixture_prefixes_dispatches_and_weights():
-    mix = MixtureSuite(suites=(ArithmeticTasks(), CodeSuite(num_heldout=4),
+    mix = MixtureSuite(suites=(ArithmeticSuite(), CodeSuite(num_heldout=4),
                                ToolUseSuite(num_heldout=4)), weights=(2.0, 1.0, 1.0))
     drawn = [mix.train_problem(i) for i in range(600)]
     share = np.mean([p.meta["suite"] == "arithmetic" for p in drawn])
@@ -91,21 +79,21 @@ def test_mixture_prefixes_dispatches_and_weights():
     assert mix.tools(tool) is not None and mix.tools(arith) is None
     assert mix.component(tool).name == "tool_use"
     held = mix.heldout()
-    assert len(held) == len(ArithmeticTasks().heldout()) + 8
+    assert len(held) == len(ArithmeticSuite().heldout()) + 8
     assert set(mix.categories()) >= {p.category for p in drawn[:50]}
     cat = "code/" + CodeSuite().categories()[0]
     p, cursor = mix.next_in_category(cat, 0)
     assert p.category == cat and cursor >= 1
     with pytest.raises(ValueError, match="must be distinct"):
-        MixtureSuite(suites=(ArithmeticTasks(), ArithmeticTasks()))
+        MixtureSuite(suites=(ArithmeticSuite(), ArithmeticSuite()))
     with pytest.raises(ValueError, match="weights"):
-        MixtureSuite(suites=(ArithmeticTasks(),), weights=(1.0, 2.0))
+        MixtureSuite(suites=(ArithmeticSuite(),), weights=(1.0, 2.0))
     with pytest.raises(TypeError, match="is not a TaskSuite"):
         MixtureSuite(suites=(object(),))
 
 
 def test_task_builder_uses_the_template_and_limits_prompts():
-    suite = ArithmeticTasks()
+    suite = ArithmeticSuite()
     p = suite.train_problem(3)
     task = TaskBuilder(suite, TOK).task(p)
     assert list(task.prompt_ids) == prompt_ids(p.prompt, TOK)
@@ -120,7 +108,7 @@ def test_task_builder_uses_the_template_and_limits_prompts():
 
 
 def test_prioritized_source_over_a_mixture_with_a_curriculum():
-    mix = MixtureSuite(suites=(ArithmeticTasks(), CodeSuite(num_heldout=4)))
+    mix = MixtureSuite(suites=(ArithmeticSuite(), CodeSuite(num_heldout=4)))
     builder = TaskBuilder(mix, TOK)
     src = make_source(builder, SourceConfig(sampler="prioritized", curriculum_fraction=0.25,
                                             curriculum_steps=10))
@@ -144,7 +132,7 @@ def test_prioritized_source_over_a_mixture_with_a_curriculum():
 
 
 def test_heldout_eval_goes_through_the_client_per_category():
-    suite = ArithmeticTasks()
+    suite = ArithmeticSuite()
     problems = list(suite.heldout())[:24]
     client = OracleClient(arithmetic_answer)
     sampling = SamplingConfig(max_tokens=16, stop_tokens=(TOK.special_id("<|end|>"),))
@@ -158,7 +146,7 @@ def test_heldout_eval_goes_through_the_client_per_category():
 def test_reward_spec_shapes_a_group_before_advantages():
     from hcjax.rl.climber import _shaping_for
 
-    suite = ArithmeticTasks()
+    suite = ArithmeticSuite()
     spec = RewardSpec(length="kimi", length_weight=1.0)
     shaping = _shaping_for({"arithmetic": spec}, lambda: 16, lambda: 0, TOK.decode)
     builder = TaskBuilder(suite, TOK, shaping=shaping)
@@ -300,7 +288,7 @@ def test_dataset_suite_climb_resumes_after_kill(tmp_path):
 
 def test_length_curriculum_sets_the_response_budget_by_step():
     from hcjax.rl.climber import ClimbConfig
-    from hcjax.rl.sampling import LengthCurriculum
+    from hcjax.rl.curriculum import LengthCurriculum
 
     cfg = ClimbConfig(max_tokens=8, length_curriculum=LengthCurriculum(
         stage_steps=(3, 3), start=16, end=64))

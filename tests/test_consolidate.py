@@ -44,14 +44,13 @@ def _store(path, groups):
 
 
 def test_build_mix_from_stores(tmp_path):
-    from hcjax.data.tasks import ArithmeticSuite
-    from hcjax.tasks import ArithmeticTasks
+    from hcjax.tasks import ArithmeticSuite
 
     _store(tmp_path / "a", [(0, "early", [("e", True)]),
                             *[(4, f"a{i}", [(f"ok{i}", True), ("bad", False)]) for i in range(3)]])
     _store(tmp_path / "b", [(4, "b0", [("x", True), ("y", True), ("z", False)])])
     cfg = ConsolidateConfig(min_step_fraction=0.5, base_fraction=0.2)
-    union = ArithmeticTasks(suite=ArithmeticSuite(kinds=("add",), max_digits=1))
+    union = ArithmeticSuite(kinds=("add",), max_digits=1)
     convs, mix = build_mix([str(tmp_path / "a"), str(tmp_path / "b")], cfg, union)
     # a: 3 late successes (the step-0 one is filtered), b: 2; equal shares -> 2 + 2; base data
     # round(4 * 0.2 / 0.8) = 1.

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hcjax.rl.controller import Controller, ControllerConfig, oldest_version, staleness
-from hcjax.rl.sampling import EarlyExit
+from hcjax.rl.curriculum import EarlyExit
 from hcjax.rl.sources import PrioritizedSource, SequentialSource
 from hcjax.rl.store import (
     RolloutStore,

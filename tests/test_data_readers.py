@@ -5,6 +5,7 @@ import json
 import pytest
 
 from hcjax.data.readers import read_conversations, read_problems
+from hcjax.data.template import reasoning_response
 
 
 def _write(path, rows):
@@ -20,8 +21,9 @@ def test_read_problems(tmp_path):
     )
     ps = read_problems(path)
     assert [p.id for p in ps] == ["p.jsonl-1", "q7"]
-    assert ps[1].thought == "t"
-    assert ps[0].check("<answer>4</answer>")
+    assert (ps[0].prompt, ps[0].reference, ps[0].meta) == ("2+2=", "4", {"kind": "jsonl"})
+    assert ps[0].target == reasoning_response("", "4")
+    assert ps[1].target == reasoning_response("t", "y")
 
 
 def test_read_conversations(tmp_path):

@@ -1,11 +1,11 @@
 """ReAct loop over token ids with a byte-level tokenizer and a scripted policy: strict prefix,
-loss mask, tool-call parsing and errors, budgets, aborts; the shop environment end to end."""
+loss mask, tool-call parsing and errors, budgets, aborts."""
 
 import json
 
 import pytest
 
-from hcjax.envs import react, shop
+from hcjax.envs import react
 from hcjax.envs.tools import MalformedCall, Tool, ToolCall, ToolResult, ToolSet, parse_tool_calls
 
 
@@ -130,41 +130,3 @@ def test_tool_infrastructure_failure_aborts_the_rollout():
 def test_budget_validation():
     with pytest.raises(ValueError, match="max_steps=0"):
         react.Budget(max_steps=0)
-
-
-def test_shop_database_is_seeded():
-    assert shop.dump(shop.make_database(3)) == shop.dump(shop.make_database(3))
-    assert shop.dump(shop.make_database(3)) != shop.dump(shop.make_database(4))
-
-
-def test_shop_episode_graded_on_final_state():
-    task = None
-    for seed in range(50):
-        task = shop.make_task(seed)
-        if task.reference[0][0] == "place_order":
-            break
-    args = task.reference[0][1]
-    env = shop.ShopEnvironment(task)
-    assert env.grade().reward == 0.0  # nothing done yet
-    tok = Bytes()
-    turns = ["let me look " + call("list_products"),
-             call("place_order", **args), *(call(n, **a) for n, a in task.reference[1:]),
-             "Done."]
-    traj = react.run_episode(tok.encode(task.instruction), Scripted(turns), tok, env.tools)
-    assert traj.finish_reason == react.STOP and traj.num_successful == len(turns) - 1
-    grade = env.grade()
-    assert grade.reward == 1.0, grade.reason
-
-
-def test_shop_wrong_actions_fail_the_grade():
-    task = next(shop.make_task(s) for s in range(50)
-                if shop.make_task(s).reference[0][0] == "update_email")
-    env = shop.ShopEnvironment(task)
-    cid = task.reference[0][1]["customer_id"]
-    assert env.tools(ToolCall("update_email", {"customer_id": cid, "email": "wrong@x"})).ok
-    grade = env.grade()
-    assert grade.reward == 0.0 and "customers" in grade.reason
-    # Invalid operations change nothing.
-    assert not env.tools(ToolCall("cancel_order", {"order_id": 1})).ok  # delivered, not placed
-    assert not env.tools(ToolCall("place_order", {"customer_id": cid, "product_id": 1,
-                                                  "quantity": 10_000})).ok

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hcjax.config import hf_checkpoint_folder
-from hcjax.data.tasks import ArithmeticSuite, Problem
+from hcjax.data.problem import TaskProblem
 from hcjax.data.template import (
     encode_conversation,
     encode_prompt_response,
@@ -85,10 +85,10 @@ def test_hf_answer_and_grading(qwen3_tok):
     assert hf_answer("so the sum is \\boxed{15}.") == "15"
     assert hf_answer("<think>12+3 is 14? no</think>It is 15.<|im_end|>") == "15"
     assert hf_answer("<think>still 14") is None and hf_answer("no digits") is None
-    p = Problem("add-0", "12+3=", "15")
+    p = TaskProblem("add-0", "add:2x1", ({"role": "user", "content": "12+3="},), reference="15")
     assert grade_response(p, "The answer is 15<|im_end|>", qwen3_tok)
     assert not grade_response(p, "The answer is 14<|im_end|>", qwen3_tok)
-    # Our own template still needs its <answer> block (Problem.check).
+    # Our own template still needs its <answer> block.
     assert not grade_response(p, "15", ByteTokenizer())
     assert grade_response(p, "<answer>15</answer>", ByteTokenizer())
 
@@ -96,10 +96,9 @@ def test_hf_answer_and_grading(qwen3_tok):
 @needs_fixtures
 def test_climb_prompt_limit_is_measured_and_enforced(qwen3_tok):
     from hcjax.rl.sources import TaskBuilder
-    from hcjax.tasks import ArithmeticTasks
+    from hcjax.tasks import ArithmeticSuite
 
-    suite = ArithmeticTasks(suite=ArithmeticSuite(kinds=("add", "mul"), max_digits=3,
-                                                  num_heldout=8))
+    suite = ArithmeticSuite(kinds=("add", "mul"), max_digits=3, num_heldout=8)
     limit = TaskBuilder(suite, qwen3_tok).longest_prompt(scan=50)
     assert limit == max(len(prompt_ids(p.prompt, qwen3_tok))
                         for p in [*suite.heldout(), *(suite.train_problem(i) for i in range(50))])
@@ -234,7 +233,7 @@ def test_climb_from_hf_moe_checkpoint(tmp_path):
         "ClimbConfig.max_tokens = 8", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 8",
         "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
         "ClimbConfig.max_minutes = None", "SourceConfig.sampler = 'sequential'",
-        "ArithmeticTasks.extraction = 'flexible'",
+        "ArithmeticSuite.extraction = 'flexible'",
         "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
         "ControllerConfig.max_inflight = None", "ControllerConfig.sync_every = 2",
         "LearnerConfig.seq_len = 64",

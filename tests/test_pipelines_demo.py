@@ -6,10 +6,15 @@ import json
 
 import pytest
 
-from hcjax.data.tasks import ArithmeticSuite, operands, recheck_thought, steps_thought
 from hcjax.distill.dpo import DPOConfig, pairs_from_samples
 from hcjax.distill.rejection import Sample, sample_records
+from hcjax.tasks.arithmetic import ArithmeticSuite, operands, recheck_thought, steps_thought
 from hcjax.tasks.base import TaskProblem
+
+
+def thought(p):
+    """The reasoning inside <think> of a problem's reference response."""
+    return p.target.split("<think>", 1)[1].split("</think>", 1)[0]
 
 
 def test_steps_thought_exact():
@@ -28,8 +33,8 @@ def test_steps_thought_ends_with_the_reversed_answer():
     suite = ArithmeticSuite(kinds=("add", "sub", "mul", "mod"), max_digits=3, thought="steps")
     for i in range(300):
         p = suite.train_problem(i)
-        assert p.thought.split(" ")[-1] == p.answer[::-1]
-        assert p.check(p.target())
+        assert thought(p).split(" ")[-1] == p.reference[::-1]
+        assert suite.grade(p, p.target).correct
 
 
 def test_recheck_thought_repeats_the_working():
@@ -37,16 +42,16 @@ def test_recheck_thought_repeats_the_working():
     suite = ArithmeticSuite(kinds=("add", "sub"), max_digits=2, thought="recheck",
                             short_fraction=0.2)
     ps = [suite.train_problem(i) for i in range(500)]
-    short = [p for p in ps if " check " not in p.thought]
+    short = [p for p in ps if " check " not in thought(p)]
     assert 0.14 < len(short) / len(ps) < 0.26
     for p in ps:
         a, b = map(int, operands(p))
-        steps = steps_thought(p.kind, a, b)
-        assert p.thought == (steps if p in short else f"{steps} check {steps}")
-        assert p.check(p.target())
+        steps = steps_thought(p.meta["kind"], a, b)
+        assert thought(p) == (steps if p in short else f"{steps} check {steps}")
+        assert suite.grade(p, p.target).correct
     # The long form is the short one plus a redundant second pass: more than twice its length.
-    assert (sum(len(p.thought) for p in ps if p not in short) / (len(ps) - len(short))
-            > 2 * sum(len(p.thought) for p in short) / len(short))
+    assert (sum(len(thought(p)) for p in ps if p not in short) / (len(ps) - len(short))
+            > 2 * sum(len(thought(p)) for p in short) / len(short))
 
 
 def test_steps_keeps_the_problems_and_the_default():
@@ -55,8 +60,8 @@ def test_steps_keeps_the_problems_and_the_default():
                             short_fraction=0.2)
     for a, b in zip([base.train_problem(i) for i in range(100)] + base.heldout(),
                     [steps.train_problem(i) for i in range(100)] + steps.heldout(), strict=True):
-        assert (a.id, a.prompt, a.answer) == (b.id, b.prompt, b.answer)
-        assert a.thought == a.answer[::-1]  # the default thought is unchanged
+        assert (a.id, a.prompt, a.reference) == (b.id, b.prompt, b.reference)
+        assert thought(a) == a.reference[::-1]  # the default thought is unchanged
     assert ArithmeticSuite().thought == "reversed" and ArithmeticSuite().short_fraction == 0.0
 
 
@@ -65,7 +70,7 @@ def test_short_fraction_mix():
         s = ArithmeticSuite(kinds=("add", "sub"), max_digits=2, thought="steps",
                             short_fraction=fraction)
         ps = [s.train_problem(i) for i in range(2000)]
-        return sum(p.thought == p.answer[::-1] for p in ps) / len(ps), ps
+        return sum(thought(p) == p.reference[::-1] for p in ps) / len(ps), ps
 
     share, ps = short_share(0.2)
     assert 0.17 < share < 0.23

@@ -36,17 +36,16 @@ def test_rejection_conversations_keep_one_per_solved_problem():
 
 
 def test_rejection_sampling_smoke(tmp_path):
-    from hcjax.data.tasks import ArithmeticSuite
     from hcjax.model import ModelConfig, create_sharded
     from hcjax.sharding import MeshConfig, make_mesh
-    from hcjax.tasks import ArithmeticTasks
+    from hcjax.tasks import ArithmeticSuite
 
     cfg = ModelConfig(vocab_size=272, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1,
                       head_dim=8, d_ff=32, num_experts=2, experts_per_token=1,
                       moe_latent_dim=8, moe_d_ff=16, max_seq_len=64, dtype="float32")
     model = create_sharded(cfg, make_mesh(MeshConfig(num_devices=1)))
     write_checkpoint(str(tmp_path / "m"), nnx.to_pure_dict(nnx.state(model, nnx.Param)), cfg)
-    suite = ArithmeticTasks(suite=ArithmeticSuite(kinds=("add",), max_digits=1, num_heldout=4))
+    suite = ArithmeticSuite(kinds=("add",), max_digits=1, num_heldout=4)
     s = run_rejection(str(tmp_path / "m"), str(tmp_path / "out"), suite, k=3, num_problems=4,
                       max_new_tokens=8)
     assert s["problems"] == 4 and s["k"] == 3 and 0 <= s["kept"] <= 4

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from hcjax.envs import sandbox
+from hcjax import sandbox
 from hcjax.rewards import code
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root namespaces")

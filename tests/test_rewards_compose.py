@@ -1,11 +1,10 @@
 """Reward formulas against hand-computed values: eq. (10)/(11), length penalties, composition,
-honesty, search agent, and cyclic reward-model scoring with a stub scorer."""
+honesty, search agent."""
 
-import math
 
 import pytest
 
-from hcjax.rewards import compose, reward_model, shaping
+from hcjax.rewards import compose, shaping
 from hcjax.rewards.compose import Honesty
 
 
@@ -95,41 +94,3 @@ def test_search_agent_reward():
     with pytest.raises(ValueError, match="num_malformed=5"):
         compose.search_agent_reward(1.0, num_calls=4, num_malformed=5, num_successful=0,
                                     answered=True)
-
-
-def test_cyclic_reward_model_scores_every_rotation():
-    seen = []
-
-    def stub(prompt, responses):
-        # P(5) grows with the first response's length; the rest of the context is recorded.
-        seen.append(list(responses))
-        p5 = len(responses[0]) / 10
-        return [0.0, 0.0, 0.0, 1.0 - p5, p5]
-
-    rewards = reward_model.cyclic_rewards("q", ["a", "bbb", "ccccc"], stub)
-    assert rewards == pytest.approx([0.1, 0.3, 0.5])
-    assert seen == [["a", "bbb", "ccccc"], ["bbb", "ccccc", "a"], ["ccccc", "a", "bbb"]]
-    with pytest.raises(ValueError, match="expected 5"):
-        reward_model.cyclic_rewards("q", ["a"], lambda p, r: [1.0])
-
-
-def test_scorer_from_logits_reads_only_score_tokens():
-    vocab_logits = [9.0, 0.0, 0.0, 0.0, math.log(3.0), 50.0]  # id 0 and 5 are not scores
-    scorer = reward_model.scorer_from_logits(lambda p, r: vocab_logits, [1, 2, 3, 4, 0])
-    # softmax over (0, 0, 0, log 3, 9) -> P(5) = e^9 / (3 + 3 + e^9)
-    p5 = reward_model.cyclic_rewards("q", ["x"], scorer)[0]
-    assert p5 == pytest.approx(math.exp(9) / (6 + math.exp(9)))
-
-
-def test_reward_env_sampling_and_hygiene_modules_do_not_import_jax():
-    import subprocess
-    import sys
-
-    modules = ["hcjax.rewards.math", "hcjax.rewards.code", "hcjax.rewards.instructions",
-               "hcjax.rewards.shaping", "hcjax.rewards.compose", "hcjax.rewards.reward_model",
-               "hcjax.envs.sandbox", "hcjax.envs.tools", "hcjax.envs.react", "hcjax.envs.shop",
-               "hcjax.envs.swe", "hcjax.rl.sampling", "hcjax.data.hygiene",
-               "hcjax.bench.sandbox"]
-    code = f"import sys\nfor m in {modules!r}:\n    __import__(m)\nprint('jax' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"

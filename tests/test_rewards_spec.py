@@ -8,7 +8,7 @@ import pytest
 
 from hcjax.rewards.spec import RewardSpec, compose_group
 from hcjax.rewards.types import Grade
-from hcjax.rl.sampling import LengthCurriculum
+from hcjax.rl.curriculum import LengthCurriculum
 
 
 def binary(correct: list[bool], **components: list[float]) -> list[Grade]:

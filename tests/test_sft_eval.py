@@ -1,12 +1,15 @@
 """The pass@1 helper: cached greedy generation of right-padded prompts agrees with the full
-forward pass, stops at the stop token, and scoring uses each problem's checker."""
+forward pass, stops at the stop token, and scoring compares each answer with its problem's
+reference."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from hcjax.data.tasks import Problem
+from hcjax.data.problem import TaskProblem
+from hcjax.data.template import encode_content
+from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.eval import evaluate_problems, generate
 from hcjax.model import ModelConfig, Transformer
 
@@ -53,19 +56,28 @@ def test_sampling_is_seeded(model):
     assert len({tuple(x) for x in a}) > 1  # rows draw different samples
 
 
-def test_evaluate_scores_with_checker(model):
-    class Always(Problem):
-        def check(self, response_text):
-            return True
+def _problem(pid, prompt, answer, difficulty):
+    return TaskProblem(pid, "add", ({"role": "user", "content": prompt},), reference=answer,
+                       meta={"kind": "add", "difficulty": difficulty})
 
-    problems = [Always("a", "1+1=", "2", kind="add", difficulty=1),
-                Problem("b", "2+2=", "4", kind="add", difficulty=2)]
+
+def test_evaluate_scores_against_each_reference(model, monkeypatch):
+    import hcjax.eval
+
+    problems = [_problem("a", "1+1=", "2", 1), _problem("b", "2+2=", "4", 2)]
     res = evaluate_problems(model, problems, max_new_tokens=4)
-    # The random model never writes a complete <answer> block, so only the always-true passes.
+    # The random model never writes a complete <answer> block: nothing passes, nothing formatted.
+    assert res.pass_at_1 == 0.0 and res.format_rate == 0.0
+    # Every row answers 2 (in our template): right for a, wrong for b.
+    tok = ByteTokenizer()
+    answer = encode_content("<think></think><answer>2</answer>", tok) + [tok.eos_id]
+    monkeypatch.setattr(hcjax.eval, "generate", lambda m, prompts, *a, **k: [answer] * len(prompts))
+    res = evaluate_problems(model, problems, max_new_tokens=4)
     assert res.pass_at_1 == 0.5 and res.by_difficulty == {1: 1.0, 2: 0.0}
-    assert res.format_rate == 0.0
+    assert res.format_rate == 1.0
     s = res.summary()
     assert s["pass_at_1_add"] == 0.5 and len(s["examples"]) == 2
+    assert s["examples"][1]["answer"] == "4"
 
 
 def test_bad_arguments(model):

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from hcjax import sandbox
 from hcjax.data.template import prompt_ids
 from hcjax.data.tokenizer import ByteTokenizer
-from hcjax.envs import sandbox
 from hcjax.rewards import code as code_reward
 from hcjax.tasks.base import TaskSuite, check_suite
 from hcjax.tasks.code import CodeSuite, reference_program

@@ -1,6 +1,6 @@
 """The in-process executor's batched path: small pieces packed into a few device copies give the
 same bits as moving every piece alone and as the plan's host reference, for mixed sizes, dtypes,
-shardings and transforms; bytes in flight stay under the bound; schedules are reused."""
+shardings and casts; bytes in flight stay under the bound; schedules are reused."""
 
 import math
 from collections import Counter
@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hcjax.transfer import Cast, Split, Stack, TransferError, Transpose, execute_entries, make_plan
+from hcjax.transfer import Cast, TransferError, execute_entries, make_plan
 from hcjax.transfer.local import PIECES_PER_BUFFER
 
 DEVICES = np.array(jax.devices())
@@ -31,8 +31,8 @@ def host(shape, dtype, seed):
 
 
 def mixed_case():
-    """Leaves of several sizes, dtypes and layouts, with casts, a transpose, a split and a stack
-    (a tiny replicated scalar up to a leaf of several hundred KiB)."""
+    """Leaves of several sizes, dtypes and layouts, with narrowing and widening casts (a tiny
+    replicated scalar up to a leaf of several hundred KiB)."""
     xs = {
         "embed": host((256, 64), np.float32, 0),
         "q": host((64, 96), np.float32, 1),
@@ -43,7 +43,7 @@ def mixed_case():
         "small": host((8, 4), np.int8, 6),
         "big": host((512, 256), BF16, 7),
         "qkv": host((64, 48), np.float32, 8),
-        "layers": [host((8, 16), np.float32, 9 + i) for i in range(3)],
+        **{f"layer{i}": host((8, 16), np.float32, 9 + i) for i in range(3)},
     }
     specs = {
         "embed": P("tensor", "fsdp"),
@@ -55,26 +55,25 @@ def mixed_case():
         "small": P(None, "tensor"),
         "big": P("fsdp", "tensor"),
         "qkv": P("fsdp", None),
-        "layers": [P("fsdp", "tensor")] * 3,
+        **{f"layer{i}": P("fsdp", "tensor") for i in range(3)},
     }
     source = jax.tree.map(put, xs, specs)
     dst = {
         "embed": NamedSharding(INFERENCE, P("tensor", None)),
         "q": NamedSharding(INFERENCE, P(None, "tensor")),
-        "o": NamedSharding(INFERENCE, P(None, "tensor")),  # after the transpose
+        "o": NamedSharding(INFERENCE, P(None, "tensor")),
         "norm": NamedSharding(INFERENCE, P()),
         "scale": NamedSharding(INFERENCE, P()),
         "ids": NamedSharding(INFERENCE, P(None, "tensor")),
         "small": NamedSharding(INFERENCE, P("tensor")),
         "big": NamedSharding(INFERENCE, P(None, "tensor")),
-        "q_part": NamedSharding(INFERENCE, P(None, "tensor")),
-        "kv_part": NamedSharding(INFERENCE, P("tensor", None)),
-        "layers": NamedSharding(INFERENCE, P(None, None, "tensor")),
+        "qkv": NamedSharding(INFERENCE, P("tensor", None)),
+        **{f"layer{i}": NamedSharding(INFERENCE, P(None, "tensor")) for i in range(3)},
     }
     rules = {
-        "o": [Transpose((1, 0)), Cast(BF16)],
-        "qkv": [Split(1, (16, 32), ("q_part", "kv_part")), Cast(BF16)],
-        "layers/*": [Cast(BF16), Stack(axis=0, at=1)],
+        "o": Cast(BF16),
+        "qkv": [Cast(BF16), Cast(np.float32)],  # narrowed on the sender, widened back
+        "layer*": Cast(BF16),
         "ids": Cast(np.int8),
         "small": Cast(np.float32),  # widened on the receiver
         "big": Cast(np.float32),

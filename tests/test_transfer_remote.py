@@ -26,45 +26,39 @@ FAILING_VERSION = 3  # the learner loses a buffer half-way through this version
 
 
 def build():
-    """The same plan in every process: learner mesh on devices 0-3, replicas on 4-5 and 6-7."""
+    """The same plans in every process: learner mesh on devices 0-3, one plan per replica (on 4-5
+    and 6-7), their entries labelled with the processes of the devices."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from hcjax.transfer import Cast, Split, assign_processes, expand_plan, make_plan
+    from hcjax.transfer import Cast, assign_processes, make_plan
 
     devices = np.array(jax.devices())
     learner = Mesh(devices[:4].reshape(2, 2), ("fsdp", "tensor"))
-    replicas = {r: Mesh(devices[list(ids)], ("tensor",)) for r, ids in REPLICA_DEVICES.items()}
     source = {
         k: jax.ShapeDtypeStruct(
             s, np.float32, sharding=NamedSharding(learner, P(*LEARNER_SPECS[k]))
         )
         for k, s in SHAPES.items()
     }
-    template = replicas["A"]
-    dst = {
-        "a_embed": NamedSharding(template, P(None, "tensor")),
-        "b_q": NamedSharding(template, P(None, "tensor")),
-        "b_kv": NamedSharding(template, P("tensor", None)),
-        "c_mlp": NamedSharding(template, P("tensor", None)),
-        "d_norm": NamedSharding(template, P()),
-    }
-    rules = {
-        "b_qkv": [Split(1, (8, 16), ("b_q", "b_kv")), Cast(jnp.bfloat16)],
-        "*": Cast(jnp.bfloat16),
-    }
-    plan = make_plan(source, dst, rules)
-    expanded = expand_plan(plan, [learner], replicas)
+    rules = {"*": Cast(jnp.bfloat16)}
     process_of = {d: 0 for d in range(4)}
     process_of.update({d: PROCESS[r] for r, ids in REPLICA_DEVICES.items() for d in ids})
-    entries = {
-        r: assign_processes(expanded.entries_for(r), process_of, process_of)
-        for r in REPLICA_DEVICES
-    }
-    return plan, expanded, learner, entries
+    plans, entries = {}, {}
+    for r, ids in REPLICA_DEVICES.items():
+        mesh = Mesh(devices[list(ids)], ("tensor",))
+        dst = {
+            "a_embed": NamedSharding(mesh, P(None, "tensor")),
+            "b_qkv": NamedSharding(mesh, P("tensor", None)),
+            "c_mlp": NamedSharding(mesh, P("tensor", None)),
+            "d_norm": NamedSharding(mesh, P()),
+        }
+        plans[r] = make_plan(source, dst, rules)
+        entries[r] = assign_processes(plans[r].entries, process_of, process_of)
+    return plans, learner, entries
 
 
 def host_params(version):
@@ -85,12 +79,13 @@ def run_learner():
 
     from hcjax.transfer import JaxTransferBackend, PlanSender
 
-    plan, _, learner, entries = build()
+    plans, learner, entries = build()
     backend = JaxTransferBackend("127.0.0.1:0")
     send({"address": backend.address})
     peers = {int(k): v for k, v in json.loads(sys.stdin.readline())["peers"].items()}
-    sender = PlanSender(
-        plan, 0, backend, peers, entries=entries["A"] + entries["B"], max_bytes_per_pull=CHUNK_BYTES
+    sender = PlanSender(  # the plans differ only in their destination devices
+        plans["A"], 0, backend, peers, entries=entries["A"] + entries["B"],
+        max_bytes_per_pull=CHUNK_BYTES
     )
     sent = {}
     for version in (1, 2, FAILING_VERSION):
@@ -119,11 +114,12 @@ def run_replica(name):
 
     from hcjax.transfer import JaxTransferBackend, PlanReceiver, TransferFailed, VersionedWeights
 
-    plan, expanded, _, entries = build()
+    plans, _, entries = build()
+    plan = plans[name]
     backend = JaxTransferBackend("127.0.0.1:0")
     send({"address": backend.address})
     peers = {int(k): v for k, v in json.loads(sys.stdin.readline())["peers"].items()}
-    shardings = expanded.destination_shardings(name)
+    shardings = {p: s.sharding for p, s in plan.dst_leaves.items()}
     receiver = PlanReceiver(
         plan,
         PROCESS[name],
@@ -267,11 +263,12 @@ def test_sender_and_receiver_in_one_process():
     import threading
 
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from hcjax.transfer import JaxTransferBackend, PlanReceiver, PlanSender, Transpose, make_plan
+    from hcjax.transfer import Cast, JaxTransferBackend, PlanReceiver, PlanSender, make_plan
 
     devices = np.array(jax.devices())
     learner = Mesh(devices[:4].reshape(2, 2), ("fsdp", "tensor"))
@@ -282,7 +279,7 @@ def test_sender_and_receiver_in_one_process():
         "n": jax.device_put(host["n"], NamedSharding(learner, P())),
     }
     dst = {"w": NamedSharding(inference, P("tensor", None)), "n": NamedSharding(inference, P())}
-    plan = make_plan(source, dst, {"w": Transpose((1, 0))}).with_processes(0, 1)
+    plan = make_plan(source, dst, {"w": Cast(jnp.bfloat16)}).with_processes(0, 1)
     learner_side, inference_side = JaxTransferBackend(), JaxTransferBackend()
     sender = PlanSender(plan, 0, learner_side, {1: inference_side.address}, max_bytes_per_pull=64)
     receiver = PlanReceiver(
@@ -294,6 +291,6 @@ def test_sender_and_receiver_in_one_process():
     thread.join(timeout=60)
     assert not thread.is_alive()
     assert sender.bytes_sent == receiver.bytes_received == plan.bytes_moved
-    np.testing.assert_array_equal(np.asarray(out.leaves["w"]), host["w"].T)
+    np.testing.assert_array_equal(np.asarray(out.leaves["w"]), host["w"].astype(jnp.bfloat16))
     assert out.leaves["w"].sharding.is_equivalent_to(dst["w"], 2)
     np.testing.assert_array_equal(np.asarray(out.leaves["n"]), host["n"])

@@ -9,8 +9,8 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from hcjax import sandbox
 from hcjax.display import Phases
-from hcjax.envs import sandbox
 from hcjax.rewards import math as math_grader
 
 PROGRAM = "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))\n"

@@ -1,6 +1,7 @@
-"""hcjax.data package: tokenizers, templates, task sources, packing and the SFT input pipeline."""
+"""hcjax.data package: tokenizers, templates, the problem record, readers, packing and the SFT
+input pipeline."""
 
-from hcjax.data.tasks import ArithmeticSuite, Problem
+from hcjax.data.problem import TaskProblem
 from hcjax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = ["ArithmeticSuite", "ByteTokenizer", "HFTokenizer", "Problem", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "TaskProblem", "load_tokenizer"]

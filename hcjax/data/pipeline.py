@@ -1,5 +1,6 @@
 """The SFT input pipeline: source → shuffle/repeat → tokenize (grain `MapDataset`) → first-fit
-packing → batches, and placement of a host batch on the mesh's data axes."""
+packing → batches, and placement of a host batch on the mesh's data axes. It reads task suites
+(their problems' reference responses), so it sits above hcjax.tasks (tests/test_layers.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from hcjax.data.packing import OVERLONG_MODES, PackedBatchIterator
+from hcjax.data.problem import TaskProblem
 from hcjax.data.readers import read_conversations, read_problems
-from hcjax.data.tasks import ArithmeticSuite, Problem
-from hcjax.data.template import encode_conversation, encode_prompt_response
+from hcjax.data.template import encode_conversation
 from hcjax.data.tokenizer import Tokenizer, load_tokenizer
+from hcjax.tasks.arithmetic import ArithmeticSuite
 
 SOURCES = ("arithmetic", "problems_jsonl", "chat_jsonl", "suite")
 
@@ -60,19 +62,15 @@ class DataConfig:
             raise ValueError(f"num_epochs={self.num_epochs} must be >= 1 or None")
 
 
-def _problem_doc(p: Problem, tok: Tokenizer) -> dict[str, np.ndarray]:
-    ids, mask = encode_prompt_response(p.prompt, p.target(), tok)
-    return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
-
-
 def _chat_doc(messages: list[dict[str, str]], tok: Tokenizer) -> dict[str, np.ndarray]:
     ids, mask = encode_conversation(messages, tok)
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 
 
-def _suite_doc(suite: Any, problem: Any, tok: Tokenizer) -> dict[str, np.ndarray]:
-    """A suite problem's reference conversation; the owning suite's `sft_document` when it has
-    one (multi-turn formats whose observations must not be trained)."""
+def _problem_doc(problem: TaskProblem, tok: Tokenizer, suite: Any = None
+                 ) -> dict[str, np.ndarray]:
+    """A problem's reference conversation (prompt messages, then `target`); the owning suite's
+    `sft_document` when it has one (multi-turn formats whose observations must not be trained)."""
     component = getattr(suite, "component", None)
     owner = component(problem) if component is not None else suite
     encode = getattr(owner, "sft_document", None)
@@ -89,14 +87,10 @@ def build_documents(
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
     tok = tok or load_tokenizer(cfg.tokenizer)
-    if cfg.source == "arithmetic":
-        suite = ArithmeticSuite()
+    if cfg.source in ("arithmetic", "suite"):
+        suite = ArithmeticSuite() if cfg.source == "arithmetic" else cfg.suite
         ds = grain.MapDataset.range(cfg.num_train_problems).map(suite.train_problem)
-        docs = ds.map(lambda p: _problem_doc(p, tok))
-    elif cfg.source == "suite":
-        suite = cfg.suite
-        ds = grain.MapDataset.range(cfg.num_train_problems).map(suite.train_problem)
-        docs = ds.map(lambda p: _suite_doc(suite, p, tok))
+        docs = ds.map(lambda p: _problem_doc(p, tok, suite))
     elif cfg.source == "problems_jsonl":
         docs = grain.MapDataset.source(read_problems(cfg.path)).map(lambda p: _problem_doc(p, tok))
     else:

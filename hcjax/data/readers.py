@@ -7,8 +7,8 @@ import json
 import os
 from typing import Any
 
-from hcjax.data.tasks import Problem
-from hcjax.data.template import ROLE_MARKERS
+from hcjax.data.problem import TaskProblem
+from hcjax.data.template import ROLE_MARKERS, reasoning_response
 
 
 def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
@@ -36,9 +36,10 @@ def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
 
 def read_problems(
     path: str, prompt_key: str = "prompt", answer_key: str = "answer", thought_key: str = "thought"
-) -> list[Problem]:
+) -> list[TaskProblem]:
     """Problems from a JSONL file with one {"prompt": ..., "answer": ...} object per line
-    (optional "id" and "thought")."""
+    (optional "id" and "thought"): the answer is the reference, and the reasoning template's
+    response of thought and answer the target (what SFT trains on)."""
     out = []
     for n, obj in read_jsonl(path):
         for key in (prompt_key, answer_key):
@@ -48,7 +49,10 @@ def read_problems(
         if not isinstance(thought, str):
             raise ValueError(f"{path}:{n}: field {thought_key!r} is not a string")
         pid = str(obj.get("id", f"{os.path.basename(path)}-{n}"))
-        out.append(Problem(pid, obj[prompt_key], obj[answer_key], thought, kind="jsonl"))
+        answer = obj[answer_key]
+        out.append(TaskProblem(pid, "jsonl", ({"role": "user", "content": obj[prompt_key]},),
+                               reference=answer, target=reasoning_response(thought, answer),
+                               meta={"kind": "jsonl"}))
     return out
 
 

@@ -128,6 +128,16 @@ def parse_answer(response_text: str) -> str | None:
     return found[-1].strip()
 
 
+
+def normalize_answer(text: str) -> str:
+    """An answer as compared: whitespace collapsed; integers compare by value ("007" == "7",
+    "1,000" == "1000")."""
+    s = " ".join(text.split())
+    try:
+        return str(int(s.replace(",", "")))
+    except ValueError:
+        return s
+
 # Hugging Face chat templates -------------------------------------------------------------------
 
 _LAST_NUMBER_RE = re.compile(r"-?\d[\d,]*")

@@ -547,7 +547,7 @@ def run_sft(
         trainer.close()
     finished = result.steps >= cfg.num_steps  # a run stopped early is evaluated when resumed
     if eval_problems and data_cfg.source == "arithmetic" and finished:
-        from hcjax.data.tasks import ArithmeticSuite
+        from hcjax.tasks.arithmetic import ArithmeticSuite
 
         problems = ArithmeticSuite().heldout()[:eval_problems]
         t = time.perf_counter()

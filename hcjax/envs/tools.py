@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hcjax.envs import sandbox
+from hcjax import sandbox
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)

@@ -12,7 +12,7 @@ import re
 import secrets
 from collections.abc import Sequence
 
-from hcjax.envs import sandbox
+from hcjax import sandbox
 from hcjax.rewards.types import Grade
 
 MAX_TESTS = 50

@@ -29,7 +29,7 @@ LENGTH_COMPONENT = {"mai": "len_mai", "kimi": "len_kimi", "shortest": "len_short
 
 
 class LengthSchedule(Protocol):
-    """What the spec needs from a length curriculum (`hcjax.rl.sampling.LengthCurriculum` fits;
+    """What the spec needs from a length curriculum (`hcjax.rl.curriculum.LengthCurriculum` fits;
     named structurally so that rewards does not import the rl layer above it)."""
 
     def max_length(self, step: int) -> int: ...

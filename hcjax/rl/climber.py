@@ -20,8 +20,8 @@ import numpy as np
 
 from hcjax.finite import check_finite
 from hcjax.rl.controller import Controller, ControllerConfig, StepReport
+from hcjax.rl.curriculum import EarlyExit, LengthCurriculum
 from hcjax.rl.entropy import TemperatureController
-from hcjax.rl.sampling import EarlyExit, LengthCurriculum
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
 from hcjax.rl.workers import (
     GroupResult,
@@ -43,11 +43,11 @@ class ClimbConfig:
     (ControllerConfig), problem source (SourceConfig), model (ModelConfig) and base pre-training
     (SFTConfig) have their own.
 
-    suite: the TaskSuite to climb (None: ArithmeticTasks(), the synthetic suite of the tiny
+    suite: the TaskSuite to climb (None: ArithmeticSuite(), the synthetic suite of the tiny
       default); rewards: per suite name, its group reward shaping (hcjax.rewards.spec.RewardSpec).
     max_minutes: stop climbing after this much wall time (None: run all num_steps).
     early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
-    max_tokens: response tokens per model turn; length_curriculum (hcjax.rl.sampling
+    max_tokens: response tokens per model turn; length_curriculum (hcjax.rl.curriculum
       .LengthCurriculum) replaces it by a growing budget per stage of learner steps.
     temperature: the sampling temperature (the start value when it is controlled).
     temperature_delta / temperature_range: δ and bounds of the sampling-temperature lever
@@ -118,9 +118,9 @@ class ClimbConfig:
                          tuple(self.full_window))
 
     def make_suite(self) -> Any:
-        from hcjax.tasks import ArithmeticTasks, check_suite
+        from hcjax.tasks import ArithmeticSuite, check_suite
 
-        suite = self.suite if self.suite is not None else ArithmeticTasks()
+        suite = self.suite if self.suite is not None else ArithmeticSuite()
         check_suite(suite, "ClimbConfig.suite")
         return suite
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from hcjax.data.template import messages_prompt_ids
 from hcjax.rewards.types import Grade
-from hcjax.rl.sampling import PRIORITY_RULES, PrioritizedSampler
+from hcjax.rl.curriculum import PRIORITY_RULES, PrioritizedSampler
 from hcjax.rl.workers import GroupResult, Task
 
 __all__ = ["PrioritizedSource", "SequentialSource", "SourceConfig", "TaskBuilder", "longest_prompt",
@@ -29,7 +29,7 @@ SAMPLERS = ("sequential", "prioritized")
 class SourceConfig:
     """How training problems are drawn.
 
-    sampler: "sequential" (index order) or "prioritized" (per category, hcjax.rl.sampling
+    sampler: "sequential" (index order) or "prioritized" (per category, hcjax.rl.curriculum
       .PrioritizedSampler with `rule`, `window` and `floor`).
     curriculum_fraction / curriculum_steps: Kimi's easy-to-hard curriculum over categories in
       the suite's order: the pool starts with that fraction of the categories and grows to all

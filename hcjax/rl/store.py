@@ -374,12 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = os.path.join(path, "rollouts")
     base: list[list[dict[str, str]]] = []
     if args.base_fraction > 0:
-        from hcjax.data.tasks import ArithmeticSuite
+        from hcjax.tasks.arithmetic import ArithmeticSuite  # keeps --help fast (no task suites)
 
         suite = ArithmeticSuite()
-        base = [[{"role": "user", "content": p.prompt},
-                 {"role": "assistant", "content": p.target()}]
-                for p in map(suite.train_problem, range(100_000, 105_000))]
+        base = [p.conversation() for p in map(suite.train_problem, range(100_000, 105_000))]
     n = write_distillation_set(
         path, args.out, base_conversations=base, base_fraction=args.base_fraction,
         seed=args.seed, successful_only=args.successful_only,

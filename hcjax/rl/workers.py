@@ -14,7 +14,7 @@ import numpy as np
 
 from hcjax.rewards.types import Grade
 from hcjax.rl.advantages import assign_advantages
-from hcjax.rl.sampling import EarlyExit
+from hcjax.rl.curriculum import EarlyExit
 from hcjax.rollout.records import Rollout
 from hcjax.rollout.request import GenerateRequest, SampledRollout
 

@@ -35,8 +35,12 @@ import gin
 import numpy as np
 
 from hcjax.data import tokenizer as T
-from hcjax.data.tasks import normalize_answer
-from hcjax.data.template import encode_content, messages_prompt_ids, parse_answer
+from hcjax.data.template import (
+    encode_content,
+    messages_prompt_ids,
+    normalize_answer,
+    parse_answer,
+)
 from hcjax.envs import react
 from hcjax.envs.tools import (
     CALL_CLOSE,

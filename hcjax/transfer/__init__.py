@@ -1,7 +1,6 @@
 """Weight transfer by reshard plans: learner layout -> inference layout, in-process and across
 processes; the package sees pytrees of arrays and shardings, never a model."""
 
-from hcjax.transfer.expand import ExpandedPlan, assign_replicas, data_parallel_groups, expand_plan
 from hcjax.transfer.local import ExecutionResult, TransferError, execute_entries
 from hcjax.transfer.plan import (
     PlanError,
@@ -17,33 +16,24 @@ from hcjax.transfer.remote import (
     TransferBackend,
     UntrustedPeer,
 )
-from hcjax.transfer.transforms import Cast, Reshape, Split, Stack, Transpose, Unstack
+from hcjax.transfer.transforms import Cast
 from hcjax.transfer.versioned import TransferFailed, VersionedWeights
 
 __all__ = [
     "Cast",
     "ExecutionResult",
-    "ExpandedPlan",
     "JaxTransferBackend",
     "PlanError",
     "PlanReceiver",
     "PlanSender",
-    "Reshape",
-    "Split",
-    "Stack",
     "TransferBackend",
     "TransferEntry",
     "TransferError",
     "TransferFailed",
     "TransferPlan",
-    "Transpose",
-    "Unstack",
     "UntrustedPeer",
     "VersionedWeights",
     "assign_processes",
-    "assign_replicas",
-    "data_parallel_groups",
     "execute_entries",
-    "expand_plan",
     "make_plan",
 ]

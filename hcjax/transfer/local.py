@@ -28,7 +28,7 @@ from hcjax.transfer.plan import (
     path_str,
     shard_boxes,
 )
-from hcjax.transfer.transforms import Permute, Route, Window
+from hcjax.transfer.transforms import Route
 
 
 class TransferError(RuntimeError):
@@ -114,30 +114,16 @@ def slice_source(entry: TransferEntry, route: Route, data: jax.Array, shard_box)
     return _taker(sizes, tuple(src_casts))(data, tuple(np.int32(i) for i in starts))
 
 
-def finish_steps(entry: TransferEntry, route: Route) -> tuple[tuple[str, Any], ...]:
-    """Receiver-side work on a piece: index ops (bytes-neutral, so kept off the sender, whose
-    devices are fewer) and widening casts, as hashable (kind, argument) steps."""
-    box = _to_box(entry.src_index, route.src_shape)
-    steps: list[tuple[str, Any]] = []
-    for op in route.ops:
-        box = op.forward(box)
-        if isinstance(op, Permute):
-            steps.append(("transpose", op.perm))
-        elif not isinstance(op, Window):  # select / insert / reshape only change the shape
-            steps.append(("reshape", tuple(hi - lo for lo, hi in box)))
+def finish_steps(route: Route) -> tuple[tuple[str, Any], ...]:
+    """Receiver-side work on a piece: the widening casts (the narrowing ones ran on the sender),
+    as hashable ("cast", dtype name) steps."""
     _, dst_casts = route.split_casts()
-    steps += [("cast", np.dtype(d).name) for d in dst_casts]
-    return tuple(steps)
+    return tuple(("cast", np.dtype(d).name) for d in dst_casts)
 
 
 def _finish(piece: jax.Array, steps: tuple[tuple[str, Any], ...]) -> jax.Array:
-    for kind, arg in steps:
-        if kind == "transpose":
-            piece = piece.transpose(arg)
-        elif kind == "reshape":
-            piece = piece.reshape(arg)
-        else:
-            piece = piece.astype(arg)
+    for _, dtype in steps:
+        piece = piece.astype(dtype)
     return piece
 
 
@@ -194,7 +180,7 @@ def assemble_shard(
 ) -> jax.Array:
     """One destination shard from its pieces (all already on its device), in one dispatch."""
     shape = tuple(hi - lo for lo, hi in shard_box)
-    steps = tuple(finish_steps(e, plan.routes[(e.src_leaf, e.dst_leaf)]) for e in entries)
+    steps = tuple(finish_steps(plan.routes[(e.src_leaf, e.dst_leaf)]) for e in entries)
     if len(entries) == 1 and entries[0].shape == shape and not steps[0]:
         return pieces[0]  # one piece is the whole shard, nothing to do on arrival
     offsets = tuple(
@@ -390,7 +376,7 @@ def _plan_chunk(
     assembled: list[tuple[_Shard, tuple[int, ...], Any]] = []
     ready: list[tuple[_Shard, int]] = []
     for shard in shards:
-        steps = tuple(finish_steps(e, plan.routes[(e.src_leaf, e.dst_leaf)]) for e in shard.entries)
+        steps = tuple(finish_steps(plan.routes[(e.src_leaf, e.dst_leaf)]) for e in shard.entries)
         if any(where[id(e)][1] >= 0 for e in shard.entries):
             by_device[shard.dst_id].append(shard)
         elif len(shard.entries) == 1 and shard.entries[0].shape == shard.shape and not steps[0]:
@@ -415,7 +401,7 @@ def _plan_chunk(
                     inputs_of.setdefault(index, len(inputs_of)),
                     start,
                     tuple(s.stop - s.start for s in e.src_index),
-                    finish_steps(e, plan.routes[(e.src_leaf, e.dst_leaf)]),
+                    finish_steps(plan.routes[(e.src_leaf, e.dst_leaf)]),
                     tuple(s.start - lo for s, (lo, _) in zip(e.dst_index, shard.box, strict=True)),
                 ))
             dtype = plan.dst_leaves[shard.path].dtype

@@ -18,11 +18,7 @@ import numpy as np
 from hcjax.transfer.transforms import (
     TRANSFORM_TYPES,
     Box,
-    BoxError,
-    Cast,
-    Insert,
     Route,
-    Stack,
     Transform,
     apply_to_array,
     box_volume,
@@ -172,70 +168,21 @@ def _chain_for(path: str, rules: TransformRules, used: set[str]) -> tuple[Transf
     return ()
 
 
-def _routes_for_leaf(path: str, spec: LeafSpec, chain: tuple[Transform, ...]) -> list[Route]:
-    # Stack learns the number of layers only once every leaf is routed, so nothing that needs
-    # the stacked shape may follow it.
-    for i, transform in enumerate(chain):
-        if isinstance(transform, Stack) and any(not isinstance(t, Cast) for t in chain[i + 1 :]):
-            raise ValueError(
-                f"{path}: Stack must be the last index transform of its chain (casts may follow)"
-            )
-    routes = [Route(path, path, spec.shape, spec.shape, spec.dtype)]
+def _route_for_leaf(path: str, spec: LeafSpec, chain: tuple[Transform, ...]) -> Route:
+    route = Route(path, path, spec.shape, spec.dtype)
     for transform in chain:
-        routes = [out for route in routes for out in transform(route)]
-    return routes
-
-
-def _finish_stacks(routes: list[Route], problems: list[str]) -> list[Route]:
-    """Give each stacked route its Insert op once the number of layers is known."""
-    groups: dict[str, list[Route]] = defaultdict(list)
-    done = []
-    for route in routes:
-        (groups[route.path] if route.stack_group else done).append(route)
-    for path, members in groups.items():
-        indices = sorted(r.stack_group[1] for r in members)
-        if indices != list(range(len(members))):
-            problems.append(
-                f"stacked leaf {path!r}: layer indices {indices} are not 0..{len(members) - 1}"
-            )
-            continue
-        kinds = {(r.shape, r.src_dtype, r.casts, r.stack_group[0]) for r in members}
-        if len(kinds) != 1:
-            problems.append(
-                f"stacked leaf {path!r}: layers differ in shape/dtype/axis: {sorted(map(str, kinds))}"
-            )
-            continue
-        for route in members:
-            axis, index = route.stack_group
-            op = Insert(axis, index, len(members))
-            done.append(
-                dataclasses.replace(route, shape=op.shape(route.shape), ops=route.ops + (op,))
-            )
-    return done
-
-
-def _forward(route: Route, box: Box) -> Box | None:
-    for op in route.ops:
-        box = op.forward(box)
-        if box is None:
-            return None
-    return box
-
-
-def _backward(route: Route, box: Box) -> Box:
-    for op in reversed(route.ops):
-        box = op.backward(box)
-    return box
+        route = transform(route)
+    return route
 
 
 def _match_destination(
-    by_dst: dict[str, list[Route]], dst_raw: dict[str, Any], problems: list[str]
+    by_dst: dict[str, Route], dst_raw: dict[str, Any], problems: list[str]
 ) -> dict[str, LeafSpec]:
     """Destination specs for the leaves both sides have; shape/dtype/sharding mismatches go to
     `problems`."""
     dst_leaves: dict[str, LeafSpec] = {}
     for path in sorted(set(by_dst) & set(dst_raw)):
-        route = by_dst[path][0]
+        route = by_dst[path]
         leaf = dst_raw[path]
         sharding = leaf if isinstance(leaf, jax.sharding.Sharding) else leaf.sharding
         if not isinstance(leaf, jax.sharding.Sharding):
@@ -266,8 +213,8 @@ def make_plan(
     """Compile the movement of `source` (arrays or ShapeDtypeStructs with shardings) into
     `destination` (a pytree of Shardings, or ShapeDtypeStructs whose shape/dtype are checked).
 
-    `transforms` maps glob patterns over source leaf paths ('layers/*/attn/qkv') to a transform
-    or a chain of them; the first matching pattern applies. `process_of(device) -> int` overrides
+    `transforms` maps glob patterns over source leaf paths ('layers/*/attn/*') to a `Cast` or a
+    chain of them; the first matching pattern applies. `process_of(device) -> int` overrides
     `device.process_index` (for processes that do not share one JAX runtime).
     """
     process_of = process_of or (lambda d: d.process_index)
@@ -276,10 +223,10 @@ def make_plan(
     problems += dst_problems
 
     used: set[str] = set()
-    routes: list[Route] = []
+    by_dst: dict[str, Route] = {}
     for path, spec in src_leaves.items():
         try:
-            routes += _routes_for_leaf(path, spec, _chain_for(path, transforms, used))
+            by_dst[path] = _route_for_leaf(path, spec, _chain_for(path, transforms, used))
         except ValueError as err:
             problems.append(str(err))
     problems += [
@@ -287,16 +234,6 @@ def make_plan(
         for p in (transforms or {})
         if p not in used
     ]
-    routes = _finish_stacks(routes, problems)
-
-    by_dst: dict[str, list[Route]] = defaultdict(list)
-    for route in routes:
-        by_dst[route.path].append(route)
-    for path, members in by_dst.items():
-        if len(members) > 1 and not all(r.ops and isinstance(r.ops[-1], Insert) for r in members):
-            problems.append(
-                f"destination leaf {path!r} is produced by several source leaves: {[r.src_path for r in members]}"
-            )
     missing = sorted(set(by_dst) - set(dst_raw))
     extra = sorted(set(dst_raw) - set(by_dst))
     if missing:
@@ -312,16 +249,11 @@ def make_plan(
 
     entries: list[TransferEntry] = []
     for path, dst in dst_leaves.items():
-        try:
-            entries += _entries_for_leaf(path, by_dst[path], src_leaves, dst, process_of)
-        except BoxError as err:
-            problems.append(f"{path}: {err}")
-    if problems:
-        raise PlanError(problems)
+        entries += _entries_for_leaf(by_dst[path], src_leaves, dst, process_of)
 
     plan = TransferPlan(
         entries=tuple(entries),
-        routes={(r.src_path, r.path): r for r in routes},
+        routes={(r.src_path, r.path): r for r in by_dst.values()},
         src_leaves=src_leaves,
         dst_leaves=dst_leaves,
         dst_paths=[path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(destination)[0]],
@@ -332,55 +264,53 @@ def make_plan(
 
 
 def _entries_for_leaf(
-    path: str,
-    routes: list[Route],
+    route: Route,
     src_leaves: dict[str, LeafSpec],
     dst: LeafSpec,
     process_of: Callable[[Any], int],
 ) -> list[TransferEntry]:
+    """One entry per overlap of a source shard and a destination shard (both index the same
+    elements: a route keeps the shape)."""
     entries = []
     dst_boxes = shard_boxes(dst.sharding, dst.shape)
     # Spread reads over source replicas: after locality, pick the least-loaded replica.
     load: dict[int, int] = defaultdict(int)
-    for route in routes:
-        src = src_leaves[route.src_path]
-        replicas: dict[Box, list[Any]] = defaultdict(list)
-        for device, box in shard_boxes(src.sharding, src.shape).items():
-            replicas[box].append(device)
-        images = [(box, _forward(route, box), devices) for box, devices in replicas.items()]
-        itemsize = route.wire_dtype.itemsize
-        for dst_device in sorted(dst_boxes, key=lambda d: d.id):
-            for _, image, devices in images:
-                overlap = None if image is None else intersect_boxes(image, dst_boxes[dst_device])
-                if overlap is None:
-                    continue
-                src_box = _backward(route, overlap)
-                device = min(
-                    devices,
-                    key=lambda d: (
-                        d.id != dst_device.id,
-                        process_of(d) != process_of(dst_device),
-                        load[d.id],
-                        d.id,
-                    ),
+    src = src_leaves[route.src_path]
+    replicas: dict[Box, list[Any]] = defaultdict(list)
+    for device, box in shard_boxes(src.sharding, src.shape).items():
+        replicas[box].append(device)
+    itemsize = route.wire_dtype.itemsize
+    for dst_device in sorted(dst_boxes, key=lambda d: d.id):
+        for box, devices in replicas.items():
+            overlap = intersect_boxes(box, dst_boxes[dst_device])
+            if overlap is None:
+                continue
+            device = min(
+                devices,
+                key=lambda d: (
+                    d.id != dst_device.id,
+                    process_of(d) != process_of(dst_device),
+                    load[d.id],
+                    d.id,
+                ),
+            )
+            nbytes = box_volume(overlap) * itemsize
+            load[device.id] += nbytes
+            entries.append(
+                TransferEntry(
+                    src_leaf=route.src_path,
+                    dst_leaf=route.path,
+                    src_device=device.id,
+                    src_process=process_of(device),
+                    dst_device=dst_device.id,
+                    dst_process=process_of(dst_device),
+                    src_index=_to_slices(overlap),
+                    dst_index=_to_slices(overlap),
+                    transform=route.describe(),
+                    wire_dtype=route.wire_dtype.name,
+                    nbytes=nbytes,
                 )
-                nbytes = box_volume(overlap) * itemsize
-                load[device.id] += nbytes
-                entries.append(
-                    TransferEntry(
-                        src_leaf=route.src_path,
-                        dst_leaf=path,
-                        src_device=device.id,
-                        src_process=process_of(device),
-                        dst_device=dst_device.id,
-                        dst_process=process_of(dst_device),
-                        src_index=_to_slices(src_box),
-                        dst_index=_to_slices(overlap),
-                        transform=route.describe(),
-                        wire_dtype=route.wire_dtype.name,
-                        nbytes=nbytes,
-                    )
-                )
+            )
     return entries
 
 
@@ -501,10 +431,10 @@ class TransferPlan:
                     f"entry reads {entry.src_leaf!r} on device {entry.src_device}, which holds no shard of it"
                 )
                 continue
-            src_box = _to_box(entry.src_index, route.src_shape)
+            src_box = _to_box(entry.src_index, route.shape)
             if intersect_boxes(src_box, held) != src_box:
                 problems.append(f"entry {entry}: source box {src_box} is outside shard {held}")
-            if _forward(route, src_box) != _to_box(entry.dst_index, route.shape):
+            if src_box != _to_box(entry.dst_index, route.shape):
                 problems.append(f"entry {entry}: source and destination boxes do not correspond")
         if problems:
             raise PlanError(problems)
@@ -516,18 +446,7 @@ class TransferPlan:
         arrays = {path_str(k): np.asarray(v) for k, v in flat}
         out: dict[str, np.ndarray] = {}
         for (src_path, dst_path), route in self.routes.items():
-            dst = self.dst_leaves[dst_path]
-            if route.ops and isinstance(route.ops[-1], Insert):
-                insert = route.ops[-1]
-                layer = apply_to_array(
-                    dataclasses.replace(route, ops=route.ops[:-1]), arrays[src_path]
-                )
-                buf = out.setdefault(dst_path, np.empty(dst.shape, dst.dtype))
-                index = [slice(None)] * len(dst.shape)
-                index[insert.axis] = insert.index
-                buf[tuple(index)] = layer
-            else:
-                out[dst_path] = apply_to_array(route, arrays[src_path])
+            out[dst_path] = apply_to_array(route, arrays[src_path])
         return out
 
     def unflatten(self, leaves: Mapping[str, Any]) -> Any:

@@ -1,4 +1,4 @@
-"""Problem sampling: early exit (exact binomial probabilities vs simulation), the length
+"""The problem curriculum (hcjax.rl.curriculum): early exit (exact binomial probabilities vs simulation), the length
 curriculum, Kimi prioritised/curriculum sampling, and the Rufus learnability band."""
 
 import math
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hcjax.rl import sampling
+from hcjax.rl import curriculum
 
 
 def binom_pmf(k, n, p):
@@ -14,12 +14,12 @@ def binom_pmf(k, n, p):
 
 
 def test_early_exit_windows_are_inclusive():
-    ee = sampling.EarlyExit()
+    ee = curriculum.EarlyExit()
     assert not ee.continue_after_early([False] * 16)          # 0/16 < 0.05
     assert ee.continue_after_early([True] + [False] * 15)     # 1/16 = 0.0625
     assert ee.continue_after_early([True] * 12 + [False] * 4)  # 0.75
     assert not ee.continue_after_early([True] * 13 + [False] * 3)  # 0.8125 > 0.8
-    ee_small = sampling.EarlyExit(g_early=5, g=10)
+    ee_small = curriculum.EarlyExit(g_early=5, g=10)
     assert ee_small.continue_after_early([True] * 4 + [False])  # exactly 0.8 is kept
     assert ee_small.keep_after_full([True] + [False] * 9)       # exactly 0.1 is kept
     assert not ee_small.keep_after_full([False] * 10)
@@ -32,13 +32,13 @@ def test_early_exit_run_saves_rollouts_on_dropped_problems():
         drawn.append(n)
         return [False] * n
 
-    kept, results = sampling.EarlyExit().run(sample)
+    kept, results = curriculum.EarlyExit().run(sample)
     assert (kept, len(results), drawn) == (False, 16, [16])
 
 
 @pytest.mark.parametrize("p", [0.02, 0.3, 0.75])
 def test_early_exit_statistics_match_the_binomial(p):
-    ee = sampling.EarlyExit()
+    ee = curriculum.EarlyExit()
     rng = random.Random(0)
     trials = 2000
     early_kept = full_kept = rollouts = 0
@@ -60,21 +60,21 @@ def test_early_exit_statistics_match_the_binomial(p):
 
 
 def test_length_curriculum():
-    lc = sampling.LengthCurriculum(stage_steps=(10, 20, 30, 40))
+    lc = curriculum.LengthCurriculum(stage_steps=(10, 20, 30, 40))
     assert lc.lengths() == [8192, 16384, 32768, 65536, 131072]
     assert [lc.max_length(s) for s in (0, 9, 10, 29, 30, 59, 60, 99, 100, 10**6)] == [
         8192, 8192, 16384, 16384, 32768, 32768, 65536, 65536, 131072, 131072]
     assert lc.length_penalty_weight(99) == 0.25 and lc.length_penalty_weight(100) == 0.0
-    small = sampling.LengthCurriculum(stage_steps=(5,), start=256, end=512)
+    small = curriculum.LengthCurriculum(stage_steps=(5,), start=256, end=512)
     assert [small.max_length(s) for s in (4, 5)] == [256, 512]
     with pytest.raises(ValueError, match="start=1000 is not a power of two"):
-        sampling.LengthCurriculum(start=1000)
+        curriculum.LengthCurriculum(start=1000)
     with pytest.raises(ValueError, match="needs 4 positive entries"):
-        sampling.LengthCurriculum(stage_steps=(1, 2))
+        curriculum.LengthCurriculum(stage_steps=(1, 2))
 
 
 def test_prioritized_sampling_is_proportional_to_failure_rate():
-    sampler = sampling.PrioritizedSampler({"a": 1, "b": 2, "c": 3, "d": 4}, seed=1)
+    sampler = curriculum.PrioritizedSampler({"a": 1, "b": 2, "c": 3, "d": 4}, seed=1)
     sampler.update("a", [True] * 9 + [False])   # success 0.9 -> weight 0.1
     sampler.update("b", [True, False])          # 0.5 -> 0.5
     sampler.update("c", [True] * 4)             # 1.0 -> 0
@@ -84,14 +84,14 @@ def test_prioritized_sampling_is_proportional_to_failure_rate():
     draws = sampler.sample(16000)
     for k, p in probs.items():
         assert abs(draws.count(k) / 16000 - p) < 4 * math.sqrt(p * (1 - p) / 16000) + 1e-9
-    solved = sampling.PrioritizedSampler({"x": 0, "y": 1})
+    solved = curriculum.PrioritizedSampler({"x": 0, "y": 1})
     solved.update("x", [True])
     solved.update("y", [True])
     assert solved.probabilities() == {"x": 0.5, "y": 0.5}
 
 
 def test_curriculum_pool_grows_easy_to_hard():
-    sampler = sampling.PrioritizedSampler({f"p{i}": i for i in range(10)}, initial_fraction=0.3)
+    sampler = curriculum.PrioritizedSampler({f"p{i}": i for i in range(10)}, initial_fraction=0.3)
     assert sampler.pool(0.0) == ["p0", "p1", "p2"]
     assert sampler.pool(0.5) == [f"p{i}" for i in range(7)]  # ceil(0.65 * 10)
     assert sampler.pool(1.0) == [f"p{i}" for i in range(10)]
@@ -101,7 +101,7 @@ def test_curriculum_pool_grows_easy_to_hard():
 
 
 def test_learnability_band():
-    band = sampling.LearnabilityBand()
+    band = curriculum.LearnabilityBand()
     assert not band.keep([0, 0, 0, 0])      # mean 0 excluded
     assert band.keep([1, 0, 0, 0])
     assert band.keep([1, 1, 1, 1, 0])       # exactly 0.8 kept
@@ -109,7 +109,7 @@ def test_learnability_band():
 
 
 def test_learnability_select_over_an_oversampled_pool():
-    band = sampling.LearnabilityBand(oversample=3.0)
+    band = curriculum.LearnabilityBand(oversample=3.0)
     rng = random.Random(0)
     p = 0.9  # G=8: keep iff 1 <= k <= 6 of 8
     p_keep = sum(binom_pmf(k, 8, p) for k in range(1, 7))

@@ -1,6 +1,7 @@
 """Which problems to roll out, and how long rollouts may be: MAI early-exit sampling and length
 curriculum (RECIPE §3), Kimi curriculum and prioritised sampling (§5), Rufus learnability band
-over an over-sampled pool (§6).  Pure Python, no JAX: these run on problem workers."""
+over an over-sampled pool (§6).  Pure Python, no JAX: these run on problem workers.  (Token
+sampling, temperature and top-p, is hcjax.rollout.sampling.)"""
 
 from __future__ import annotations
 

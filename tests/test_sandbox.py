@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from hcjax.envs import sandbox
+from hcjax import sandbox
 
 SMALL = sandbox.Limits(max_procs=16, max_output_bytes=64 * 1024)
 UNPRIVILEGED_RUN = "HCJAX_SANDBOX_UNPRIVILEGED_RUN"  # set in the rerun as an unprivileged user
@@ -338,7 +338,7 @@ def _rerun_as(setpriv: str, uid: int, gid: int, home: str) -> None:
     for python in (sys.executable, shutil.which("python3", path=sandbox.SANDBOX_PATH)):
         if python is None:
             continue
-        probe = subprocess.run([*as_user, python, "-c", "import hcjax.envs.sandbox, pytest"],
+        probe = subprocess.run([*as_user, python, "-c", "import hcjax.sandbox, pytest"],
                                cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         if probe.returncode == 0:
             break

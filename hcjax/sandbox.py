@@ -8,7 +8,8 @@ read-only, then forks the program as a per-run uid with `no_new_privs` and rlimi
 address space, processes, file size, open files).  The init is PID 1, so when it exits the
 kernel kills everything the program left behind; the parent also kills the whole process group
 at the wall-clock deadline or when output exceeds its cap.  Disk usage inside the work directory
-is bounded per file (RLIMIT_FSIZE), not in total.  Must not import JAX.
+is bounded per file (RLIMIT_FSIZE), not in total.  A leaf: the code reward (hcjax.rewards.code),
+the tools (hcjax.envs.tools) and the sandbox bench use it; it imports no hcjax module and no JAX.
 
 Root is not needed.  As root the program gets a fresh host uid with `setuid`.  Otherwise the
 namespaces live in a user namespace owned by the caller (`unshare --map-root-user`): the init is
