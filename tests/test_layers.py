@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS = {
     "pallas_kernels": 0, "hcjax.sharding": 0, "hcjax.model": 1, "hcjax.data": 1,
     "hcjax.rollout": 2, "hcjax.transfer": 2, "hcjax.rewards": 2, "hcjax.envs": 2,
-    "hcjax.tasks": 3, "hcjax.rl": 4, "hcjax.distill": 4,
+    "hcjax.tasks": 3, "hcjax.train": 3, "hcjax.rl": 4, "hcjax.distill": 4,
     "hcjax.climb": 5, "hcjax.serve": 5, "hcjax.sft": 5, "hcjax.convert": 5, "hcjax.plan": 5,
     "hcjax.consolidate": 5, "hcjax.long2short": 5, "hcjax.ray_placement": 5,
     "hcjax.bench": 6,
