@@ -547,10 +547,11 @@ def _causal_mean_ctx(seq: int, window: int) -> tuple[float, float]:
 
 def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
     from hcjax.rl.batch import BATCH_AXES, LearnerBatch
-    from hcjax.rl.learner import LearnerState, make_optimizer, make_train_step
+    from hcjax.rl.learner import LearnerState, make_learner_step
+    from hcjax.train.step import make_optimizer
 
     graphdef, params, _ = _abstract_params(model_cfg, mesh)
-    tx = make_optimizer(learner_cfg)
+    tx = make_optimizer(learner_cfg.optimizer())
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shardings = optax.tree_map_params(
         tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
@@ -586,7 +587,7 @@ def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
         advantages=tok(jnp.float32), n_kept=tok(jnp.int32), temperature=tok(jnp.float32),
         routing=routing, num_tokens=scalar(jnp.float32), num_sequences=scalar(jnp.float32),
     )
-    step = make_train_step(graphdef, learner_cfg, model_cfg)
+    step = make_learner_step(graphdef, learner_cfg, model_cfg)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     fn = jax.jit(step, donate_argnums=0, out_shardings=(state_shardings, replicated))
     return fn, (state, batch), params

@@ -17,7 +17,7 @@ from flax import nnx
 
 from hcjax.model import ModelConfig
 from hcjax.profiling import trace_files
-from hcjax.rl.climber import ClimbConfig, load_base_model
+from hcjax.rl.climber import load_base_model
 from hcjax.rl.store import main as store_main
 from hcjax.rl.store import read_groups
 from hcjax.sharding import MeshConfig, make_mesh
@@ -128,8 +128,8 @@ def test_climb_resumes_from_its_checkpoint(first_run):
 
 
 # The kill/restart climb also runs the sampling-temperature lever, whose state must survive it.
-TEMPERATURE = ("--gin_param", "ClimbConfig.temperature_delta = 0.05",
-               "--gin_param", "ClimbConfig.temperature_range = (0.6, 1.6)")
+TEMPERATURE = ("--gin_param", "EntropyController.temperature_delta = 0.05",
+               "--gin_param", "EntropyController.temperature_range = (0.6, 1.6)")
 
 
 @pytest.mark.slow
@@ -183,17 +183,6 @@ def test_kill_and_restart_loses_no_accepted_group(first_run, tmp_path):
     # Rollouts record the temperature they were sampled at, and the learner scored them with it.
     sampled = {round(r.temperature, 6) for g in accepted for r in g.rollouts}
     assert len(sampled) > 1 and sampled <= logged
-
-
-def test_climb_config_rejects_bad_temperature_settings():
-    with pytest.raises(ValueError, match="temperature_delta=-0.1"):
-        ClimbConfig(temperature_delta=-0.1)
-    with pytest.raises(ValueError, match="temperature=2.5 must lie in"):
-        ClimbConfig(temperature=2.5, temperature_delta=0.01, temperature_range=(0.5, 2.0))
-    with pytest.raises(ValueError, match="temperature_range=.0.5,. must be"):
-        ClimbConfig(temperature_range=(0.5,))
-    # δ = 0 (the default) keeps the given temperature, whatever the range.
-    assert ClimbConfig(temperature=3.0).temperature == 3.0
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ LAYERS = {
     "pallas_kernels": 0, "hcjax.sharding": 0, "hcjax.model": 1, "hcjax.data": 1,
     "hcjax.sandbox": 1,
     "hcjax.rollout": 2, "hcjax.transfer": 2, "hcjax.rewards": 2, "hcjax.envs": 2,
-    "hcjax.tasks": 3, "hcjax.rl": 4, "hcjax.distill": 4,
+    "hcjax.tasks": 3, "hcjax.train": 3, "hcjax.rl": 4, "hcjax.distill": 4,
     # The SFT input pipeline turns task suites' reference responses into packed batches: it
     # reads hcjax.tasks, and only the trainers above read it.
     "hcjax.data.pipeline": 4,

@@ -254,6 +254,11 @@ def test_single_process_distributed_learner_is_the_learner():
         np.testing.assert_array_equal(x, want_params[name], err_msg=name)
     with pytest.raises(TypeError, match="host"):
         dist.step(learner.make_batch(_rollouts(1)))
+    # The controller's step, as Learner.train: bucketed rows packed on the host, then `step`.
+    assert dist.train([]) == {"skipped": 1.0}
+    metrics = dist.train(_rollouts(1))
+    assert metrics["rows"] == learner.pack_bucketed(_rollouts(1)).rows
+    assert metrics["train_rollouts"] == 14 and np.isfinite(metrics["loss"])
     dist.stop()
     with pytest.raises(RuntimeError, match="after stop"):
         dist.host_params()

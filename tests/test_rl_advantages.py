@@ -1,11 +1,9 @@
-"""Group advantages (mean/std, mean-only), aborted rollouts, zero-variance groups; entropy control
-(the recipe's clip offset k and the optional sampling-temperature lever)."""
+"""Group advantages (mean/std, mean-only), aborted rollouts, zero-variance groups."""
 
 import numpy as np
 import pytest
 
 from hcjax.rl.advantages import assign_advantages, group_advantages, mean_only_advantages
-from hcjax.rl.entropy import EntropyController, TemperatureController, update_k
 from hcjax.rollout.records import Rollout
 
 
@@ -57,42 +55,3 @@ def test_assign_advantages_on_records():
         assign_advantages([_rollout("p", None)])
     with pytest.raises(ValueError, match="estimator 'median'"):
         assign_advantages(rs, "median")
-
-
-def test_entropy_controller_trajectory():
-    c = EntropyController(target=0.3, delta=0.25, k_max=0.6)
-    entropies = [0.1, 0.2, 0.25, 0.1, 0.5, 0.3, 0.9, 0.9, 0.9, 0.2]
-    ks = [c.update(h) for h in entropies]
-    # below target: +δ (capped at k_max=0.6); at target: unchanged; above: -δ (floored at 0).
-    np.testing.assert_allclose(ks, [0.25, 0.5, 0.6, 0.6, 0.35, 0.35, 0.1, 0.0, 0.0, 0.25], atol=1e-6)
-    state = c.state_dict()
-    c2 = EntropyController(target=0.3, delta=0.25, k_max=0.6)
-    c2.load_state_dict(state)
-    assert c2.k == c.k
-    np.testing.assert_allclose(update_k(0.0, 0.1, target=0.3, delta=0.25, k_max=2.5), 0.25)
-    with pytest.raises(ValueError, match="k=3.0"):
-        c2.load_state_dict({"k": 3.0})
-    with pytest.raises(ValueError, match="entropy=nan"):
-        c2.update(float("nan"))
-
-
-def test_temperature_controller_trajectory():
-    c = TemperatureController(target=0.2, delta=0.1, low=0.8, high=1.2, temperature=1.0)
-    entropies = [0.1, 0.1, 0.1, 0.2, 0.3, 0.3, 0.3, 0.3, 0.3, 0.1]
-    ts = [c.update(h) for h in entropies]
-    # below target: hotter by δ (capped at 1.2); at target: unchanged; above: cooler (floor 0.8).
-    np.testing.assert_allclose(ts, [1.1, 1.2, 1.2, 1.2, 1.1, 1.0, 0.9, 0.8, 0.8, 0.9], atol=1e-9)
-    c2 = TemperatureController(target=0.2, delta=0.1, low=0.8, high=1.2)
-    c2.load_state_dict(c.state_dict())
-    assert c2.temperature == c.temperature and c2.active
-    assert not TemperatureController(target=0.2).active  # δ = 0: a fixed temperature
-    with pytest.raises(ValueError, match="temperature=1.5"):
-        c2.load_state_dict({"temperature": 1.5})
-    with pytest.raises(ValueError, match="entropy=inf"):
-        c2.update(float("inf"))
-    with pytest.raises(ValueError, match="temperature=2.0 is outside"):
-        TemperatureController(target=0.2, delta=0.1, low=0.8, high=1.2, temperature=2.0)
-    with pytest.raises(ValueError, match="delta=-0.1"):
-        TemperatureController(target=0.2, delta=-0.1)
-    with pytest.raises(ValueError, match="target=0"):
-        TemperatureController(target=0.0)

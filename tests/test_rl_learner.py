@@ -11,8 +11,8 @@ from flax import nnx
 
 from hcjax.model import ModelConfig, Transformer, load_balance_loss_from_stats
 from hcjax.rl.advantages import assign_advantages
-from hcjax.rl.batch import pack_rollouts, to_device
-from hcjax.rl.entropy import EntropyController, update_k
+from hcjax.rl.batch import bucket_rows, pack_rollouts, to_device, usable_rollouts
+from hcjax.rl.entropy import EntropyController
 from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.losses import LossConfig
 from hcjax.rollout.records import Rollout
@@ -160,8 +160,7 @@ def test_train_step_improves_positive_sequences_and_updates_k(model, sampled):
         m = learner.step(batch)
         ks.append(m["k"])
         assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
-        np.testing.assert_allclose(
-            m["k_next"], update_k(m["k"], m["entropy"], target=5.0, delta=0.25, k_max=0.5))
+        np.testing.assert_allclose(m["k_next"], cfg.entropy.next_k(m["k"], m["entropy"]))
     # Ĥ of this tiny model is below the 5.0 target: k climbs by δ and saturates at k_max.
     assert ks == [0.0, 0.25, 0.5]
     assert int(learner.state.step) == 3 and float(learner.state.entropy["k"]) == 0.5
@@ -173,6 +172,29 @@ def test_train_step_improves_positive_sequences_and_updates_k(model, sampled):
     leaves, treedef = jax.tree.flatten(learner.state)
     restored = jax.tree.unflatten(treedef, leaves)
     assert dataclasses.is_dataclass(restored) and float(restored.entropy["k"]) == 0.5
+
+
+def test_train_is_the_controllers_step_on_bucketed_rows(model):
+    """`Learner.train(rollouts)` (the controller's Learner): the usable rollouts packed on the
+    host with rows padded to `bucket_rows`, then `step`; nothing usable, no step."""
+    mesh = make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    learner = Learner(model, LearnerConfig(seq_len=16, micro_batches=2), mesh)
+    rollouts = _random_rollouts(14, seed=2)
+    rollouts[0] = dataclasses.replace(rollouts[0], finish_reason="aborted")
+    usable = usable_rollouts(rollouts)
+    rows = pack_rollouts(usable, seq_len=16, with_routing=False).tokens.shape[1]
+    batch = learner.pack_bucketed(rollouts)
+    assert isinstance(batch.tokens, np.ndarray) and batch.micro_batches == 2
+    assert batch.rows == bucket_rows(rows, 2) > rows  # padded to the bucket: 6 rows -> 8
+    start = jax.tree.map(jnp.copy, learner.state)
+    got = learner.train(rollouts)
+    assert (got.pop("rows"), got.pop("train_rollouts")) == (batch.rows, len(usable))
+    learner.state = start
+    assert learner.step(batch) == got  # a host batch is placed on the mesh by `step`
+    assert learner._step._cache_size() == 1
+    assert learner.train([dataclasses.replace(r, finish_reason="aborted") for r in rollouts]) \
+        == {"skipped": 1.0}
+    assert int(learner.state.step) == 1
 
 
 def test_batch_layout_and_errors(sampled):
@@ -256,8 +278,6 @@ def test_bench_model_flops_hand_count():
 
 
 def test_bucket_rows_pads_to_four_sizes_per_doubling_above_8_rows_and_the_step():
-    from hcjax.rl.batch import bucket_rows
-
     assert [bucket_rows(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert [bucket_rows(n) for n in (9, 10, 11, 13, 15, 16)] == [10, 10, 12, 14, 16, 16]
     assert [bucket_rows(n) for n in (17, 21, 29, 33)] == [20, 24, 32, 40]

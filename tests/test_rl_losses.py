@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hcjax.rl.losses import LOSSES, LossConfig, combine_metrics, grpo_loss, gspo_loss, kimi_loss
+from hcjax.rl.losses import LOSSES, LossConfig, grpo_loss, gspo_loss, kimi_loss
+from hcjax.train.step import combine_metrics
 
 # GRPO hand case: eps=0.5 -> lo=0.5; k=0.5 -> hi=1/(1-0.5)+0.5=2.5; r_max=4.
 RATIOS = [1.2, 3.0, 0.25, 0.25, 3.0, 6.0, 6.0, 1.7]
@@ -176,7 +177,7 @@ def test_loss_is_additive_over_batch_parts(name):
     parts = [fn(logp[s], old[s], adv[s], mask[s], segment_ids=jnp.asarray(seg[s]), **totals)
              for s in (slice(0, 1), slice(1, 3))]
     np.testing.assert_allclose(sum(p[0] for p in parts), whole, rtol=1e-6)
-    mc = combine_metrics([p[1] for p in parts])
+    mc = combine_metrics({key: jnp.stack([p[1][key] for p in parts]) for key in mw})
     for key in mw:
         np.testing.assert_allclose(mc[key], mw[key], rtol=1e-6, err_msg=key)
 

@@ -1,5 +1,5 @@
-"""The LM trainer: loss weights, next-token loss, LR schedule, gradient accumulation equal to one
-big batch (load-balance loss included), and the gin entry point's outputs."""
+"""The LM trainer: loss weights, next-token loss, its optimiser settings, gradient accumulation
+equal to one big batch (load-balance loss included), and dropout per step."""
 
 import dataclasses
 
@@ -10,13 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from hcjax.distill.sft import (
-    SFTConfig,
-    lr_schedule,
-    make_train_step,
-    target_weights,
-    token_nll,
-)
+from hcjax.distill.sft import SFTConfig, make_sft_step, target_weights, token_nll
 from hcjax.model import ModelConfig, Transformer
 
 # One MoE layer keeps compile times small on 2 shared CPU cores.
@@ -51,19 +45,17 @@ def test_token_nll_matches_numpy():
             assert float(hit[b, t]) == float(np.argmax(logits[b, t]) == tokens[b, t + 1])
 
 
-def test_lr_schedule_warmup_and_cosine():
-    cfg = SFTConfig(num_steps=100, peak_lr=1.0, end_lr=0.1, warmup_fraction=0.1)
-    sched = lr_schedule(cfg)
-    assert float(sched(0)) == 0.0
-    assert float(sched(5)) == pytest.approx(0.5)
-    assert float(sched(10)) == pytest.approx(1.0)
-    assert float(sched(55)) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-5)  # cosine half-way
-    assert float(sched(100)) == pytest.approx(0.1)
-    # RECIPE §3 self-distillation defaults.
+def test_recipe_self_distillation_defaults():
+    # RECIPE §3 self-distillation defaults (the schedule itself: tests/test_train_step.py).
     d = SFTConfig()
     assert (d.peak_lr, d.end_lr, d.warmup_fraction, d.weight_decay, d.load_balance_coef) == (
         1.7e-5, 5.2e-6, 0.02, 0.001, 1e-2
     )
+    opt = d.optimizer()
+    assert (opt.learning_rate, opt.end_learning_rate, opt.warmup_steps, opt.total_steps) == (
+        1.7e-5, 5.2e-6, 20, 1000
+    )
+    assert opt.decay_matrices_only and opt.max_grad_norm == d.grad_clip
 
 
 def test_bad_sft_config():
@@ -71,6 +63,8 @@ def test_bad_sft_config():
         SFTConfig(batch_size=6, num_microbatches=4)
     with pytest.raises(ValueError, match="num_steps=0"):
         SFTConfig(num_steps=0)
+    with pytest.raises(ValueError, match="grad_clip=0"):
+        SFTConfig(grad_clip=0)
 
 
 def _batch(b=8, t=32, seed=0):
@@ -92,7 +86,7 @@ def test_accumulation_equals_one_big_batch():
     results = {}
     for m in (1, 4):
         cfg = SFTConfig(batch_size=8, num_microbatches=m, load_balance_coef=0.5)
-        step = jax.jit(make_train_step(graphdef, rest, tx, cfg, TINY))
+        step = jax.jit(make_sft_step(graphdef, rest, tx, cfg, TINY))
         state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
         new, metrics = step(state, batch)
         results[m] = (jax.tree.map(lambda a, b: a - b, params, new["params"]), metrics)
@@ -120,7 +114,7 @@ def test_dropout_is_active_and_deterministic_per_step():
     batch = _batch()
     tx = optax.sgd(0.0)
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    step = jax.jit(make_train_step(graphdef, rest, tx, SFTConfig(batch_size=8), cfg_m))
+    step = jax.jit(make_sft_step(graphdef, rest, tx, SFTConfig(batch_size=8), cfg_m))
     s1, a = step(state, batch)
     _, b = step(state, batch)
     _, c = step(s1, batch)

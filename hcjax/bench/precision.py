@@ -54,9 +54,10 @@ def make_learner_logprobs(model: Transformer):
     """jit fn(batch, replay_routing) -> (logp with top-p replay, support_miss, logp without,
     recomputed routing [L, b, T, k] or None), all [b, T].
 
-    The learner's forward of one micro-batch (rl/learner.py `make_loss_and_grad.forward`): the
-    model on the packed rows, the sampler's expert choices forced when routing is replayed, then
-    `token_logprobs` with the temperature, with and without the recorded top-p kept set.
+    The learner's forward of one micro-batch (hcjax.train.step.model_forward, as rl/learner.py's
+    `PolicyObjective` feeds it): the model on the packed rows, the sampler's expert choices
+    forced when routing is replayed, then `token_logprobs` with the temperature, with and without
+    the recorded top-p kept set.
     """
     graphdef, params = nnx.split(model)
 

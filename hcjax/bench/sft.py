@@ -16,15 +16,16 @@ from flax import nnx
 from hcjax import config
 from hcjax.data.pipeline import DataConfig, make_batch_iterator
 from hcjax.display import Phases
-from hcjax.distill.sft import SFTConfig, make_optimizer, make_train_step
+from hcjax.distill.sft import SFTConfig, make_sft_step
 from hcjax.model import ModelConfig, Transformer
+from hcjax.train.step import make_optimizer
 
 
 def _step_rate(model_cfg: ModelConfig, cfg: SFTConfig, batches: list, steps: int) -> float:
     graphdef, params, rest = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     params = nnx.to_pure_dict(params)
-    tx: optax.GradientTransformation = make_optimizer(cfg)
-    step = jax.jit(make_train_step(graphdef, rest, tx, cfg, model_cfg))
+    tx: optax.GradientTransformation = make_optimizer(cfg.optimizer())
+    step = jax.jit(make_sft_step(graphdef, rest, tx, cfg, model_cfg))
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     state, _ = step(state, batches[0])  # compile
     jax.block_until_ready(state)

@@ -1,7 +1,8 @@
 """DPO after the climb (Kimi k1.5 long2short, RECIPE §5): preference pairs from a climb's rollout
 store — within a group, the shortest correct response is chosen and a correct one at least 1.5×
 longer, or a wrong one, is rejected — and a trainer that fits `hcjax.rl.losses.dpo_loss` against
-the frozen starting params with the SFT trainer's optimiser (`make_optimizer`) and checkpoints.
+the frozen starting params through the shared train step (hcjax.train.step: `PreferenceObjective`
+is all DPO adds) with an SFTConfig's optimiser settings and the hcjax.sft checkpoint layout.
 
 `python -m hcjax.distill.dpo --climb DIR [--climb DIR] --init_checkpoint RUN --output_dir OUT`
 writes OUT/checkpoints in the hcjax.sft layout (a `--base_checkpoint` of the climb); `--samples
@@ -34,13 +35,27 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hcjax.distill.sft import (  # noqa: E402
+    MODEL_INPUTS,
+    SFTConfig,
+    make_run_step,
+    model_identity,
+    target_weights,
+    token_nll,
+)
+from hcjax.model import ModelConfig  # noqa: E402
+from hcjax.rl.losses import dpo_loss  # noqa: E402
+from hcjax.train.step import Objective, make_optimizer, model_forward  # noqa: E402
+
 __all__ = [
     "DPOConfig",
+    "PreferenceObjective",
     "PreferencePair",
     "encode_pairs",
     "make_dpo_step",
     "pairs_from_samples",
     "pairs_from_store",
+    "reference_logprobs",
     "run_dpo",
     "select_pairs",
     "sequence_logprobs",
@@ -84,9 +99,7 @@ class DPOConfig:
         if self.row_len < 2:
             raise ValueError(f"DPOConfig.row_len={self.row_len} must be >= 2")
 
-    def optimiser(self):
-        from hcjax.distill.sft import SFTConfig
-
+    def optimiser(self) -> SFTConfig:
         if self.optim is not None:
             return self.optim
         with gin.config_scope("dpo"):
@@ -219,53 +232,73 @@ def encode_pairs(pairs: Sequence[PreferencePair], tok: Any, row_len: int
 
 
 # Training ---------------------------------------------------------------------------------------
-def sequence_logprobs(forward: Callable[[Any, dict], Any], params: Any, batch: dict
-                      ) -> tuple[jax.Array, jax.Array]:
-    """[rows] Σ log π(token) over each row's response (loss-mask) tokens, and the forward's
-    load-balance loss. `forward(params, batch)` returns the model's output."""
-    from hcjax.distill.sft import target_weights, token_nll
-
-    out = forward(params, batch)
-    nll, _ = token_nll(out.logits, batch["tokens"])
-    return -jnp.sum(nll * target_weights(batch), axis=1), out.load_balance_loss
+def sequence_logprobs(logits_btv: jax.Array, batch: dict) -> jax.Array:
+    """[rows] Σ log π(token) over each row's response (loss-mask) tokens, from the model's
+    logits on `batch`'s rows."""
+    nll, _ = token_nll(logits_btv, batch["tokens"])
+    return -jnp.sum(nll * target_weights(batch), axis=1)
 
 
-def make_dpo_step(graphdef: Any, rest: Any, tx: Any, cfg: DPOConfig, load_balance_coef: float):
+def reference_logprobs(graphdef: Any, rest: Any, ref_params: Any, batch: dict) -> jax.Array:
+    """`sequence_logprobs` under the frozen reference: the `ref_logp` a DPO batch carries."""
+    inputs = {name: batch[name] for name in MODEL_INPUTS}
+    return sequence_logprobs(model_forward(graphdef, rest)(ref_params, inputs, None).logits, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceObjective(Objective):
+    """DPO's loss (`hcjax.rl.losses.dpo_loss`) on a batch as `encode_pairs` lays it out — rows
+    [0, P) the chosen conversations, [P, 2P) the rejected ones — plus `ref_logp` [2P], the
+    frozen reference's `sequence_logprobs` of every row. Micro-batches keep each pair together
+    (chosen and rejected rows of the same pairs); each is the mean over its pairs weighted by its
+    share of the pairs."""
+
+    cfg: DPOConfig
+    num_microbatches: int = 1
+
+    def split(self, batch):
+        m = self.num_microbatches
+
+        def split(x):  # [2P, ...] -> [M, 2P/M, ...]: chosen then rejected rows of P/M pairs
+            half = x.shape[0] // 2
+            chosen = x[:half].reshape(m, half // m, *x.shape[1:])
+            rejected = x[half:].reshape(m, half // m, *x.shape[1:])
+            return jnp.concatenate([chosen, rejected], axis=1)
+
+        inputs = {name: split(batch[name]) for name in MODEL_INPUTS}
+        return inputs, {"weights": split(target_weights(batch)), "ref_logp": split(batch["ref_logp"])}
+
+    def context(self, batch, loss_state):
+        return {"pairs": batch["tokens"].shape[0] // 2}
+
+    def loss(self, out, inputs, data, ctx):
+        logp = -jnp.sum(token_nll(out.logits, inputs["tokens"])[0] * data["weights"], axis=1)
+        ref, half = data["ref_logp"], logp.shape[0] // 2
+        loss, metrics = dpo_loss(logp[:half], logp[half:], ref[:half], ref[half:],
+                                 beta=self.cfg.beta, label_smoothing=self.cfg.label_smoothing,
+                                 chosen_lengths=jnp.sum(data["weights"], axis=1)[:half],
+                                 nll_weight=self.cfg.nll_weight)
+        if half == ctx["pairs"]:  # one micro-batch: the mean over its pairs is the loss
+            return loss, metrics
+        share = half / ctx["pairs"]
+        return loss * share, {name: x * share for name, x in metrics.items()}
+
+
+def make_dpo_step(graphdef: Any, rest: Any, tx: Any, cfg: DPOConfig, optim: SFTConfig,
+                  model_cfg: ModelConfig) -> Callable[[dict, Any, dict], tuple[dict, dict]]:
     """`step(state, ref_params, batch) -> (state, metrics)`; state = {"params", "opt", "step"},
-    batch rows as `encode_pairs` lays them out (chosen then rejected). No dropout: the policy
-    and the reference are scored by the same deterministic forward."""
-    import optax
-    from flax import nnx
+    batch rows as `encode_pairs` lays them out (chosen then rejected), in optim.num_microbatches
+    micro-batches. The reference's `ref_logp` is computed in the same step. No dropout: the
+    policy and the reference are scored by the same deterministic forward."""
+    step = make_run_step(graphdef, rest, tx, model_cfg,
+                         PreferenceObjective(cfg, optim.num_microbatches),
+                         load_balance_coef=optim.load_balance_coef)
 
-    from hcjax.rl.losses import dpo_loss
+    def dpo_step(state, ref_params, batch):
+        ref = reference_logprobs(graphdef, rest, jax.lax.stop_gradient(ref_params), batch)
+        return step(state, {**batch, "ref_logp": ref})
 
-    def forward(params, batch):
-        model = nnx.merge(graphdef, params, rest)
-        return model(batch["tokens"], positions=batch["positions"],
-                     segment_ids=batch["segment_ids"])
-
-    from hcjax.distill.sft import target_weights
-
-    def step(state, ref_params, batch):
-        half = batch["tokens"].shape[0] // 2
-        ref, _ = sequence_logprobs(forward, jax.lax.stop_gradient(ref_params), batch)
-        chosen_lengths = jnp.sum(target_weights(batch), axis=1)[:half]
-
-        def loss_fn(params):
-            logp, lb = sequence_logprobs(forward, params, batch)
-            loss, metrics = dpo_loss(logp[:half], logp[half:], ref[:half], ref[half:],
-                                     beta=cfg.beta, label_smoothing=cfg.label_smoothing,
-                                     chosen_lengths=chosen_lengths, nll_weight=cfg.nll_weight)
-            return loss + load_balance_coef * lb, (metrics, lb)
-
-        (loss, (metrics, lb)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {**metrics, "loss": loss, "load_balance_loss": lb,
-                   "grad_norm": optax.global_norm(grads)}
-        return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
-
-    return step
+    return dpo_step
 
 
 def batch_indices(step: int, num_pairs: int, batch: int, seed: int) -> np.ndarray:
@@ -293,7 +326,6 @@ def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: s
     from hcjax.checkpoint import CheckpointConfig, Checkpointer
     from hcjax.data.tokenizer import ByteTokenizer
     from hcjax.distill.merge import load_model
-    from hcjax.distill.sft import make_optimizer, model_identity
     from hcjax.metrics import MetricsWriter
 
     cfg = cfg or DPOConfig()
@@ -313,7 +345,7 @@ def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: s
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
     ref_params = jax.tree.map(jnp.copy, params)
-    tx = make_optimizer(optim)
+    tx = make_optimizer(optim.optimizer())
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     os.makedirs(output_dir, exist_ok=True)
     ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"),
@@ -321,7 +353,7 @@ def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: s
                         {"model_config": model_identity(model_cfg)})
     if ckpt.latest_step() is not None:
         state, _ = ckpt.restore(None, state)
-    step_fn = jax.jit(make_dpo_step(graphdef, rest, tx, cfg, optim.load_balance_coef))
+    step_fn = jax.jit(make_dpo_step(graphdef, rest, tx, cfg, optim, model_cfg))
     writer = MetricsWriter(output_dir)
     first = last = None
     try:

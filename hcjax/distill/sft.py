@@ -31,8 +31,14 @@ from hcjax.data.pipeline import DataConfig, make_batch_iterator, put_on_mesh
 from hcjax.data.tokenizer import Tokenizer
 from hcjax.metrics import MetricsWriter, Progress, plot_curves, read_metrics, write_summary
 from hcjax.model import ModelConfig, create_sharded
-from hcjax.model.moe import load_balance_loss
 from hcjax.profiling import StepTracer
+from hcjax.train.step import (
+    Objective,
+    OptimizerConfig,
+    make_optimizer,
+    make_train_step,
+    model_forward,
+)
 
 
 @gin.configurable
@@ -70,33 +76,19 @@ class SFTConfig:
             raise ValueError(f"SFTConfig.warmup_fraction={self.warmup_fraction} not in [0, 1)")
         if self.peak_lr <= 0 or self.end_lr < 0:
             raise ValueError(f"SFTConfig peak_lr={self.peak_lr}, end_lr={self.end_lr} invalid")
+        if self.grad_clip <= 0:
+            raise ValueError(f"SFTConfig.grad_clip={self.grad_clip} must be > 0")
 
-
-def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
-    """Linear warm-up over `warmup_fraction` of the steps, then cosine from peak to end LR."""
-    warmup = int(round(cfg.warmup_fraction * cfg.num_steps))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else cfg.peak_lr,
-        peak_value=cfg.peak_lr,
-        warmup_steps=warmup,
-        decay_steps=max(cfg.num_steps, warmup + 1),
-        end_value=cfg.end_lr,
-    )
-
-
-def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW; weight decay only on matrices (not norm gains)."""
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(
-            lr_schedule(cfg),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
-        ),
-    )
+    def optimizer(self) -> OptimizerConfig:
+        """Global-norm clipping then AdamW; linear warm-up over `warmup_fraction` of the steps,
+        then cosine from peak to end LR; weight decay only on matrices (not norm gains)."""
+        return OptimizerConfig(
+            learning_rate=self.peak_lr, end_learning_rate=self.end_lr,
+            warmup_steps=int(round(self.warmup_fraction * self.num_steps)),
+            total_steps=self.num_steps, b1=self.b1, b2=self.b2, eps=self.eps,
+            weight_decay=self.weight_decay, decay_matrices_only=True,
+            max_grad_norm=self.grad_clip,
+        )
 
 
 def target_weights(batch: dict[str, jax.Array]) -> jax.Array:
@@ -117,11 +109,69 @@ def token_nll(logits_btv: jax.Array, tokens_bt: jax.Array) -> tuple[jax.Array, j
     return nll, hit
 
 
-def _layer_sum(a, b):
-    return jax.tree.map(jnp.add, a, b)
+MODEL_INPUTS = ("tokens", "positions", "segment_ids")
 
 
-def make_train_step(
+@dataclasses.dataclass(frozen=True)
+class NextTokenObjective(Objective):
+    """SFT's loss: Σ nll·w / Σ w over the whole batch (w = `target_weights`), its rows split into
+    `num_microbatches` consecutive blocks. Metrics: `loss` (the NLL alone, the run's figure of
+    merit; the optimised total adds the load-balance term), `token_accuracy`, `loss_tokens`,
+    `tokens`, `load_balance_loss`."""
+
+    num_microbatches: int = 1
+
+    def split(self, batch):
+        m = self.num_microbatches
+        split = lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:])
+        inputs = {name: split(batch[name]) for name in MODEL_INPUTS}
+        return inputs, {"weights": split(target_weights(batch))}
+
+    def context(self, batch, loss_state):
+        weights = target_weights(batch)
+        return {"total_w": jnp.maximum(jnp.sum(weights), 1.0), "loss_tokens": jnp.sum(weights),
+                "tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)}
+
+    def loss(self, out, inputs, data, ctx):
+        nll, hit = token_nll(out.logits, inputs["tokens"])
+        nll_sum = jnp.sum(nll * data["weights"])
+        return nll_sum / ctx["total_w"], {"nll_sum": nll_sum,
+                                          "hits": jnp.sum(hit * data["weights"])}
+
+    def summarise(self, parts, ctx):
+        return {
+            "loss": jnp.sum(parts["nll_sum"]) / ctx["total_w"],
+            "load_balance_loss": jnp.sum(parts["load_balance_loss"]),
+            "token_accuracy": jnp.sum(parts["hits"]) / ctx["total_w"],
+            "loss_tokens": ctx["loss_tokens"],
+            "tokens": ctx["tokens"],
+        }
+
+
+def make_run_step(
+    graphdef: nnx.GraphDef,
+    rest: Any,
+    tx: optax.GradientTransformation,
+    model_cfg: ModelConfig,
+    objective: Objective,
+    *,
+    load_balance_coef: float,
+    dropout_seed: int | None = None,
+) -> Callable[[dict, Any], tuple[dict, dict]]:
+    """`step(state, batch) -> (state, metrics)` of the shared train step (hcjax.train.step) on
+    the run state of hcjax.sft and DPO checkpoints, {"params", "opt", "step"}."""
+    train_step = make_train_step(model_forward(graphdef, rest), objective, tx,
+                                 model_cfg=model_cfg, load_balance_coef=load_balance_coef,
+                                 dropout_seed=dropout_seed)
+
+    def step(state, batch):
+        params, opt, metrics = train_step(state["params"], state["opt"], state["step"], batch)
+        return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
+
+    return step
+
+
+def make_sft_step(
     graphdef: nnx.GraphDef,
     rest: Any,
     tx: optax.GradientTransformation,
@@ -130,98 +180,12 @@ def make_train_step(
 ) -> Callable[[dict, dict], tuple[dict, dict]]:
     """`step(state, batch) -> (state, metrics)`; state = {"params", "opt", "step"}.
 
-    Loss = Σ nll·w / Σ w  +  coef · LB, both over the whole global batch. With micro-batches the
-    token normaliser is the global Σ w, and the load-balance loss E·Σ_e f_e·P_e (f from expert
-    counts, which carry no gradient) is linear in each micro-batch's router-probability sums once
-    the global counts are known, so a first forward pass collects the counts and the gradient
-    pass uses them: the accumulated gradient is the full batch's gradient (dropout aside: its
-    masks are drawn per micro-batch).
+    Loss = Σ nll·w / Σ w  +  coef · LB, both over the whole global batch, however many
+    micro-batches it is split into (hcjax.train.step: the accumulated gradient is the full
+    batch's, dropout aside: its masks are drawn per micro-batch from (seed, step)).
     """
-    m = cfg.num_microbatches
-    k = model_cfg.experts_per_token
-    use_dropout = model_cfg.dropout_rate > 0
-    base_key = jax.random.key(cfg.seed)
-
-    def forward(params, mb, key):
-        model = nnx.merge(graphdef, params, rest)
-        return model(
-            mb["tokens"],
-            positions=mb["positions"],
-            segment_ids=mb["segment_ids"],
-            dropout_rng=key if use_dropout else None,
-        )
-
-    def step(state, batch):
-        weights = target_weights(batch)
-        total_w = jnp.maximum(jnp.sum(weights), 1.0)
-        split = lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:])
-        mbs = jax.tree.map(split, batch)
-        mb_weights = split(weights)
-        keys = jax.random.split(jax.random.fold_in(base_key, state["step"]), m)
-        params = state["params"]
-
-        global_counts = None
-        if m > 1 and model_cfg.num_moe_layers > 0:
-
-            def count(carry, xs):
-                mb, key = xs
-                stats = forward(params, mb, key).moe_stats
-                c = tuple((s[0], s[2]) for s in stats)
-                return _layer_sum(carry, c), None
-
-            zero = tuple(
-                (jnp.zeros((model_cfg.num_experts,), jnp.float32), jnp.zeros((), jnp.float32))
-                for _ in range(model_cfg.num_moe_layers)
-            )
-            global_counts, _ = jax.lax.scan(count, zero, (mbs, keys))
-            global_counts = jax.lax.stop_gradient(global_counts)
-
-        def mb_loss(p, mb, w, key):
-            out = forward(p, mb, key)
-            nll, hit = token_nll(out.logits, mb["tokens"])
-            nll_sum = jnp.sum(nll * w)
-            if global_counts is None:
-                lb = out.load_balance_loss
-            elif model_cfg.num_moe_layers:
-                parts = [
-                    load_balance_loss(c, s[1], n, k)
-                    for (c, n), s in zip(global_counts, out.moe_stats, strict=True)
-                ]
-                lb = jnp.mean(jnp.stack(parts))
-            else:
-                lb = jnp.zeros((), jnp.float32)
-            loss = nll_sum / total_w + cfg.load_balance_coef * lb
-            return loss, (nll_sum, jnp.sum(hit * w), lb)
-
-        grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
-        if m == 1:
-            one = jax.tree.map(lambda x: x[0], mbs)
-            (_, (nll_sum, hits, lb)), grads = grad_fn(params, one, mb_weights[0], keys[0])
-        else:
-
-            def acc(carry, xs):
-                mb, w, key = xs
-                (_, aux), g = grad_fn(params, mb, w, key)
-                return _layer_sum(carry, (g, aux)), None
-
-            zero = (
-                jax.tree.map(jnp.zeros_like, params),
-                (jnp.zeros(()), jnp.zeros(()), jnp.zeros(())),
-            )
-            (grads, (nll_sum, hits, lb)), _ = jax.lax.scan(acc, zero, (mbs, mb_weights, keys))
-        updates, opt = tx.update(grads, state["opt"], params)
-        new_params = optax.apply_updates(params, updates)
-        metrics = {
-            "loss": nll_sum / total_w,
-            "load_balance_loss": lb,
-            "token_accuracy": hits / total_w,
-            "grad_norm": optax.global_norm(grads),
-            "loss_tokens": jnp.sum(weights),
-            "tokens": jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32),
-        }
-        return {"params": new_params, "opt": opt, "step": state["step"] + 1}, metrics
-
-    return step
+    return make_run_step(graphdef, rest, tx, model_cfg, NextTokenObjective(cfg.num_microbatches),
+                         load_balance_coef=cfg.load_balance_coef, dropout_seed=cfg.seed)
 
 
 def _to_pure(params: nnx.State) -> dict:
@@ -340,7 +304,8 @@ class SFTTrainer:
         if model is None:
             model = create_sharded(model_cfg, mesh, seed=cfg.seed)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.tx = make_optimizer(cfg)
+        self.opt_cfg = cfg.optimizer()
+        self.tx = make_optimizer(self.opt_cfg)
         params = _to_pure(params)
         # Born on the mesh (moments sharded like their params, scalars replicated): moving
         # one-device arrays onto a mesh over several processes is not a supported transfer.
@@ -365,7 +330,7 @@ class SFTTrainer:
         self._step_fn = _STEP_CACHE.get(key) if not jax.tree.leaves(self.rest) else None
         if self._step_fn is None:
             self._step_fn = jax.jit(
-                make_train_step(self.graphdef, self.rest, self.tx, cfg, model_cfg),
+                make_sft_step(self.graphdef, self.rest, self.tx, cfg, model_cfg),
                 in_shardings=(self.state_shardings, self.batch_sharding),
                 out_shardings=(self.state_shardings, replicated),
                 donate_argnums=0,
@@ -429,7 +394,7 @@ class SFTTrainer:
                 synced = synced or done == start_step + 1
                 if synced:
                     m = jax.device_get(metrics)
-                    m["lr"] = float(lr_schedule(self.cfg)(step))
+                    m["lr"] = self.opt_cfg.learning_rate_at(step)
                     last_loss = float(m["loss"])
                     # Checked before any save, so a diverged run never overwrites good weights.
                     if not np.isfinite(last_loss):

@@ -9,7 +9,6 @@ second dimension, so every micro-batch is spread over all data-parallel devices.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import jax
@@ -18,8 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax.rollout.records import Rollout
 
-__all__ = ["BATCH_AXES", "BucketedLearner", "LearnerBatch", "bucket_rows", "pack_rollouts", "to_device",
-           "usable_rollouts"]
+__all__ = ["BATCH_AXES", "LearnerBatch", "bucket_rows", "pack_rollouts", "to_device", "usable_rollouts"]
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -49,6 +47,11 @@ class LearnerBatch:
     @property
     def micro_batches(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def rows(self) -> int:
+        """Packed rows over all micro-batches (M·b)."""
+        return int(self.tokens.shape[0] * self.tokens.shape[1])
 
 
 def usable_rollouts(rollouts: Sequence[Rollout], *, mask_truncated: bool = True) -> list[Rollout]:
@@ -235,33 +238,3 @@ def bucket_rows(rows: int, step: int = 1) -> int:
     grain = top if top <= 8 else top // 8
     padded = max(step, -(-rows // grain) * grain)
     return -(-padded // step) * step
-
-
-class BucketedLearner:
-    """A learner (hcjax.rl.learner.Learner or the multi-process DistributedLearner) behind the
-    controller's `train(rollouts)`: rows are padded by `bucket_rows` (a multiple of the
-    micro-batch x data-parallel step), so only a handful of batch shapes is ever compiled."""
-
-    def __init__(self, learner) -> None:
-        self.learner = learner
-        self.step_seconds: list[float] = []
-
-    def rows_for(self, rollouts: Sequence[Rollout]) -> int:
-        cfg = self.learner.cfg
-        probe = pack_rollouts(rollouts, seq_len=cfg.seq_len, with_routing=False,
-                              mask_truncated=cfg.mask_truncated)
-        step = cfg.micro_batches * self.learner.data_parallel_size
-        return bucket_rows(max(1, probe.tokens.shape[1]), step)
-
-    def train(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
-        cfg = self.learner.cfg
-        usable = usable_rollouts(rollouts, mask_truncated=cfg.mask_truncated)
-        if not usable:
-            return {"skipped": 1.0}
-        rows = self.rows_for(usable)
-        t0 = time.perf_counter()
-        metrics = self.learner.step(self.learner.make_batch(usable, num_rows=rows))
-        self.step_seconds.append(time.perf_counter() - t0)
-        metrics["rows"] = float(rows)
-        metrics["train_rollouts"] = float(len(usable))
-        return metrics

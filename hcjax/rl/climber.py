@@ -21,7 +21,6 @@ import numpy as np
 from hcjax.finite import check_finite
 from hcjax.rl.controller import Controller, ControllerConfig, StepReport
 from hcjax.rl.curriculum import EarlyExit, LengthCurriculum
-from hcjax.rl.entropy import TemperatureController
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
 from hcjax.rl.workers import (
     GroupResult,
@@ -49,9 +48,8 @@ class ClimbConfig:
     early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
     max_tokens: response tokens per model turn; length_curriculum (hcjax.rl.curriculum
       .LengthCurriculum) replaces it by a growing budget per stage of learner steps.
-    temperature: the sampling temperature (the start value when it is controlled).
-    temperature_delta / temperature_range: δ and bounds of the sampling-temperature lever
-      (hcjax.rl.entropy.TemperatureController); 0 keeps the temperature fixed.
+    temperature: the sampling temperature (the start value when the entropy controller moves it:
+      EntropyController.temperature_delta > 0, hcjax.rl.entropy).
     max_prompt_len: the engine's max prefill length for single-turn prompts; None: the suite's
       longest templated prompt (at least 32). max_prefill_length: for multi-turn episodes, whose
       later turns carry the earlier ones (None: prompt + the episode budget's turns).
@@ -71,8 +69,6 @@ class ClimbConfig:
     max_tokens: int = 24
     length_curriculum: LengthCurriculum | None = None
     temperature: float = 1.0
-    temperature_delta: float = 0.0
-    temperature_range: tuple[float, float] = (0.5, 2.0)
     top_p: float = 0.97
     token_budget: int | None = None
     max_retries: int = 3
@@ -94,16 +90,6 @@ class ClimbConfig:
         if self.early_group > self.group:
             raise ValueError(f"ClimbConfig.early_group={self.early_group} exceeds "
                              f"group={self.group}")
-        if len(self.temperature_range) != 2:
-            raise ValueError(f"ClimbConfig.temperature_range={self.temperature_range} must be "
-                             "(low, high)")
-        if self.temperature_delta > 0 and not (
-                0 < self.temperature_range[0] <= self.temperature <= self.temperature_range[1]):
-            raise ValueError(f"ClimbConfig.temperature={self.temperature} must lie in "
-                             f"temperature_range={self.temperature_range} (low > 0) when "
-                             f"temperature_delta={self.temperature_delta} > 0")
-        if self.temperature_delta < 0:
-            raise ValueError(f"ClimbConfig.temperature_delta={self.temperature_delta} must be >= 0")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"ClimbConfig.max_minutes={self.max_minutes} must be > 0 or None")
         for name in ("max_prompt_len", "max_prefill_length"):
@@ -266,11 +252,15 @@ class Climb:
         if mode is not None:
             self.ctl_cfg = dataclasses.replace(self.ctl_cfg, mode=mode)
         self.learner_cfg = LearnerConfig()
+        # Entropy control (hcjax.rl.entropy): k moves inside the learner's step; the sampling
+        # temperature, when the controller moves it, here after each step (None: fixed).
+        self.entropy = self.learner_cfg.entropy
+        self.temperature = self.entropy.initial_temperature(cfg.temperature)
         from hcjax.display import ClimbDisplay, resolve_format
 
         self.display = ClimbDisplay(resolve_format(log_format) if progress else "off",
                                     num_steps=cfg.num_steps, max_minutes=cfg.max_minutes,
-                                    entropy_target=self.learner_cfg.entropy.target)
+                                    entropy_target=self.entropy.target)
         self.interrupted = False
         model_cfg = ModelConfig()
         placement = Placement()
@@ -341,9 +331,6 @@ class Climb:
             from hcjax.rl.multihost import DistributedLearner
 
             self.dist = DistributedLearner(learner)
-        from hcjax.rl.batch import BucketedLearner
-
-        self.bucketed = BucketedLearner(self.dist or learner)
         # ClimbConfig.checkpoint_every is the climb's save interval; the rest (keep, async_save)
         # is the gin CheckpointConfig's.
         self.ckpt = Checkpointer(os.path.join(self.output_dir, "checkpoints"),
@@ -365,15 +352,12 @@ class Climb:
                                             partials=self.partials)
         worker = ProblemWorker(self.rollout_worker, cfg.early_exit(), advantage=cfg.advantage,
                                stats=self.stats)
-        self.temperature = TemperatureController(
-            self.learner_cfg.entropy.target, cfg.temperature_delta, *cfg.temperature_range,
-            temperature=cfg.temperature) if cfg.temperature_delta > 0 else None
         from hcjax.rl.sources import make_source
 
         self.source = make_source(self.builder, SourceConfig())
         self.store = RolloutStore(os.path.join(self.output_dir, "rollouts"),
                                   decode=self.tok.decode)
-        self.controller = Controller(self.ctl_cfg, self.source, worker, self.bucketed,
+        self.controller = Controller(self.ctl_cfg, self.source, worker, self.dist or learner,
                                      self._publish, on_group=self._on_group,
                                      on_step=self._on_step, stats=self.stats)
         from hcjax.rl.evaluate import HeldoutEval
@@ -449,8 +433,8 @@ class Climb:
         self.resumed_from = latest if self.dist is not None else self.ckpt.restored_step
         self.saved_step = self.resumed_from
         if self.temperature is not None and "temperature" in data:
-            self.temperature.load_state_dict(data["temperature"])
-            self.rollout_worker.set_sampling(temperature=self.temperature.temperature)
+            self.temperature = self.entropy.load_temperature(data["temperature"])
+            self.rollout_worker.set_sampling(temperature=self.temperature)
         self._follow_curriculum(self.controller.step)
 
     def _save(self, step: int, force: bool = False) -> None:
@@ -461,7 +445,7 @@ class Climb:
                              for k, v in self.partials.snapshot().items()},
                 "history": dict(self.history, wall_offset=self._climb_wall())}
         if self.temperature is not None:
-            data["temperature"] = self.temperature.state_dict()
+            data["temperature"] = self.entropy.temperature_state(self.temperature)
         if (self.dist or self.learner).save(self.ckpt, step, data, force=force):
             self.saved_step = step
 
@@ -494,7 +478,7 @@ class Climb:
         from hcjax.rl.report import step_record
 
         now = time.perf_counter()
-        record = step_record(report, self.learner_cfg.entropy.target, self.stats,
+        record = step_record(report, self.entropy.target, self.stats,
                              self.controller.counters, now - self.last_step_time,
                              self._climb_wall())
         self.last_step_time = now
@@ -502,9 +486,10 @@ class Climb:
             # The next samples use the new temperature (every rollout records the temperature
             # it was sampled at, which the learner uses). A step with no trained token has no Ĥ.
             if np.isfinite(record["entropy"]):
-                self.rollout_worker.set_sampling(
-                    temperature=self.temperature.update(record["entropy"]))
-            record["temperature"] = self.temperature.temperature
+                self.temperature = self.entropy.next_temperature(self.temperature,
+                                                                 record["entropy"])
+                self.rollout_worker.set_sampling(temperature=self.temperature)
+            record["temperature"] = self.temperature
         self._follow_curriculum(report.step)
         record["max_tokens"] = self.rollout_worker.sampling.max_tokens
         for age in report.staleness:
@@ -633,7 +618,7 @@ class Climb:
 
         history = self.history
         metrics = os.path.join(self.output_dir, "metrics.jsonl")
-        target = self.learner_cfg.entropy.target
+        target = self.entropy.target
         evals = history["eval"]
         sizes = history.get("category_sizes", {})
         categories = {c: {"base": evals[0]["by_category"].get(c, float("nan")),

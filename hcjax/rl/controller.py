@@ -79,7 +79,9 @@ class ControllerConfig:
 
 
 class Learner(Protocol):
-    """What the controller needs from a learner: one gradient step on graded rollouts."""
+    """What the controller needs from a learner: one gradient step on graded rollouts (those it
+    cannot use it leaves out), returning host metrics. hcjax.rl.learner.Learner implements it,
+    and hcjax.rl.multihost.DistributedLearner for a learner over several processes."""
 
     def train(self, rollouts: Sequence[Rollout]) -> Mapping[str, float]: ...
 

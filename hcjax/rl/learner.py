@@ -1,16 +1,18 @@
-"""The sharded GRPO learner: replayed forward, micro-batched exact global loss, AdamW step.
+"""The sharded RL learner: GRPO (or any loss of `LOSSES`) on packed rollouts through the shared
+train step (hcjax.train.step), with the sampler's routing and top-p support replayed.
 
-The train step is one jit on the learner mesh. Per micro-batch it runs the model with the sampler's
-expert routing forced (routing replay), rebuilds the sampler's top-p support and masks every other
-logit to -inf (top-p replay), computes the chosen loss normalised by the *global* token count, and
-accumulates gradients; then AdamW (RECIPE §3) and the entropy controller update k. It uses the
-model only through its public forward.
+Per micro-batch the model runs with the sampler's expert routing forced (routing replay: the
+batch's routing record), the learner rebuilds the sampler's top-p support and masks every other
+logit to -inf (top-p replay), and the chosen loss is normalised by the *global* token count; the
+shared step accumulates gradients, adds the global-batch load-balance loss and applies AdamW
+(RECIPE §3); then the entropy controller updates k. `Learner` is the controller's learner
+(`train(rollouts)`). It uses the model only through its public forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gin
@@ -21,21 +23,29 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from hcjax.model import Transformer, load_balance_loss, shard_state
+from hcjax.model import ModelConfig, Transformer, shard_state
 from hcjax.rl import batch as batch_lib
 from hcjax.rl.batch import LearnerBatch
-from hcjax.rl.entropy import EntropyController, update_k
-from hcjax.rl.losses import LossConfig, combine_metrics
+from hcjax.rl.entropy import EntropyController
+from hcjax.rl.losses import LossConfig
 from hcjax.rollout.records import Rollout, support_mask_from_record
 from hcjax.sharding import optimizer_state_on_mesh, replicated_scalar
+from hcjax.train.step import (
+    Objective,
+    OptimizerConfig,
+    combine_metrics,
+    make_loss_and_grad,
+    make_optimizer,
+    make_train_step,
+    model_forward,
+)
 
 __all__ = [
     "Learner",
     "LearnerConfig",
     "LearnerState",
-    "make_loss_and_grad",
-    "make_optimizer",
-    "make_train_step",
+    "PolicyObjective",
+    "make_learner_step",
     "token_logprobs",
 ]
 
@@ -74,6 +84,12 @@ class LearnerConfig:
         if self.seq_len < 2:
             raise ValueError(f"LearnerConfig.seq_len={self.seq_len} must be >= 2")
 
+    def optimizer(self) -> OptimizerConfig:
+        """AdamW (β1 = β2 = 0.95, eps 1e-15, no weight decay, constant LR), optional global clip."""
+        return OptimizerConfig(learning_rate=self.learning_rate, b1=self.b1, b2=self.b2,
+                               eps=self.adam_eps, weight_decay=self.weight_decay,
+                               max_grad_norm=self.max_grad_norm)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -84,16 +100,6 @@ class LearnerState:
     opt_state: optax.OptState
     entropy: dict  # {"k": float32 scalar}
     step: jax.Array
-
-
-def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
-    """AdamW (β1 = β2 = 0.95, eps 1e-15, no weight decay, constant LR), optional global clip."""
-    adamw = optax.adamw(
-        cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
-    )
-    if cfg.max_grad_norm is None:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
 
 
 def token_logprobs(logits_btv, targets_bt, temperature_bt, n_kept_bt, replay_top_p: bool):
@@ -115,153 +121,86 @@ def token_logprobs(logits_btv, targets_bt, temperature_bt, n_kept_bt, replay_top
     return target_logit - jax.nn.logsumexp(logits, axis=-1), miss
 
 
-def _micro(batch: LearnerBatch, i) -> LearnerBatch:
-    """The i-th micro-batch (leading axis dropped); totals stay global."""
-
-    def take(name, x):
-        if x is None or name in ("num_tokens", "num_sequences"):
-            return x
-        return x[i]
-
-    return LearnerBatch(**{f.name: take(f.name, getattr(batch, f.name))
-                           for f in dataclasses.fields(batch)})
+# Measured on the first micro-batch only, where θ is the sampling policy (see `summarise`).
+_FIRST = ("first_gap_sum", "first_gap_max", "first_tokens")
+_LOSS_FIELDS = ("targets", "loss_mask", "old_logp", "advantages", "n_kept", "temperature")
 
 
-def _routing_counts(routing_mlbtk, segment_ids_mbt, num_experts: int):
-    """[L, E] expert assignment counts over valid tokens of all micro-batches, from the record."""
-    valid = (segment_ids_mbt > 0).astype(jnp.float32)
-    weight = jnp.broadcast_to(valid[:, None, :, :, None], routing_mlbtk.shape)
-    layer = jnp.broadcast_to(
-        jnp.arange(routing_mlbtk.shape[1])[None, :, None, None, None], routing_mlbtk.shape
-    )
-    # A scatter-add, not a one-hot: [M, L, b, T, k, E] would not fit at 512 experts.
-    counts = jnp.zeros((routing_mlbtk.shape[1], num_experts), jnp.float32)
-    return counts.at[layer, routing_mlbtk].add(weight)
+@dataclasses.dataclass(frozen=True)
+class PolicyObjective(Objective):
+    """The policy loss (`cfg.loss`, from `LOSSES`) of a `LearnerBatch`, with the sampler's top-p
+    support replayed (`token_logprobs`) and, when `cfg.replay_routing`, its routing record fed
+    to the forward. loss_state: the clip offset k."""
 
+    cfg: LearnerConfig
 
-def make_loss_and_grad(
-    graphdef: nnx.GraphDef, cfg: LearnerConfig, *, num_experts: int, experts_per_token: int
-) -> Callable:
-    """fn(params, batch, k) -> (total_loss, grads, metrics) over all micro-batches of `batch`.
+    def split(self, batch: LearnerBatch):
+        inputs = {"tokens": batch.tokens, "positions": batch.positions,
+                  "segment_ids": batch.segment_ids}
+        if self.cfg.replay_routing and batch.routing is not None:
+            inputs["routing"] = batch.routing
+        return inputs, {name: getattr(batch, name) for name in _LOSS_FIELDS}
 
-    Every micro-batch's loss is its share of the global objective (global token counts; for the
-    load-balance loss, the global expert counts), so the sum over micro-batches is exactly the
-    loss of the whole batch in one pass, whatever the split.
-    """
-    loss_fn = cfg.loss.make()
+    def context(self, batch: LearnerBatch, k):
+        return {"k": k, "num_tokens": batch.num_tokens, "num_sequences": batch.num_sequences}
 
-    def forward(params, mb: LearnerBatch):
-        model = nnx.merge(graphdef, params)
-        routing = None
-        if cfg.replay_routing and mb.routing is not None:
-            routing = tuple(mb.routing[layer] for layer in range(mb.routing.shape[0]))
-        return model(mb.tokens, positions=mb.positions, segment_ids=mb.segment_ids, routing=routing)
-
-    def global_expert_counts(params, batch: LearnerBatch):
-        """[L, E] counts over the whole batch, needed before any micro-batch's LB gradient.
-
-        None for a single micro-batch: its own counts are the global ones.
-        """
-        if batch.micro_batches == 1:
-            return None
-        if cfg.replay_routing and batch.routing is not None:
-            return _routing_counts(batch.routing, batch.segment_ids, num_experts)
-
-        def count(_, i):  # no routing record: a forward-only pass finds the experts
-            stats = forward(params, _micro(batch, i)).moe_stats
-            return None, jnp.stack([s[0] for s in stats]) if stats else jnp.zeros((0, num_experts))
-
-        _, counts = jax.lax.scan(count, None, jnp.arange(batch.micro_batches))
-        return jnp.sum(jax.lax.stop_gradient(counts), axis=0)
-
-    def micro_loss(params, mb: LearnerBatch, k, counts, num_valid):
-        out = forward(params, mb)
-        logp, miss = token_logprobs(
-            out.logits, mb.targets, mb.temperature, mb.n_kept, cfg.replay_top_p
+    def loss(self, out, inputs, d, ctx):
+        logp, miss = token_logprobs(out.logits, d["targets"], d["temperature"], d["n_kept"],
+                                    self.cfg.replay_top_p)
+        policy_loss, metrics = self.cfg.loss.make()(
+            logp, d["old_logp"], d["advantages"], d["loss_mask"], k=ctx["k"],
+            num_tokens=ctx["num_tokens"], num_sequences=ctx["num_sequences"],
+            segment_ids=inputs["segment_ids"],
         )
-        policy_loss, metrics = loss_fn(
-            logp, mb.old_logp, mb.advantages, mb.loss_mask, k=k, num_tokens=mb.num_tokens,
-            num_sequences=mb.num_sequences, segment_ids=mb.segment_ids,
-        )
-        # This micro-batch's share of the global-batch LB loss E·Σ f_e·P_e: f_e from the global
-        # counts, P_e from its own router probabilities over the global token count.
-        if out.moe_stats:
-            if counts is None:
-                counts = jnp.stack([stats[0] for stats in out.moe_stats])
-            lb = jnp.mean(jnp.stack([
-                load_balance_loss(counts[layer], stats[1], num_valid, experts_per_token)
-                for layer, stats in enumerate(out.moe_stats)
-            ]))
-        else:
-            lb = jnp.zeros((), jnp.float32)
-        m = mb.loss_mask.astype(jnp.float32)
-        gap = jnp.abs(jax.lax.stop_gradient(logp) - mb.old_logp)
-        metrics = dict(
+        mask = d["loss_mask"]
+        m = mask.astype(jnp.float32)
+        gap = jnp.abs(jax.lax.stop_gradient(logp) - d["old_logp"])
+        return policy_loss, dict(
             metrics,
             policy_loss=policy_loss,
-            load_balance_loss=lb,
-            support_miss_frac=jnp.sum(jnp.where(mb.loss_mask & miss, 1.0, 0.0)) / mb.num_tokens,
+            support_miss_frac=jnp.sum(jnp.where(mask & miss, 1.0, 0.0)) / ctx["num_tokens"],
+            first_gap_sum=jnp.sum(m * gap),
+            first_gap_max=jnp.max(jnp.where(mask, gap, 0.0)),
+            first_tokens=jnp.sum(m),
         )
-        first = dict(
-            gap_sum=jnp.sum(m * gap), gap_max=jnp.max(jnp.where(mb.loss_mask, gap, 0.0)),
-            tokens=jnp.sum(m),
-        )
-        return policy_loss + cfg.load_balance_coef * lb, (metrics, first)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def loss_and_grad(params, batch: LearnerBatch, k):
-        counts = global_expert_counts(params, batch)
-        num_valid = jnp.sum((batch.segment_ids > 0).astype(jnp.float32))
-        zeros = jax.tree.map(jnp.zeros_like, params)
-
-        def body(acc, i):
-            (loss, (metrics, first)), grads = grad_fn(params, _micro(batch, i), k, counts, num_valid)
-            acc = jax.tree.map(jnp.add, acc, grads)
-            return acc, (loss, metrics, first)
-
-        grads, (losses, metrics, first) = jax.lax.scan(body, zeros, jnp.arange(batch.micro_batches))
-        parts = [jax.tree.map(lambda x, j=j: x[j], metrics) for j in range(batch.micro_batches)]
+    def summarise(self, parts, ctx):
+        parts = dict(parts)
+        gap_sum, gap_max, tokens = (parts.pop(name)[0] for name in _FIRST)
         metrics = combine_metrics(parts)
         # Train-inference log-prob gap on the first micro-batch: θ is the sampling policy there.
-        metrics["logp_gap_mean"] = first["gap_sum"][0] / jnp.maximum(first["tokens"][0], 1.0)
-        metrics["logp_gap_max"] = first["gap_max"][0]
-        return jnp.sum(losses), grads, metrics
-
-    return loss_and_grad
+        metrics["logp_gap_mean"] = gap_sum / jnp.maximum(tokens, 1.0)
+        metrics["logp_gap_max"] = gap_max
+        return metrics
 
 
-def make_train_step(graphdef: nnx.GraphDef, cfg: LearnerConfig, model_config) -> Callable:
-    """The pure step fn(state, batch) -> (state, metrics) that `Learner` jits on its mesh.
+def make_learner_step(graphdef: nnx.GraphDef, cfg: LearnerConfig, model_config: ModelConfig
+                      ) -> Callable[[LearnerState, LearnerBatch], tuple[LearnerState, dict]]:
+    """The pure step fn(state, batch) -> (state, metrics) that `Learner` jits on its mesh: the
+    shared train step on `PolicyObjective`, then k ← the entropy controller's next k.
 
     A module-level function (not a method) so `hcjax.plan` can lower it on abstract inputs
     without building a Learner, whose constructor allocates the parameters.
     """
-    optimizer = make_optimizer(cfg)
-    loss_and_grad = make_loss_and_grad(
-        graphdef, cfg, num_experts=model_config.num_experts,
-        experts_per_token=model_config.experts_per_token,
+    train_step = make_train_step(
+        model_forward(graphdef), PolicyObjective(cfg), make_optimizer(cfg.optimizer()),
+        model_cfg=model_config, load_balance_coef=cfg.load_balance_coef,
     )
 
-    def train_step(state: LearnerState, batch: LearnerBatch):
+    def learner_step(state: LearnerState, batch: LearnerBatch):
         k = state.entropy["k"]
-        loss, grads, metrics = loss_and_grad(state.params, batch, k)
-        grad_norm = optax.global_norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ent = cfg.entropy
-        k_next = update_k(k, metrics["entropy"], target=ent.target, delta=ent.delta,
-                          k_max=ent.k_max)
-        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, k=k, k_next=k_next)
+        params, opt_state, metrics = train_step(state.params, state.opt_state, state.step, batch, k)
+        k_next = cfg.entropy.next_k(k, metrics["entropy"])
         new_state = LearnerState(params=params, opt_state=opt_state, entropy={"k": k_next},
                                  step=state.step + 1)
-        return new_state, metrics
+        return new_state, dict(metrics, k=k, k_next=k_next)
 
-    return train_step
+    return learner_step
 
 
 class Learner:
-    """Holds the learner state on its mesh and runs jitted train steps on packed rollouts."""
+    """Holds the learner state on its mesh and runs jitted train steps on packed rollouts; the
+    controller's learner (hcjax.rl.controller.Learner): `train(rollouts)` is one step."""
 
     def __init__(self, model: Transformer, cfg: LearnerConfig, mesh: Mesh):
         self.cfg = cfg
@@ -274,7 +213,7 @@ class Learner:
         # Own copy, placed on the mesh: train steps donate the state, which must not delete the
         # arrays of the model passed in (callers keep using it, e.g. as the sampling policy).
         params = jax.tree.map(jnp.copy, shard_state(params, mesh))
-        self.optimizer = make_optimizer(cfg)
+        self.optimizer = make_optimizer(cfg.optimizer())
         # Born on the mesh (moments sharded like their params): see optimizer_state_on_mesh.
         opt_state = optimizer_state_on_mesh(self.optimizer, params, mesh)
         self.state = LearnerState(
@@ -284,35 +223,62 @@ class Learner:
             step=replicated_scalar(np.int32(0), mesh),
         )
         self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
-        mc = model.config
-        self._loss_and_grad = make_loss_and_grad(
-            self.graphdef, cfg, num_experts=mc.num_experts, experts_per_token=mc.experts_per_token
-        )
-        self.loss_and_grad = jax.jit(self._loss_and_grad)
-        self._train_step = make_train_step(self.graphdef, cfg, mc)
-        self._step = jax.jit(self._train_step, donate_argnums=0,
-                             out_shardings=(self._state_sharding, None))
+        # fn(params, batch, k) -> (loss, grads, metrics) of the parameters given (no update).
+        self.loss_and_grad = jax.jit(make_loss_and_grad(
+            model_forward(self.graphdef), PolicyObjective(cfg), model_cfg=model.config,
+            load_balance_coef=cfg.load_balance_coef))
+        self._step = jax.jit(make_learner_step(self.graphdef, cfg, model.config),
+                             donate_argnums=0, out_shardings=(self._state_sharding, None))
 
     @property
     def data_parallel_size(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in batch_lib.BATCH_AXES
                             if a in self.mesh.axis_names]))
 
-    def make_batch(self, rollouts: Sequence[Rollout], num_rows: int | None = None) -> LearnerBatch:
-        """Pack rollouts into a device batch laid out for this learner's mesh and config."""
-        packed = batch_lib.pack_rollouts(
-            rollouts, seq_len=self.cfg.seq_len, micro_batches=self.cfg.micro_batches,
+    def pack(self, rollouts: Sequence[Rollout], num_rows: int | None = None) -> LearnerBatch:
+        """Pack rollouts into a host (numpy) batch laid out for this learner: rows padded to a
+        multiple of the micro-batch x data-parallel step, or `num_rows`."""
+        cfg = self.cfg
+        return batch_lib.pack_rollouts(
+            rollouts, seq_len=cfg.seq_len, micro_batches=cfg.micro_batches,
             row_multiple=self.data_parallel_size, num_rows=num_rows,
-            with_routing=self.cfg.replay_routing, mask_truncated=self.cfg.mask_truncated,
+            with_routing=cfg.replay_routing, mask_truncated=cfg.mask_truncated,
         )
-        return batch_lib.to_device(packed, self.mesh)
+
+    def pack_bucketed(self, rollouts: Sequence[Rollout]) -> LearnerBatch | None:
+        """`pack` with the rows padded by `batch.bucket_rows`, so only a handful of batch shapes
+        is ever compiled; None when no rollout is usable (`batch.usable_rollouts`)."""
+        cfg = self.cfg
+        usable = batch_lib.usable_rollouts(rollouts, mask_truncated=cfg.mask_truncated)
+        if not usable:
+            return None
+        probe = batch_lib.pack_rollouts(usable, seq_len=cfg.seq_len, with_routing=False,
+                                        mask_truncated=cfg.mask_truncated)
+        step = cfg.micro_batches * self.data_parallel_size
+        return self.pack(usable, batch_lib.bucket_rows(max(1, probe.tokens.shape[1]), step))
+
+    def make_batch(self, rollouts: Sequence[Rollout], num_rows: int | None = None) -> LearnerBatch:
+        """`pack`, placed on this learner's mesh."""
+        return batch_lib.to_device(self.pack(rollouts, num_rows), self.mesh)
 
     def step(self, batch: LearnerBatch | Sequence[Rollout]) -> dict[str, float]:
-        """One optimiser step on a device batch (or rollouts, packed here); host metrics."""
+        """One optimiser step on a batch (host or device), or on rollouts packed here; host
+        metrics."""
         if not isinstance(batch, LearnerBatch):
             batch = self.make_batch(batch)
+        elif isinstance(batch.tokens, np.ndarray):
+            batch = batch_lib.to_device(batch, self.mesh)
         self.state, metrics = self._step(self.state, batch)
         return {name: float(v) for name, v in jax.device_get(metrics).items()}
+
+    def train(self, rollouts: Sequence[Rollout]) -> Mapping[str, float]:
+        """The controller's step: `pack_bucketed`, then `step`; {"skipped": 1.0} when no
+        rollout is usable."""
+        batch = self.pack_bucketed(rollouts)
+        if batch is None:
+            return {"skipped": 1.0}
+        return {**self.step(batch), "rows": float(batch.rows),
+                "train_rollouts": float(batch.num_sequences)}
 
     def model(self) -> Transformer:
         """The current model (sharing the learner's parameter arrays)."""

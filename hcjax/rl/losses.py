@@ -3,7 +3,8 @@
 Every loss takes `logp`, `old_logp`, `mask` [B, T], advantages [B] or [B, T] and the *global*
 batch totals, and returns `(loss, metrics)`. Losses are sums over the tokens given divided by the
 global totals, so a micro-batched or sharded learner adds per-part losses (and metrics, except
-those named `*_max`, which combine by max) to get the global value exactly. No model code here.
+those named `*_max`, which combine by max: hcjax.train.step.combine_metrics) to get the global
+value exactly. No model code here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import jax.numpy as jnp
 __all__ = [
     "LOSSES",
     "LossConfig",
-    "combine_metrics",
     "dpo_loss",
     "grpo_loss",
     "gspo_loss",
@@ -256,15 +256,6 @@ class LossConfig:
             return fn(logp, old_logp, advantages, mask, **hp, **totals)
 
         return loss_fn
-
-
-def combine_metrics(parts: list[Metrics]) -> Metrics:
-    """Combine per-micro-batch metrics: `*_max` by max, everything else by sum."""
-    out: Metrics = {}
-    for name in parts[0]:
-        values = jnp.stack([p[name] for p in parts])
-        out[name] = jnp.max(values) if name.endswith("_max") else jnp.sum(values)
-    return out
 
 
 def dpo_loss(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
@@ -217,13 +217,14 @@ def global_batch(blocks: dict[str, dict[tuple, np.ndarray] | None], shapes: dict
 class DistributedLearner:
     """A `hcjax.rl.learner.Learner` on a mesh over every process, driven by process 0.
 
-    On the leader it stands in for the learner (`cfg`, `data_parallel_size`, `make_batch`,
-    `step`, `state`): `make_batch` packs on the host only, `step` sends each follower its rows,
-    then trains. `host_params` / `local_params`, `save` and `restore` are collective too and are
-    sent the same way: between building the learner and `stop`, the leader must run no other
-    computation over the learner mesh. Every
-    other process calls `follow(checkpointer)` until the leader calls `stop()` (or `abort()`).
-    With one process it is the plain learner plus host-side packing.
+    On the leader it is the controller's learner (hcjax.rl.controller.Learner: `train`) and
+    stands in for the learner (`cfg`, `data_parallel_size`, `make_batch`, `step`, `state`):
+    `make_batch` packs on the host only, `step` sends each follower its rows, then trains;
+    `train` packs as `Learner.train` does (bucketed rows), then steps. `host_params` /
+    `local_params`, `save` and `restore` are collective too and are sent the same way: between
+    building the learner and `stop`, the leader must run no other computation over the learner
+    mesh. Every other process calls `follow(checkpointer)` until the leader calls `stop()` (or
+    `abort()`). With one process it is the plain learner plus host-side packing.
 
     timeout_s bounds a follower's wait for the next command: it must exceed the longest pause of
     the controller between learner calls (rollouts, evals).
@@ -244,7 +245,7 @@ class DistributedLearner:
         self.steps = 0
         self._stopped = False
 
-    # Learner interface (what hcjax.climb.LearnerAdapter uses) ---------------------------------
+    # The learner's interface -----------------------------------------------------------------
 
     @property
     def cfg(self):
@@ -264,12 +265,16 @@ class DistributedLearner:
 
     def make_batch(self, rollouts: Sequence[Rollout], num_rows: int | None = None) -> LearnerBatch:
         """Pack rollouts into a host (numpy) batch for this learner's mesh; `step` places it."""
-        cfg = self.learner.cfg
-        return batch_lib.pack_rollouts(
-            rollouts, seq_len=cfg.seq_len, micro_batches=cfg.micro_batches,
-            row_multiple=self.data_parallel_size, num_rows=num_rows,
-            with_routing=cfg.replay_routing, mask_truncated=cfg.mask_truncated,
-        )
+        return self.learner.pack(rollouts, num_rows)
+
+    def train(self, rollouts: Sequence[Rollout]) -> Mapping[str, float]:
+        """Leader: the controller's step, as `Learner.train` (bucketed rows), run by every
+        process; {"skipped": 1.0} when no rollout is usable."""
+        batch = self.learner.pack_bucketed(rollouts)
+        if batch is None:
+            return {"skipped": 1.0}
+        return {**self.step(batch), "rows": float(batch.rows),
+                "train_rollouts": float(batch.num_sequences)}
 
     def step(self, batch: LearnerBatch | Sequence[Rollout]) -> dict[str, float]:
         """Leader: one train step on a host batch (or rollouts), run by every process."""
