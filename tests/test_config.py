@@ -1,6 +1,7 @@
 """gin plumbing, model summary and the main entry point: clear errors, files written, counts right."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,13 @@ def test_every_config_binds(name):
     import hcjax.distill.rejection  # noqa: F401
 
     hcfg.bind([name], [])
+
+
+def test_a_cpu_start_prints_no_libtpu_lines():
+    """libtpu is installed for the planner only: an entry point on this TPU-less host runs JAX on
+    CPU (hcjax/__init__.py) without initialising libtpu, so it prints none of its warnings."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-m", "hcjax.model.summary"], env=env, text=True,
+                          capture_output=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TPU" not in done.stderr and "E0000" not in done.stderr, done.stderr[-2000:]
