@@ -6,6 +6,7 @@ expert MLPs) live side by side; `_dispatch.AUTO` says which one `impl="auto"` ru
 platform. Must not import hcjax: the kernels are usable and testable on their own.
 """
 
+from pallas_kernels._dispatch import backend
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.expert_mlp import expert_mlp, expert_mlp_reference
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
@@ -15,6 +16,7 @@ from pallas_kernels.self_attention import self_attention, self_attention_referen
 from pallas_kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
+    "backend",
     "decode_attention",
     "decode_attention_reference",
     "expert_mlp",
