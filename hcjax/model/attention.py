@@ -9,8 +9,9 @@ cached attention runs in the absorbed form (the up-projections folded into query
 The attention itself comes from `pallas_kernels.self_attention`: masks built from token positions
 (causal, window) and segment ids (packed rows), so the same code serves the full forward and cached
 generation; the full forward runs the implementation `ModelConfig.attention_impl` names (dense,
-blocked, the flash kernel; "auto" by platform). A cache layer holds per-position entries ([B, S, ...]) and `pos` ([B, S], -1 = empty);
-local layers keep a ring buffer of `window` slots (position p lives in slot p % window).
+blocked, the flash kernel; "auto" by platform). A cache layer holds per-position entries
+([B, S, ...]) and `pos` ([B, S], -1 = empty); local layers keep a ring buffer of `window` slots
+(position p lives in slot p % window).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ scores with a choice-only correction bias, grouped top-k and a routed scaling fa
 Dispatch is dropless: the routed experts' MLP is `pallas_kernels.expert_mlp`, in the form
 `ModelConfig.moe_impl` names (grouped matmuls on `jax.lax.ragged_dot` or the Pallas `gmm`, the
 XLA forms "blocked", "tiled" and "capacity", or the dense one-hot reference; "auto" by platform);
-no token is dropped. The router can be forced to given experts (routing replay); the gates then still come
-from the current router logits at those experts, so the router keeps its gradient.
+no token is dropped. The router can be forced to given experts (routing replay); the gates then
+still come from the current router logits at those experts, so the router keeps its gradient.
 
 Expert parallelism (`ModelConfig.expert_parallel`): the routed experts run under `jax.shard_map`
 over the context mesh's expert axis, each device holding E/n of them; see `_expert_parallel`. The
