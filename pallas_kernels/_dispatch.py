@@ -1,15 +1,51 @@
-"""Shared choice of implementation, lowering and interpret mode for every kernel in this package.
+"""Shared choice of implementation, lowering and interpret mode for every operation in this package.
 
-Kept free of any kernel logic so each kernel module reads as reference + kernel + dispatcher.
+What `impl="auto"` runs, by the platform compiled for (`backend()`), is the table `AUTO` below,
+one row per operation; each row's comment says why. In short: on CPU the XLA forms measured
+fastest there (hand-written backwards, blocked attention, the capacity expert dispatch); on GPU
+and TPU the Pallas kernels where this package has one, and otherwise the CPU choice, which was
+not measured there. Kept free of any kernel logic so each kernel module reads as reference +
+implementations + dispatcher.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "pallas", "reference")
 LOWERINGS = ("gpu", "tpu")
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+# impl="auto" by operation and platform.
+_PALLAS_OFF_CPU = {"cpu": "reference", "gpu": "pallas", "tpu": "pallas"}
+AUTO: dict[str, dict[str, str]] = {
+    # The Pallas kernels compile on GPU (Triton) and TPU (Mosaic); on CPU they could only be
+    # interpreted, so the jnp reference runs there.
+    "flash_attention": _PALLAS_OFF_CPU,
+    "decode_attention": _PALLAS_OFF_CPU,
+    "gmm": _PALLAS_OFF_CPU,
+    "tgmm": _PALLAS_OFF_CPU,
+    # The projections' and dense SwiGLU's backward over tokens flattened to [N, .]: on XLA:CPU
+    # autodiff of the batched einsums left transposed copies of the activation gradients
+    # (projection.py, swiglu.py). GPU and TPU have no Pallas kernel for them and were not
+    # measured with the reference; they keep the flat form, plain 2-d matmuls on any backend,
+    # which is what `hcjax.bench.gpu` measured.
+    "project": {"cpu": "flat", "gpu": "flat", "tpu": "flat"},
+    "swiglu": {"cpu": "flat", "gpu": "flat", "tpu": "flat"},
+    # Self-attention of packed rows (self_attention.py): the flash kernel on GPU/TPU (it skips
+    # invisible key blocks on chip); on CPU the blocked XLA form, which skips them too, with a
+    # hand-written backward (2-5x less work than the dense reference at the tiny config). With
+    # attention sinks, which the flash kernel lacks, every platform runs the blocked form.
+    "self_attention": {"cpu": "blocked", "gpu": "pallas", "tpu": "pallas"},
+    # The routed experts' MLP (expert_mlp.py): the Pallas grouped matmul on GPU/TPU; on one CPU
+    # device the capacity dispatch (batched matmuls over experts, the fastest there by
+    # `python -m hcjax.bench.moe`), and under a multi-device mesh on CPU the blocked dispatch,
+    # which XLA partitions (the capacity form's overflow loop is one device's).
+    "expert_mlp": {"cpu": "capacity", "gpu": "pallas", "tpu": "pallas"},
+}
 
 
 def backend() -> str:
@@ -24,13 +60,26 @@ def backend() -> str:
     return "gpu" if platform in ("cuda", "rocm") else platform
 
 
+def on_several_devices() -> bool:
+    """Whether the context mesh spreads the program over several devices with Auto axes (axes
+    XLA's partitioner splits), as opposed to no mesh, one device, or inside a `shard_map`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1 and bool(mesh.auto_axes)
+
+
+def choose(impl: str, kernel: str, impls: Sequence[str] = IMPLS) -> str:
+    """`impl` checked against `impls`; "auto" becomes `AUTO[kernel]` for the platform built for."""
+    if impl not in impls:
+        raise ValueError(f"{kernel}: impl={impl!r} is not one of {tuple(impls)}")
+    if impl != "auto":
+        return impl
+    table = AUTO[kernel]
+    return table.get(backend(), table["cpu"])  # an unknown platform gets the portable XLA form
+
+
 def resolve_impl(impl: str, kernel: str) -> str:
     """Maps `impl` to "pallas" or "reference": auto means Pallas on TPU/GPU, the reference on CPU."""
-    if impl not in IMPLS:
-        raise ValueError(f"{kernel}: impl={impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return "pallas" if backend() in LOWERINGS else "reference"
-    return impl
+    return choose(impl, kernel, IMPLS)
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

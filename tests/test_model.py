@@ -17,8 +17,8 @@ from hcjax.model import (
     init_cache,
     load_balance_loss_from_stats,
 )
-from hcjax.model.attention import gqa_attention
 from hcjax.sharding import MeshConfig, make_mesh
+from pallas_kernels.self_attention import gqa_attention
 
 BASE = ModelConfig(
     vocab_size=64,
@@ -327,68 +327,3 @@ def test_config_errors_are_clear():
     cfg = dataclasses.replace(BASE, num_kv_heads=2)  # 2 KV heads cannot split over tensor=4
     with pytest.raises(ValueError, match=r"parameter blocks/0/attn/wk.*not divisible"):
         create_sharded(cfg, mesh)
-
-
-def test_blocked_and_ragged_dispatch_with_skewed_routing_and_empty_experts():
-    from hcjax.model.moe import (
-        _expert_mlp_blocked,
-        _expert_mlp_dense,
-        _expert_mlp_grouped,
-        _ragged_dot,
-        swiglu_act,
-    )
-
-    n, k, e, r, f = 37, 3, 6, 8, 12
-    keys = jax.random.split(jax.random.key(7), 5)
-    x = jax.random.normal(keys[0], (n, r))
-    wg, wu = (jax.random.normal(kk, (e, r, f)) for kk in keys[1:3])
-    wo = jax.random.normal(keys[3], (e, f, r))
-    # Experts 1 and 4 get nothing; expert 0 gets every token; distinct experts per token.
-    expert_nk = jnp.stack([jnp.zeros(n, jnp.int32), 2 + jnp.arange(n) % 2, jnp.full(n, 5)], 1)
-    gates = jax.nn.softmax(jax.random.normal(keys[4], (n, k)), -1)
-    combine = jnp.sum(jax.nn.one_hot(expert_nk, e) * gates[..., None], 1)
-    ref = _expert_mlp_dense(x, {"gate": wg, "up": wu, "out": wo}, combine, swiglu_act)
-    blocked = _expert_mlp_blocked(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act)
-    ragged = _expert_mlp_grouped(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act, _ragged_dot)
-    np.testing.assert_allclose(blocked, ref, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(ragged, ref, rtol=1e-5, atol=1e-4)
-    grad_b = jax.grad(lambda w: jnp.sum(_expert_mlp_blocked(x, {"gate": w, "up": wu, "out": wo}, expert_nk, gates, swiglu_act)))(wg)
-    grad_d = jax.grad(lambda w: jnp.sum(_expert_mlp_dense(x, {"gate": w, "up": wu, "out": wo}, combine, swiglu_act)))(wg)
-    np.testing.assert_allclose(grad_b, grad_d, rtol=1e-4, atol=1e-4)
-    assert float(jnp.abs(grad_b[1]).max()) == 0.0  # an empty expert gets no gradient
-
-
-def _grads(fn, *args):
-    loss = lambda *a: jnp.sum(jnp.sin(fn(*a)))  # noqa: E731
-    return jax.value_and_grad(loss, argnums=tuple(range(len(args))))(*args)
-
-
-def test_project_and_swiglu_hand_backward_match_autodiff_of_the_einsums():
-    """`project` and `swiglu` carry hand-written backwards (flattened tokens); value and every
-    gradient equal automatic differentiation of the plain einsums, on batched and flat inputs."""
-    from hcjax.model.layers import project, swiglu
-
-    keys = jax.random.split(jax.random.key(3), 6)
-    x = jax.random.normal(keys[0], (2, 5, 8))
-    w_in = jax.random.normal(keys[1], (8, 3, 4))
-    h = jax.random.normal(keys[2], (2, 5, 3, 4))
-    cases = [
-        (lambda x, w: project(x, w), lambda x, w: jnp.einsum("btd,dhk->bthk", x, w), (x, w_in)),
-        (lambda h, w: project(h, w, 2), lambda h, w: jnp.einsum("bthk,hkd->btd", h, w),
-         (h, jnp.transpose(w_in, (1, 2, 0)))),
-        (lambda x, w: project(x, w), lambda x, w: x @ w, (x[0], w_in[:, 0])),
-    ]
-    wg, wu = (jax.random.normal(k, (8, 12)) * 0.3 for k in keys[3:5])
-    wd = jax.random.normal(keys[5], (12, 8)) * 0.3
-
-    def swiglu_ref(x, wg, wu, wd):
-        return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
-
-    for xs in (x, x[0]):
-        cases.append((lambda *a: swiglu(*a, jnp.float32), swiglu_ref, (xs, wg, wu, wd)))
-    for fn, ref, args in cases:
-        (value, grads), (value_ref, grads_ref) = _grads(fn, *args), _grads(ref, *args)
-        np.testing.assert_allclose(value, value_ref, rtol=1e-5)
-        for g, g_ref in zip(grads, grads_ref, strict=True):
-            assert g.shape == g_ref.shape
-            np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hcjax.rollout import sampling
 from hcjax.rollout.sampling import SORT_UP_TO, sample_reference, sampling_keys, searched_rows
 from hcjax.rollout.sampling import sample as sample_eager
 
@@ -318,6 +319,23 @@ def test_each_level_gives_the_same_row_result():
         alone = one_level(logits, keys, only, top_p)
         for name in ("tokens", "logprobs", "n_kept", "threshold_logit"):
             assert np.asarray(getattr(alone, name))[row] == np.asarray(getattr(outs[0], name))[row]
+
+
+def test_defaults_follow_the_platform_tuning(monkeypatch):
+    """`sample`'s candidates and sort_up_to default to `SAMPLER_TUNING` of the platform compiled
+    for: a platform tuned otherwise sends other rows to the threshold search and draws the same."""
+    rng = np.random.default_rng(5)
+    logits, temperature, top_p = _mixed_batch(rng, 16, 400)
+    keys = _keys(16, seed=3)
+    args = (logits, keys, temperature, top_p)
+    cpu_searched, cpu_out = searched_rows(*args), sample(*args)
+    assert not np.any(cpu_searched)  # 400 ids <= SORT_UP_TO: the CPU's last level sorts
+    monkeypatch.setattr(sampling, "backend", lambda: "gpu")
+    monkeypatch.setitem(sampling.SAMPLER_TUNING, "gpu", ((4,), 0))
+    gpu_searched = searched_rows(*args)
+    np.testing.assert_array_equal(gpu_searched, searched_rows(*args, candidates=(4,), sort_up_to=0))
+    assert np.any(gpu_searched)
+    _assert_same(jax.jit(sample_eager)(*args), cpu_out)  # traced afresh under the "gpu" tuning
 
 
 def test_greedy_and_top_p_one_rows_match_reference_with_ties():

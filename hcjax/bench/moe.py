@@ -5,8 +5,8 @@ LatentMoE (SwiGLU in the latent space) in each form (ragged_dot, blocked, tiled,
 plus, in the same run, a large plain matmul as the roofline and one expert's SwiGLU MLP on all N·k
 rows (the same useful FLOPs as plain matmuls, the ceiling a dispatch could reach at these shapes).
 `--tiles 16,32,64,128` also times the tiled form at each tile size (the measurement behind
-`hcjax.model.moe.default_tile`); `--capacities 1.0,1.0625,1.125` the capacity form at those
-multiples of the mean rows per expert (behind `default_capacity`). Useful FLOPs count only the
+`pallas_kernels.expert_mlp_tiled.default_tile`); `--capacities 1.0,1.0625,1.125` the capacity form
+at those multiples of the mean rows per expert (behind `default_capacity`). Useful FLOPs count only the
 chosen experts (N·k assignments); the dense path computes all E experts for every token. Prints
 one JSON object as its last line. Timings are not asserted.
 """
@@ -23,17 +23,10 @@ import jax.numpy as jnp
 
 from hcjax import host_memory
 from hcjax.display import Phases
-from hcjax.model.moe import (
-    _expert_mlp_blocked,
-    _expert_mlp_capacity,
-    _expert_mlp_dense,
-    _expert_mlp_grouped,
-    _expert_mlp_tiled,
-    _ragged_dot,
-    default_capacity,
-    default_tile,
-    swiglu_act,
-)
+from hcjax.model.moe import swiglu_act
+from pallas_kernels.expert_mlp import dense_expert_mlp, expert_mlp_grouped
+from pallas_kernels.expert_mlp_capacity import default_capacity, expert_mlp_capacity
+from pallas_kernels.expert_mlp_tiled import default_tile, expert_mlp_blocked, expert_mlp_tiled
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -68,13 +61,16 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
 
     # Routing arrives as arguments (as in the model), not as compile-time constants.
     def grouped_loss(x, wg, wu, wo, expert_nk, gates):
-        return jnp.sum(_expert_mlp_grouped(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act, _ragged_dot) ** 2)
+        return jnp.sum(expert_mlp_grouped(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates,
+                                          swiglu_act, gmm_impl="reference") ** 2)
 
     def dense_loss(x, wg, wu, wo, combine):
-        return jnp.sum(_expert_mlp_dense(x, {"gate": wg, "up": wu, "out": wo}, combine, swiglu_act) ** 2)
+        return jnp.sum(dense_expert_mlp(x, {"gate": wg, "up": wu, "out": wo}, combine,
+                                        swiglu_act) ** 2)
 
     def blocked_loss(x, wg, wu, wo, expert_nk, gates):
-        return jnp.sum(_expert_mlp_blocked(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates, swiglu_act) ** 2)
+        return jnp.sum(expert_mlp_blocked(x, {"gate": wg, "up": wu, "out": wo}, expert_nk, gates,
+                                          swiglu_act) ** 2)
 
     def form_at(mlp, **options):  # fwd+bwd of a dispatch form at given tile / capacity options
         def loss(x, wg, wu, wo, expert_nk, gates):
@@ -83,10 +79,10 @@ def bench_case(num_tokens: int, latent: int, hidden: int, experts: int, k: int, 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
     def tiled_at(tile):
-        return form_at(_expert_mlp_tiled, tile=tile)
+        return form_at(expert_mlp_tiled, tile=tile)
 
     def capacity_at(capacity):
-        return form_at(_expert_mlp_capacity, capacity=capacity)
+        return form_at(expert_mlp_capacity, capacity=capacity)
 
     def plain_loss(xs, wg, wu, wo):  # one expert on every assignment's row: no dispatch at all
         return jnp.sum(((jax.nn.silu(xs @ wg) * (xs @ wu)) @ wo) ** 2)

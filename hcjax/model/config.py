@@ -12,6 +12,9 @@ import math
 import gin
 import jax.numpy as jnp
 
+from pallas_kernels.expert_mlp import IMPLS as EXPERT_MLP_IMPLS
+from pallas_kernels.self_attention import IMPLS as SELF_ATTENTION_IMPLS
+
 ATTENTION_KINDS = ("local", "global")
 FFN_KINDS = ("moe", "dense")
 ATTENTION_TYPES = ("gqa", "mla")  # grouped-query, or DeepSeek's multi-head latent attention
@@ -20,11 +23,12 @@ MOE_TYPES = ("latent", "plain")  # LatentMoE (RECIPE §2), or experts on the mod
 ROUTER_TYPES = ("softmax", "sigmoid")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")  # clamped_swiglu: GPT-OSS's (limit, alpha)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# "auto" = the Pallas kernels on TPU/GPU, the XLA path on CPU (for the MoE "capacity" on one
-# device, the fastest there, and "blocked", which XLA partitions, under a multi-device mesh);
-# "pallas" forces the kernels (interpret mode on CPU, for tests); "reference"/"ragged"/"blocked"/
-# "tiled"/"capacity"/"dense" are XLA-only paths.
-MOE_IMPLS = ("ragged", "blocked", "tiled", "capacity", "dense", "pallas", "auto")
+# The implementations of the routed experts' MLP and of the full forward's self-attention are the
+# kernel package's (`pallas_kernels.expert_mlp`, `pallas_kernels.self_attention`, where each is
+# described): "auto" = the Pallas kernels on TPU/GPU and the XLA forms measured fastest on CPU
+# (`pallas_kernels._dispatch.AUTO`); "pallas" forces the kernels (interpret mode on CPU, for
+# tests); the others name one XLA form.
+MOE_IMPLS = EXPERT_MLP_IMPLS
 # Expert parallelism for the routed experts (hcjax/model/moe.py), used when the context mesh
 # (`jax.set_mesh`) has an `expert` axis larger than 1: "all_to_all" sends each assignment to the
 # device holding its expert (ragged all-to-all), "all_gather" gathers the tokens over the expert
@@ -33,20 +37,12 @@ EXPERT_PARALLEL_MODES = ("none", "all_to_all", "all_gather")
 # Attention of the full forward: "reference" is dense masked attention over the whole row, "blocked"
 # the same in query blocks that skip keys no query of the block can see (causal upper triangle,
 # keys behind the window); "auto" is the Pallas kernels on TPU/GPU and "blocked" elsewhere.
-ATTENTION_IMPLS = ("reference", "blocked", "pallas", "auto")
+ATTENTION_IMPLS = SELF_ATTENTION_IMPLS
 # Rematerialisation of each layer (hcjax/model/transformer.py): "none" keeps every activation,
 # "full" saves nothing (recomputes the layer in the backward pass), "dots" saves the outputs of
 # matmuls without batch dimensions (the weight matmuls, not attention scores), "minimal" saves
 # only the activations tagged with `checkpoint_name` (each layer's attention and FFN outputs).
 REMAT_POLICIES = ("none", "full", "dots", "minimal")
-
-
-def use_pallas(impl: str) -> bool:
-    """Whether an implementation switch selects our Pallas kernels on the platform being compiled
-    for (the context mesh's, else the default backend; decided at trace time)."""
-    from pallas_kernels import _dispatch
-
-    return impl == "pallas" or (impl == "auto" and _dispatch.backend() in _dispatch.LOWERINGS)
 
 
 @gin.configurable

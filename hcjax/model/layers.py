@@ -7,7 +7,6 @@ caller put in context (none: no-op). Nothing here knows about mesh sizes or RL.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -16,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from hcjax import sharding as shd
+from pallas_kernels.swiglu import swiglu as pallas_swiglu
 
 
 def param(rngs: nnx.Rngs, shape, axes, *, std: float | None = None, value: float | None = None):
@@ -123,75 +123,17 @@ def rope_frequencies_plain(theta: float, dim: int) -> np.ndarray:
     return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def project(x, w, n_in: int = 1):
-    """x [..., *in] contracted with w [*in, *out] (its first `n_in` axes): [..., *out].
-
-    The same as the einsum, with a backward over tokens flattened to [N, in] and [N, out]:
-    automatic differentiation of a batched einsum leaves XLA:CPU transposed copies of the
-    activation gradients for the weight gradient; here it is one plain x^T @ dy."""
-    return _project_fwd(x, w, n_in)[0]
-
-
-def _project_fwd(x, w, n_in):
-    lead, ins, outs = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
-    size_in = math.prod(ins)
-    y = x.reshape(-1, size_in) @ w.reshape(size_in, -1)
-    return y.reshape(*lead, *outs), (x, w)
-
-
-def _project_bwd(n_in, res, dy):
-    x, w = res
-    size_in = math.prod(w.shape[:n_in])
-    x2, w2 = x.reshape(-1, size_in), w.reshape(size_in, -1)
-    dy2 = dy.reshape(x2.shape[0], w2.shape[1])
-    return (dy2 @ w2.T).reshape(x.shape), (x2.T @ dy2).reshape(w.shape)
-
-
-project.defvjp(_project_fwd, _project_bwd)
-
-
 def swiglu(x, w_gate, w_up, w_down, dtype):
-    """SwiGLU MLP: (silu(x Wg) * x Wu) Wd, in the compute dtype."""
-    return _swiglu(x.astype(dtype), w_gate.astype(dtype), w_up.astype(dtype),
-                   w_down.astype(dtype))
+    """SwiGLU MLP: (silu(x Wg) * x Wu) Wd, in the compute dtype, the hidden split over the tensor
+    axis (`pallas_kernels.swiglu`; "auto" picks its backward by platform)."""
+    return pallas_swiglu(x.astype(dtype), w_gate.astype(dtype), w_up.astype(dtype),
+                         w_down.astype(dtype), constrain_hidden=_constrain_hidden)
 
 
-def _hidden_axes(h):
+def _constrain_hidden(h):
     """[B, T, F] (or [N, F] for flattened tokens): the hidden is split over the tensor axis."""
-    return ("activation_batch",) + ("activation_length",) * (h.ndim - 2) + ("activation_mlp",)
-
-
-@jax.custom_vjp
-def _swiglu(x, w_gate, w_up, w_down):
-    return _swiglu_fwd(x, w_gate, w_up, w_down)[0]
-
-
-def _swiglu_fwd(x, w_gate, w_up, w_down):
-    gate, up = x @ w_gate, x @ w_up
-    h = shd.constrain(jax.nn.silu(gate) * up, _hidden_axes(gate))
-    return h @ w_down, (x, gate, up, w_gate, w_up, w_down)
-
-
-def _swiglu_bwd(res, dy):
-    """The backward by hand, over tokens flattened to [N, .]: automatic differentiation of the
-    batched einsums leaves XLA:CPU a transposed copy of each [N, F] hidden gradient (fused into
-    silu's derivative, several times the cost of the matmul it feeds); here each weight
-    gradient contracts a plain [N, .] pair and the transposes are of x and the small weights."""
-    x, gate, up, w_gate, w_up, w_down = res
-    lead = x.shape[:-1]
-    x, gate, up, dy = (a.reshape(-1, a.shape[-1]) for a in (x, gate, up, dy))
-    sig = jax.nn.sigmoid(gate)
-    act = gate * sig
-    d_h = shd.constrain(dy @ w_down.T, _hidden_axes(gate))
-    d_up = d_h * act
-    d_gate = d_h * up * (sig * (1 + gate * (1 - sig)))
-    x_t = x.T
-    dx = d_gate @ w_gate.T + d_up @ w_up.T
-    return (dx.reshape(*lead, -1), x_t @ d_gate, x_t @ d_up, (act * up).T @ dy)
-
-
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+    axes = ("activation_batch",) + ("activation_length",) * (h.ndim - 2) + ("activation_mlp",)
+    return shd.constrain(h, axes)
 
 
 class DenseMLP(nnx.Module):

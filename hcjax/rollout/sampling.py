@@ -18,10 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from hcjax.rollout.records import order_keys
+from pallas_kernels import backend
 
-__all__ = ["DEFAULT_CANDIDATES", "SORT_UP_TO", "SampleOutput", "sample", "sample_reference",
-           "sampling_keys", "searched_rows"]
+__all__ = ["DEFAULT_CANDIDATES", "SAMPLER_TUNING", "SORT_UP_TO", "SampleOutput", "sample",
+           "sample_reference", "sampling_keys", "searched_rows"]
 
+# The sampler's speed knobs, chosen by the platform it is compiled for (`SAMPLER_TUNING`). Every
+# setting draws bit-identical tokens (`sample_reference`); they trade speed only.
 # Candidate-set sizes tried before the threshold search. `lax.top_k`'s cost on CPU grows with k:
 # 32 candidates instead of 64 took the top-p draw of 64 rows from 3.0 to 2.3 ms at a 32k
 # vocabulary (greedy 0.75 ms; 40 interleaved rounds, bench.rollout's peaked logits, whose
@@ -33,6 +36,13 @@ DEFAULT_CANDIDATES = (32,)
 # hundred ids costs less than the search's two 65536-bin histograms, which do not shrink with it
 # (at 272 ids the search's branches alone added 0.15 ms to a 0.15 ms greedy draw of 64 rows).
 SORT_UP_TO = 4096
+# (candidates, sort_up_to) by platform. Both were measured on CPU (above); GPU and TPU have not
+# been measured and run the CPU values until `python -m hcjax.bench.rollout` runs there.
+SAMPLER_TUNING: dict[str, tuple[tuple[int, ...], int]] = {
+    "cpu": (DEFAULT_CANDIDATES, SORT_UP_TO),
+    "gpu": (DEFAULT_CANDIDATES, SORT_UP_TO),
+    "tpu": (DEFAULT_CANDIDATES, SORT_UP_TO),
+}
 
 # Probability 1 in the fixed-point masses. A token's mass is round(p * 2^30) (int32); the
 # vocabulary's total stays below 2^31 for any vocabulary under 2^31 tokens, and the rounding
@@ -745,8 +755,8 @@ def sample(
     keys: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
-    candidates: tuple[int, ...] = DEFAULT_CANDIDATES,
-    sort_up_to: int = SORT_UP_TO,
+    candidates: tuple[int, ...] | None = None,
+    sort_up_to: int | None = None,
 ) -> SampleOutput:
     """Draw one token per row of `logits_bv` [B, V] with per-row temperature and top_p [B].
 
@@ -756,14 +766,24 @@ def sample(
     `candidates[1]`, ..., and a row whose nucleus is still incomplete finds its threshold by a
     search over the whole row (`_searched`), or by a sort when the vocabulary has at most
     `sort_up_to` ids. The search takes one row at a time, so its memory is one row's whatever
-    the batch. Every path gives bit-identical results to `sample_reference`.
+    the batch. Every path gives bit-identical results to `sample_reference`. `candidates` and
+    `sort_up_to` default to `SAMPLER_TUNING` for the platform compiled for.
     """
+    candidates, sort_up_to = _tuned(candidates, sort_up_to)
     temperature = jnp.asarray(temperature, jnp.float32)
     # Temperatures of 0 and 1 only (greedy rows and RL's usual T = 1): no division, no copy.
     unit = jnp.all((temperature <= 0.0) | (temperature == 1.0))
     body = functools.partial(_sample, candidates=candidates, sort_up_to=sort_up_to)
     return jax.lax.cond(unit, functools.partial(body, divide=False),
                         functools.partial(body, divide=True), logits_bv, keys, temperature, top_p)
+
+
+def _tuned(candidates, sort_up_to):
+    """The arguments given, else `SAMPLER_TUNING`'s for the platform compiled for (the context
+    mesh's, else JAX's default; an unlisted platform gets the CPU values)."""
+    tuned = SAMPLER_TUNING.get(backend(), SAMPLER_TUNING["cpu"])
+    return (tuned[0] if candidates is None else candidates,
+            tuned[1] if sort_up_to is None else sort_up_to)
 
 
 def _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to,
@@ -869,14 +889,15 @@ def searched_rows(
     keys: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
-    candidates: tuple[int, ...] = DEFAULT_CANDIDATES,
-    sort_up_to: int = SORT_UP_TO,
+    candidates: tuple[int, ...] | None = None,
+    sort_up_to: int | None = None,
 ) -> jax.Array:
     """bool [B]: the rows `sample` (same arguments) finds by the whole-row threshold search, its
     slow path: a nucleus wider than the candidate levels, or one that reaches past a level's
     exactness bound (its candidates may miss a token that ranks inside it, e.g. three of the top
     tokens in one 16-id block). For benchmarks and diagnostics; `sample` itself does not call it.
     """
+    candidates, sort_up_to = _tuned(candidates, sort_up_to)
     temperature = jnp.asarray(temperature, jnp.float32)
     return _sample(logits_bv, keys, temperature, top_p, candidates, sort_up_to, divide=True,
                    report_searched=True)[1]

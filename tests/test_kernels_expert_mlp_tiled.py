@@ -1,6 +1,7 @@
-"""The tiled dropless dispatch (a loop over the tiles that hold assignments, hand-written
-backward) against the dense one-hot reference: outputs and the gradients of every input and
-weight, with biases, GPT-OSS's clamped activation, skewed and empty experts, ids of experts held
+"""The tile forms of the expert MLP (pallas_kernels/expert_mlp_tiled.py): "tiled" (a loop over the
+tiles that hold assignments, hand-written backward) and "blocked" (batched matmuls over every
+tile) against the dense one-hot reference: outputs and the gradients of every input and weight,
+with biases, GPT-OSS's clamped activation, skewed and empty experts, ids of experts held
 elsewhere, several tile sizes."""
 
 import jax
@@ -8,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hcjax.model.moe import (
-    _expert_mlp_blocked,
-    _expert_mlp_dense,
-    _expert_mlp_tiled,
-    clamped_swiglu_act,
-    routed_experts_fn,
-    swiglu_act,
+from hcjax.model.moe import clamped_swiglu_act, swiglu_act
+from pallas_kernels.expert_mlp import expert_mlp_reference
+from pallas_kernels.expert_mlp_tiled import (
+    blocked_tile,
+    default_tile,
+    expert_mlp_blocked,
+    expert_mlp_tiled,
 )
 
 
@@ -34,10 +35,7 @@ def problem(n=37, k=3, e=6, r=8, f=12, biases=False, seed=7, skew=True):
     return x, w, expert_nk, gates
 
 
-def dense(x, w, expert_nk, gates, act):
-    e = w["gate"].shape[0]
-    combine = jnp.sum(jax.nn.one_hot(expert_nk, e) * gates[..., None], 1)
-    return _expert_mlp_dense(x, w, combine, act)
+dense = expert_mlp_reference
 
 
 _PLAIN, _CLAMPED = (False, swiglu_act), (True, clamped_swiglu_act(7.0, 1.702))
@@ -54,7 +52,7 @@ def test_tiled_equals_dense_values_and_grads(tile, biases, act, skew):
     def loss(fn):
         return lambda x, w, gates: jnp.sum(fn(x, w, expert_nk, gates, act) * probe)
 
-    tiled = lambda x, w, ex, g, act: _expert_mlp_tiled(x, w, ex, g, act, tile=tile)  # noqa: E731
+    tiled = lambda x, w, ex, g, act: expert_mlp_tiled(x, w, ex, g, act, tile=tile)  # noqa: E731
     np.testing.assert_allclose(jax.jit(tiled, static_argnums=4)(x, w, expert_nk, gates, act),
                                dense(x, w, expert_nk, gates, act), rtol=1e-5, atol=1e-4)
     got = jax.jit(jax.grad(loss(tiled), (0, 1, 2)))(x, w, gates)
@@ -78,11 +76,38 @@ def problem_held_elsewhere():
 
 def test_ids_of_experts_held_elsewhere_count_nothing():
     x, w, elsewhere, gates, want = problem_held_elsewhere()
-    np.testing.assert_allclose(_expert_mlp_tiled(x, w, elsewhere, gates, swiglu_act), want,
+    np.testing.assert_allclose(expert_mlp_tiled(x, w, elsewhere, gates, swiglu_act), want,
                                rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(_expert_mlp_blocked(x, w, elsewhere, gates, swiglu_act), want,
+    np.testing.assert_allclose(expert_mlp_blocked(x, w, elsewhere, gates, swiglu_act), want,
                                rtol=1e-5, atol=1e-4)
 
 
-def test_tiled_is_chosen_by_name():
-    assert routed_experts_fn("tiled") is _expert_mlp_tiled
+@pytest.mark.parametrize("tile, biases, act, skew", [
+    (None, *_PLAIN, True), (None, *_CLAMPED, False), (4, *_CLAMPED, True), (16, *_PLAIN, False)])
+def test_blocked_equals_dense_values_and_grads(tile, biases, act, skew):
+    x, w, expert_nk, gates = problem(biases=biases, skew=skew)
+    probe = jax.random.normal(jax.random.key(1), (x.shape[0], w["out"].shape[-1]))
+
+    def loss(fn):
+        return lambda x, w, gates: jnp.sum(fn(x, w, expert_nk, gates, act) * probe)
+
+    blocked = lambda x, w, ex, g, act: expert_mlp_blocked(x, w, ex, g, act, tile=tile)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(blocked, static_argnums=4)(x, w, expert_nk, gates, act),
+                               dense(x, w, expert_nk, gates, act), rtol=1e-5, atol=1e-4)
+    got = jax.jit(jax.grad(loss(blocked), (0, 1, 2)))(x, w, gates)
+    want = jax.jit(jax.grad(loss(dense), (0, 1, 2)))(x, w, gates)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    if skew:  # an empty expert gets no gradient
+        assert float(jnp.abs(got[1]["gate"][1]).max()) == 0.0
+
+
+def test_tile_rules():
+    # tiled: a quarter of the mean rows per expert, a power of two in [16, 128].
+    assert default_tile(2048 * 8, 64) == 64  # mean 256
+    assert default_tile(2048 * 2, 64) == 16  # mean 64
+    assert default_tile(2048 * 2, 8) == 128  # mean 512, capped
+    # blocked: the mean rounded up to a power of two in [8, 128].
+    assert blocked_tile(2048 * 2, 64) == 64
+    assert blocked_tile(100, 64) == 8
+    assert blocked_tile(2048 * 8, 8) == 128

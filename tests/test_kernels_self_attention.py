@@ -1,6 +1,8 @@
-"""Blocked self-attention (query blocks that skip invisible keys) against dense masked attention:
-the same outputs and gradients for every query that sees a key, on packed rows with windows,
-GQA and sinks, and the same logits through the whole model."""
+"""Self-attention of packed rows (pallas_kernels/self_attention.py): the blocked form (query blocks
+that skip invisible keys, hand-written backward) against dense masked attention, the same outputs
+and gradients for every query that sees a key, on packed rows with windows, GQA and sinks, and the
+same logits through the whole model; the dispatcher's every impl against the reference, and what
+"auto" picks on each platform."""
 
 import dataclasses
 
@@ -10,7 +12,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hcjax.model.attention import attention_mask, blocked_self_attention, gqa_attention
+from pallas_kernels import _dispatch
+from pallas_kernels.self_attention import (
+    attention_mask,
+    blocked_attention,
+    gqa_attention,
+    self_attention,
+    self_attention_impl,
+    self_attention_reference,
+)
 from tests.test_model import BASE, make_model
 
 
@@ -43,7 +53,7 @@ def test_blocked_equals_dense_on_packed_rows(window, sinks):
         return gqa_attention(q, k, v, mask, sinks_h=sinks_h)
 
     def blocked(q, k, v, sinks_h):
-        return blocked_self_attention(q, k, v, pos, seg, window, block=32, sinks_h=sinks_h)
+        return blocked_attention(q, k, v, pos, seg, window, block=32, sinks_h=sinks_h)
 
     ref, got = jax.jit(dense)(q, k, v, sinks_h), jax.jit(blocked)(q, k, v, sinks_h)
     np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, ref, 0),
@@ -71,7 +81,7 @@ def test_blocked_bf16_follows_the_dense_path():
         return lambda q, k, v: jnp.sum(jnp.where(valid, f(q, k, v), 0).astype(jnp.float32) ** 2)
 
     dense = lambda q, k, v: gqa_attention(q, k, v, attention_mask(pos, pos, seg, seg, 31))  # noqa: E731
-    blocked = lambda q, k, v: blocked_self_attention(q, k, v, pos, seg, 31, block=64)  # noqa: E731
+    blocked = lambda q, k, v: blocked_attention(q, k, v, pos, seg, 31, block=64)  # noqa: E731
     assert blocked(q, k, v).dtype == jnp.bfloat16
     for g_ref, g_got in zip(jax.grad(loss(dense), (0, 1, 2))(q, k, v),
                             jax.grad(loss(blocked), (0, 1, 2))(q, k, v), strict=True):
@@ -83,7 +93,7 @@ def test_blocked_bf16_follows_the_dense_path():
 def test_short_rows_are_one_block():
     pos, seg = packed_row([20], 0)
     q, k, v = qkv(1, 20)
-    got = blocked_self_attention(q, k, v, pos[None], seg[None], None, block=64)
+    got = blocked_attention(q, k, v, pos[None], seg[None], None, block=64)
     ref = gqa_attention(q, k, v, attention_mask(pos[None], pos[None], seg[None], seg[None], None))
     np.testing.assert_array_equal(got, ref)
 
@@ -109,3 +119,48 @@ def test_model_logits_and_grads_equal_reference():
     assert len(flat_ref) == len(flat_got)
     for a, b in zip(flat_ref, flat_got, strict=True):
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl, window", [("blocked", 9), ("pallas", None), ("pallas", 9)])
+def test_dispatched_impls_equal_the_reference_values_and_grads(impl, window):
+    # The flash kernel (interpret mode) masks by index within segments: packed rows whose
+    # positions restart per segment, padding (segment 0) at the end.
+    rows = [packed_row([30, 20], 6), packed_row([56], 0)]
+    pos, seg = (jnp.stack([r[i] for r in rows]) for i in (0, 1))
+    q, k, v = qkv(2, 56, seed=3)
+    probe = jax.random.normal(jax.random.key(5), q.shape)
+    valid = (seg > 0)[:, :, None, None]
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.where(valid, f(q, k, v) * probe, 0.0))
+
+    ref = lambda q, k, v: self_attention_reference(q, k, v, pos, seg, window)  # noqa: E731
+    got = lambda q, k, v: self_attention(q, k, v, pos, seg, window=window, impl=impl,  # noqa: E731
+                                         block=16)
+    np.testing.assert_allclose(np.where(valid, jax.jit(got)(q, k, v), 0),
+                               np.where(valid, jax.jit(ref)(q, k, v), 0), rtol=1e-5, atol=1e-5)
+    for g_ref, g_got in zip(jax.jit(jax.grad(loss(ref), (0, 1, 2)))(q, k, v),
+                            jax.jit(jax.grad(loss(got), (0, 1, 2)))(q, k, v), strict=True):
+        np.testing.assert_allclose(g_got, g_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("platform, auto, with_sinks", [
+    ("cpu", "blocked", "blocked"), ("gpu", "pallas", "blocked"), ("tpu", "pallas", "blocked")])
+def test_auto_by_platform(monkeypatch, platform, auto, with_sinks):
+    monkeypatch.setattr(_dispatch, "backend", lambda: platform)
+    assert self_attention_impl("auto") == auto
+    assert self_attention_impl("auto", sinks=True) == with_sinks  # the flash kernel has no sinks
+    for impl in ("reference", "blocked", "pallas"):
+        assert self_attention_impl(impl) == impl
+
+
+def test_bad_choices_are_named():
+    with pytest.raises(ValueError, match="impl='flash' is not one of"):
+        self_attention_impl("flash")
+    with pytest.raises(ValueError, match="impl='pallas'.*has no attention sinks"):
+        self_attention_impl("pallas", sinks=True)
+    q, k, v = qkv(1, 8)
+    with pytest.raises(ValueError, match="positions_bt is None"):
+        self_attention(q, k, v, None, None, impl="blocked")
+    with pytest.raises(ValueError, match="block=0"):
+        blocked_attention(q, k, v, jnp.arange(8)[None], None, None, block=0)

@@ -1,31 +1,27 @@
-"""The capacity dropless dispatch (each expert's first C rows as one batched matmul over experts,
-the rows past C in overflow tiles, hand-written backward) against the dense one-hot reference:
-outputs and the gradients of every input, weight and gate, with biases, GPT-OSS's clamped
-activation, skewed and empty experts, every row overflowing, ids of experts held elsewhere; its
-index layout on its own; its capacity rule; and what "auto" picks."""
+"""The capacity form of the expert MLP (pallas_kernels/expert_mlp_capacity.py: each expert's first
+C rows as one batched matmul over experts, the rows past C in overflow tiles, hand-written
+backward) against the dense one-hot reference: outputs and the gradients of every input, weight
+and gate, with biases, GPT-OSS's clamped activation, skewed and empty experts, every row
+overflowing, ids of experts held elsewhere; its index layout on its own; its capacity rule."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hcjax.model.moe import (
-    _capacity_layout,
-    _expert_mlp_blocked,
-    _expert_mlp_capacity,
-    _expert_mlp_tiled,
-    clamped_swiglu_act,
+from hcjax.model.moe import clamped_swiglu_act, swiglu_act
+from pallas_kernels.expert_mlp_capacity import (
+    capacity_layout,
     default_capacity,
-    routed_experts_fn,
-    swiglu_act,
+    expert_mlp_capacity,
 )
-from hcjax.sharding import MeshConfig, make_mesh
-from tests.test_moe_tiled import dense, problem, problem_held_elsewhere
+from pallas_kernels.expert_mlp_tiled import expert_mlp_tiled
+from tests.test_kernels_expert_mlp_tiled import dense, problem, problem_held_elsewhere
 
 
 def _check_against_dense(x, w, expert_nk, gates, act, **kw):
     probe = jax.random.normal(jax.random.key(1), (x.shape[0], w["out"].shape[-1]))
-    cap = lambda x, w, ex, g, act: _expert_mlp_capacity(x, w, ex, g, act, **kw)  # noqa: E731
+    cap = lambda x, w, ex, g, act: expert_mlp_capacity(x, w, ex, g, act, **kw)  # noqa: E731
     np.testing.assert_allclose(jax.jit(cap, static_argnums=4)(x, w, expert_nk, gates, act),
                                dense(x, w, expert_nk, gates, act), rtol=1e-5, atol=1e-4)
 
@@ -68,7 +64,7 @@ def test_layout_places_every_assignment_once():
     n, k, e, capacity, tile = 37, 3, 6, 4, 4
     _, _, expert_nk, _ = problem(n=n, k=k, e=e)
     expert_nk = expert_nk.at[::5, 1].set(e)  # held elsewhere: in no expert's rows
-    slot_assign, slot_of, row_assign, tile_expert, used = _capacity_layout(
+    slot_assign, slot_of, row_assign, tile_expert, used = capacity_layout(
         expert_nk, e, capacity, tile)
     a = n * k
     slot_assign, slot_of = np.asarray(slot_assign), np.asarray(slot_of)
@@ -104,10 +100,10 @@ def test_ids_of_experts_held_elsewhere_count_nothing():
     x, w, elsewhere, gates, want = problem_held_elsewhere()
     for capacity in (None, 3):
         np.testing.assert_allclose(
-            _expert_mlp_capacity(x, w, elsewhere, gates, swiglu_act, capacity=capacity), want,
+            expert_mlp_capacity(x, w, elsewhere, gates, swiglu_act, capacity=capacity), want,
             rtol=1e-5, atol=1e-4)
     # Their gates get no gradient: no expert here computed anything for them.
-    d_gates = jax.grad(lambda g: jnp.sum(_expert_mlp_capacity(x, w, elsewhere, g, swiglu_act)))(
+    d_gates = jax.grad(lambda g: jnp.sum(expert_mlp_capacity(x, w, elsewhere, g, swiglu_act)))(
         gates)
     assert float(jnp.abs(d_gates[::3, 1]).max()) == 0.0
     assert float(jnp.abs(d_gates[1::3, 1]).min()) > 0.0
@@ -122,7 +118,7 @@ def test_bf16_matches_the_tiled_form():
         return jax.grad(lambda x, w, g: jnp.sum(fn(x, w, expert_nk, g, swiglu_act)
                                                 .astype(jnp.float32)), (0, 1, 2))(x, w, gates)
 
-    got, want = grads(_expert_mlp_capacity), grads(_expert_mlp_tiled)
+    got, want = grads(expert_mlp_capacity), grads(expert_mlp_tiled)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
@@ -134,11 +130,3 @@ def test_default_capacity_is_the_mean_plus_its_square_root_in_eights():
     assert default_capacity(2048 * 2, 8) == 536  # 512 + 22.6 -> 534.6 -> 536
     assert default_capacity(2048 * 8, 8) == 2096  # 2048 + 45.3
     assert default_capacity(3, 8) == 8  # never below 8 rows
-
-
-def test_auto_is_capacity_on_one_device_and_blocked_under_a_mesh():
-    assert routed_experts_fn("auto") is _expert_mlp_capacity
-    assert routed_experts_fn("capacity") is _expert_mlp_capacity
-    mesh = make_mesh(MeshConfig(fsdp=2, num_devices=2))
-    with jax.set_mesh(mesh):
-        assert routed_experts_fn("auto") is _expert_mlp_blocked
