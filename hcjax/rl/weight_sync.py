@@ -46,7 +46,7 @@ from hcjax.transfer import (
     assign_processes,
     make_plan,
 )
-from hcjax.transfer.plan import path_str
+from hcjax.transfer.reshard_plan import path_str
 
 __all__ = [
     "WEIGHTS_SERVICE",
