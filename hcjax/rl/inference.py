@@ -75,7 +75,7 @@ class LocalInference:
 
 class RemoteInference:
     """Remote replicas: requests through the Router, weights by reshard plans to every live
-    replica (hcjax.rl.weight_sync.WeightPublisher).
+    replica (hcjax.transfer.weights_service.WeightPublisher).
 
     Start: waits (with backoff, up to `ready_timeout` s) for the replicas' Health to answer
     SERVING; those not ready by then, and any whose transfer later fails or that the router's
@@ -92,9 +92,9 @@ class RemoteInference:
         always gets the current params at once. health_timeout: a replica that does not answer
         Health this fast before a push is left out of it (see `publish`), and one that stops
         answering during a push is dropped from it (the publisher probes every 5 s)."""
-        from hcjax.rl.weight_sync import WeightPublisher
         from hcjax.rollout.router import Router
         from hcjax.rollout.service import wait_ready
+        from hcjax.transfer.weights_service import WeightPublisher
 
         addresses = list(addresses)
         wait_ready(addresses, timeout=ready_timeout, require="any")
