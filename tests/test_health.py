@@ -133,7 +133,7 @@ def test_wait_ready_times_out_naming_what_is_not_ready():
 
 
 def test_wait_ready_cli_exit_codes():
-    from hcjax.launch import wait_ready as cli
+    from hcjax.cluster import wait_ready as cli
 
     srv, _, address = start_service(HungServer())
     try:

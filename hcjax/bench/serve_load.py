@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCHER_SIZES = ["--max_prefill_length", "32"]  # as hcjax.launch.jobset and launch/*.sh
+LAUNCHER_SIZES = ["--max_prefill_length", "32"]  # as hcjax.cluster.jobset and launch/*.sh
 PROMPT = [10, 20, 30, 40, 50, 60, 70, 80]
 
 
