@@ -304,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hcjax.config import run_main
-
-    run_main(main)
+    # Not hcjax.config.run_main (it needs gin): the launchers run this with the host's python3
+    # before any install step, so only the standard library is there; main prints its own
+    # one-line errors and returns the exit status.
+    raise SystemExit(main())
