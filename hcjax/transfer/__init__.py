@@ -1,5 +1,7 @@
-"""Weight transfer by reshard plans: learner layout -> inference layout, in-process and across
-processes; the package sees pytrees of arrays and shardings, never a model."""
+"""Weight transfer by reshard plans: learner layout -> inference layout, in-process
+(LocalTransfer) and across processes (PlanSender / PlanReceiver, steered by the `hcjax.Weights`
+gRPC service in hcjax.transfer.weights_service); the package sees pytrees of arrays and
+shardings, never a model."""
 
 from hcjax.transfer.local import ExecutionResult, LocalTransfer, TransferError
 from hcjax.transfer.remote import (
