@@ -168,11 +168,11 @@ def serve(options: ServeOptions, *, ready: Callable[[dict], None] | None = None,
     from flax import nnx
 
     from hcjax.model import ModelConfig, create_sharded
-    from hcjax.rl.weight_sync import weights_service
     from hcjax.rollout import Engine, GenerateRequest, RolloutServer
     from hcjax.rollout.service import RequestLimits, RolloutServicer, rpc_server
     from hcjax.rollout.testing import perturbed
     from hcjax.rpc.auth import Security, check_exposure
+    from hcjax.transfer.weights_service import weights_service
 
     security = Security.from_env(token_file=options.token_file, tls_dir=options.tls_dir)
     check_exposure(options.host, security, allow_unauthenticated=options.allow_unauthenticated)

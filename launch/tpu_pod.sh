@@ -3,8 +3,8 @@
 # of every learner slice in one JAX job: jax.distributed with worker 0 of the first slice as
 # coordinator; several slices joined over DCN by the MEGASCALE_* variables of multislice JAX), and
 # one inference process (python -m hcjax.serve) per single-host inference slice. Per-process
-# environment and command come from `python -m hcjax.launch.plan tpu` (printed by --dry_run); for
-# GKE, `python -m hcjax.launch.jobset` prints the same climb as a JobSet manifest.
+# environment and command come from `python -m hcjax.cluster.layout tpu` (printed by --dry_run); for
+# GKE, `python -m hcjax.cluster.jobset` prints the same climb as a JobSet manifest.
 #
 #   launch/tpu_pod.sh --zone ZONE --learner_tpus "L0 [L1 ...]" --learner_type v5p-64 \
 #       --inference_tpus "I0 [I1 ...]" --inference_type v5p-8 --output_dir gs://BUCKET/run \
@@ -12,8 +12,8 @@
 #
 # On every host: jax[tpu] is installed into DIR/.venv-accel if absent; a gs:// output_dir is
 # mounted with gcsfuse at /mnt/gcs/BUCKET (or give a shared mount such as Filestore); each learner
-# host checks that output_dir is shared and writable (hcjax.launch.storage) and waits for every
-# inference process's Health to answer SERVING (hcjax.launch.wait_ready) before it starts.
+# host checks that output_dir is shared and writable (hcjax.cluster.storage) and waits for every
+# inference process's Health to answer SERVING (hcjax.cluster.wait_ready) before it starts.
 # Extra flags go to the learner; the gin ones also to the inference processes. Engine sizes:
 # $MAX_PREFILL_LENGTH (32), $MAX_CONCURRENT_DECODES (128), $MAX_TARGET_LENGTH (model's).
 # Security: $HCJAX_TOKEN_FILE (a path present on every host) is required and passed on, as are
@@ -59,7 +59,7 @@ if [[ $DRY_RUN == 0 && -z "${HCJAX_TOKEN_FILE:-}" ]]; then
 fi
 hosts_of() {  # hosts_of TPU TYPE: the slice's worker addresses, comma-separated, worker 0 first
   local n
-  n=$(PYTHONPATH=. python3 -c "from hcjax.launch.plan import tpu_slice; print(tpu_slice('$2').hosts)") || exit 2
+  n=$(PYTHONPATH=. python3 -c "from hcjax.cluster.layout import tpu_slice; print(tpu_slice('$2').hosts)") || exit 2
   if [[ $DRY_RUN == 1 ]]; then  # stand-ins; a real run asks gcloud for the internal IPs
     local out=()
     for ((w = 0; w < n; w++)); do out+=("$1-w$w"); done
@@ -80,10 +80,10 @@ INFERENCE=""
 for t in $INFERENCE_TPUS; do INFERENCE+="$t=$(hosts_of "$t" "$INFERENCE_TYPE");"; done
 SIZES="--max_prefill_length $MAX_PREFILL_LENGTH --max_concurrent_decodes $MAX_CONCURRENT_DECODES"
 if [[ -n "$MAX_TARGET_LENGTH" ]]; then SIZES+=" --max_target_length $MAX_TARGET_LENGTH"; fi
-PLAN=$(PYTHONPATH=. python3 -m hcjax.launch.plan tpu --learner "$LEARNER" \
+LAYOUT=$(PYTHONPATH=. python3 -m hcjax.cluster.layout tpu --learner "$LEARNER" \
   --inference "$INFERENCE" --port "$PORT" --output_dir "$OUTPUT_DIR" --sizes "$SIZES" \
   -- "${EXTRA[@]}")
-PYTHONPATH=. python3 -m hcjax.launch.plan tpu --learner "$LEARNER" --inference "$INFERENCE" \
+PYTHONPATH=. python3 -m hcjax.cluster.layout tpu --learner "$LEARNER" --inference "$INFERENCE" \
   --output_dir "$OUTPUT_DIR" --slice_of_hosts >/tmp/hcjax_slices.$$  # host -> "TPU WORKER"
 declare -A WHERE
 while read -r host tpu worker; do WHERE[$host]="$tpu $worker"; done </tmp/hcjax_slices.$$
@@ -96,5 +96,5 @@ while read -r role host script; do
   if [[ $DRY_RUN == 1 ]]; then echo "$role: $(printf '%q ' "${cmd[@]}")"; continue; fi
   "${cmd[@]}" &
   PIDS+=("$!")
-done <<<"$PLAN"
+done <<<"$LAYOUT"
 if [[ $DRY_RUN == 0 ]]; then wait "${PIDS[@]}"; fi

@@ -1,6 +1,7 @@
-"""The multi-process climb's weight sync (hcjax.rl.weight_sync): the gRPC control channel and the
-plan transfer in one process (handshake checks, dropped replicas, all-failed errors), then the
-real placement on 127.0.0.1 — two `python -m hcjax.serve` processes and a learner process."""
+"""The multi-process climb's weight sync (hcjax.transfer.weights_service): the gRPC control
+channel and the plan transfer in one process (handshake checks, dropped replicas, all-failed
+errors), then the real placement on 127.0.0.1 — two `python -m hcjax.serve` processes and a
+learner process."""
 
 import json
 import os
@@ -16,7 +17,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hcjax.rl.weight_sync import (
+from hcjax.rpc.auth import Security
+from hcjax.rpc.server import RpcServer
+from hcjax.transfer.weights_service import (
     WeightPublisher,
     WeightsServicer,
     build_plan,
@@ -25,8 +28,6 @@ from hcjax.rl.weight_sync import (
     param_digests,
     weights_status,
 )
-from hcjax.rpc.auth import Security
-from hcjax.rpc.server import RpcServer
 
 REPO = Path(__file__).resolve().parent.parent
 

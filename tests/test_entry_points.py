@@ -50,10 +50,10 @@ def _error_line(capsys, module: str, argv: list[str]) -> str:
     ("hcjax.rl.store", [], "the following arguments are required: store, out"),
     ("hcjax.model.summary", ["--gin_param", "ModelConfig.num_heads = 3"],
      "num_heads=3 is not a multiple of num_kv_heads"),
-    ("hcjax.launch.plan", [], "the following arguments are required: platform"),
-    ("hcjax.launch.jobset", [], "the following arguments are required"),
-    ("hcjax.launch.wait_ready", [], "the following arguments are required: addresses"),
-    ("hcjax.launch.storage", [], "the following arguments are required: path"),
+    ("hcjax.cluster.layout", [], "the following arguments are required: platform"),
+    ("hcjax.cluster.jobset", [], "the following arguments are required"),
+    ("hcjax.cluster.wait_ready", [], "the following arguments are required: addresses"),
+    ("hcjax.cluster.storage", [], "the following arguments are required: path"),
 ])
 def test_a_bad_input_is_one_error_line(capsys, tmp_path, module, argv, says):
     if module in ("hcjax.climb", "hcjax.sft", "hcjax.convert", "hcjax.distill.dpo"):

@@ -24,7 +24,7 @@ from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.store import rollout_from_json, rollout_to_json
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, generate, wire
 from hcjax.sharding import MeshConfig, make_mesh
-from hcjax.transfer import make_plan
+from hcjax.transfer import LocalTransfer, make_plan
 from tests.hf_fixtures import FAMILIES, fixture, golden
 
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "deepseek_v3")
@@ -300,7 +300,7 @@ def transferred(family: str):
     source = shard_state(state, make_mesh(LEARNER_MESH))
     destination = _layout(state, make_mesh(INFERENCE_MESH))
     plan = make_plan(source, destination)
-    return plan, source, destination, plan.execute(source)
+    return plan, source, destination, LocalTransfer(plan)(source)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

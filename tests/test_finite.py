@@ -88,9 +88,9 @@ def test_a_replica_refuses_a_push_of_nans_and_keeps_serving_its_version():
 def test_the_weights_service_refuses_nans_and_the_publisher_stops_the_learner():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from hcjax.rl.weight_sync import WeightPublisher, WeightsServicer, weights_status
     from hcjax.rpc.auth import Security
     from hcjax.rpc.server import RpcServer
+    from hcjax.transfer.weights_service import WeightPublisher, WeightsServicer, weights_status
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
     put = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))  # noqa: E731

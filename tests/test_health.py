@@ -133,7 +133,7 @@ def test_wait_ready_times_out_naming_what_is_not_ready():
 
 
 def test_wait_ready_cli_exit_codes():
-    from hcjax.launch import wait_ready as cli
+    from hcjax.cluster import wait_ready as cli
 
     srv, _, address = start_service(HungServer())
     try:
@@ -309,8 +309,8 @@ def _until(predicate, seconds=60.0):
 @pytest.mark.slow
 def test_a_replica_that_comes_back_is_readmitted_with_the_current_weights(monkeypatch):
     from hcjax.rl.inference import RemoteInference
-    from hcjax.rl.weight_sync import param_digests, weights_status
     from hcjax.serve import ServeOptions
+    from hcjax.transfer.weights_service import param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -361,8 +361,8 @@ def test_readmission_survives_pushes_faster_than_the_prober(monkeypatch):
     backoff at a second, each push used to drop it again (the router still held it down), so it
     was never readmitted."""
     from hcjax.rl.inference import RemoteInference
-    from hcjax.rl.weight_sync import param_digests, weights_status
     from hcjax.serve import ServeOptions
+    from hcjax.transfer.weights_service import param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -406,8 +406,8 @@ def test_a_restarted_learner_may_publish_an_older_version(monkeypatch):
     """A learner restarted from a checkpoint numbers its versions from that checkpoint, below
     what the replicas served before it died: a new weights session (handshake) takes its first
     version back; within a session versions still only move forward."""
-    from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
     from hcjax.serve import ServeOptions
+    from hcjax.transfer.weights_service import WeightPublisher, param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -441,8 +441,8 @@ def test_a_restarted_learner_never_reuses_a_transfer_index_the_replica_handed_ou
     is forced onto the dead one's index, and it still re-sends version 7 through a fresh one."""
     import secrets
 
-    from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
     from hcjax.serve import ServeOptions
+    from hcjax.transfer.weights_service import WeightPublisher, param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -488,9 +488,9 @@ def test_a_killed_learners_pending_ack_pull_does_not_hang_its_successor(monkeypa
     import subprocess
     import sys
 
-    from hcjax.rl.weight_sync import WeightPublisher, weights_status
     from hcjax.serve import ServeOptions
     from hcjax.transfer.remote import transfer_uuid
+    from hcjax.transfer.weights_service import WeightPublisher, weights_status
     from tests.test_serve import REPO, InProcess, _env, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -558,7 +558,7 @@ def test_a_replica_stopped_in_the_middle_of_a_push_is_dropped_in_seconds(monkeyp
     import jax
 
     from hcjax.rl.inference import RemoteInference
-    from hcjax.rl.weight_sync import param_digests, weights_status
+    from hcjax.transfer.weights_service import param_digests, weights_status
     from tests.test_serve import MODEL as SERVE_MODEL
     from tests.test_serve import learner_versions
 
@@ -634,7 +634,7 @@ def test_a_pull_the_learner_gave_up_releases_the_replica():
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from hcjax.rl.weight_sync import WeightsServicer
+    from hcjax.transfer.weights_service import WeightsServicer
 
     mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
     template = {"w": jax.device_put(jnp.zeros((2, 2)), NamedSharding(mesh, PartitionSpec()))}
@@ -658,7 +658,7 @@ def test_the_replica_refuses_a_used_transfer_index_until_every_index_is_used():
     import jax
     import numpy as np
 
-    from hcjax.rl.weight_sync import WeightsServicer, describe_layout
+    from hcjax.transfer.weights_service import WeightsServicer, describe_layout
 
     class Context:
         def peer(self):

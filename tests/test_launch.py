@@ -152,8 +152,8 @@ def test_tpu_pod_dry_run_gives_every_host_of_each_slice_its_process(learner, lea
         st = steps(script.split(" && ", 1)[1])
         assert "'jax[tpu]>=0.9,<0.11'" in st[0] and "python3 -m venv .venv-accel" in st[0]
         assert "gcsfuse --implicit-dirs bkt /mnt/gcs/bkt" in st[1]
-        assert st[2] == ".venv-accel/bin/python -m hcjax.launch.storage /mnt/gcs/bkt/run"
-        assert st[3] == ".venv-accel/bin/python -m hcjax.launch.wait_ready " + " ".join(addresses)
+        assert st[2] == ".venv-accel/bin/python -m hcjax.cluster.storage /mnt/gcs/bkt/run"
+        assert st[3] == ".venv-accel/bin/python -m hcjax.cluster.wait_ready " + " ".join(addresses)
         env, args = env_and_args(st[4], "hcjax.climb")
         flags = config.parse_flags(args, description="", extra_args=climb._extra_args)
         ns = flags.extra
@@ -207,7 +207,7 @@ def test_tpu_pod_rejects_bad_arguments(args, message):
 
 
 def test_tpu_slice_shapes():
-    from hcjax.launch.plan import tpu_slice
+    from hcjax.cluster.layout import tpu_slice
 
     assert (tpu_slice("v5p-8").chips, tpu_slice("v5p-8").hosts) == (4, 1)
     s = tpu_slice("v5p-64")
@@ -242,8 +242,8 @@ def test_gpu_slurm_dry_run_runs_a_multi_node_learner_after_health_checks(nodes, 
         ("learner", n) for n in learners]
     addresses = [f"{n}:7000" for n in servers]
     for pid, (_, _node, st) in enumerate(procs[len(servers):]):
-        assert st[0] == ".venv-accel/bin/python -m hcjax.launch.storage /shared/run"
-        assert st[1] == ".venv-accel/bin/python -m hcjax.launch.wait_ready " + " ".join(addresses)
+        assert st[0] == ".venv-accel/bin/python -m hcjax.cluster.storage /shared/run"
+        assert st[1] == ".venv-accel/bin/python -m hcjax.cluster.wait_ready " + " ".join(addresses)
         assert not any("sleep" in s for s in st)
         env, args = env_and_args(st[2], "hcjax.climb")
         assert env == {}
@@ -274,7 +274,7 @@ def test_gpu_slurm_needs_nodes_outside_slurm(monkeypatch):
 
 
 def test_storage_check_refuses_local_disk(tmp_path):
-    from hcjax.launch import storage
+    from hcjax.cluster import storage
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nfs:/x {tmp_path}/shared nfs4 rw 0 0\n")
@@ -302,7 +302,7 @@ def test_multi_host_launchers_need_a_token_before_starting_anything(monkeypatch)
 def test_jobset_manifest_places_each_role_on_whole_slices(slices, replicas):
     import yaml
 
-    from hcjax.launch.jobset import jobset
+    from hcjax.cluster.jobset import jobset
 
     text = jobset(name="c", image="img", learner_topology="v5p-16", learner_slices=slices,
                   inference_topology="v5p-8", inference_replicas=replicas,
@@ -328,8 +328,8 @@ def test_jobset_manifest_places_each_role_on_whole_slices(slices, replicas):
         assert "MEGASCALE_NUM_SLICES" not in env
     script = container["command"][2]
     st = steps(script)
-    assert st[0] == "python -m hcjax.launch.storage /mnt/gcs/bkt/run"
-    assert st[1] == "python -m hcjax.launch.wait_ready " + " ".join(
+    assert st[0] == "python -m hcjax.cluster.storage /mnt/gcs/bkt/run"
+    assert st[1] == "python -m hcjax.cluster.wait_ready " + " ".join(
         f"c-inference-{r}-0.c:50151" for r in range(replicas))
     # Every pod's process id follows from its slice and worker index; the rest parses.
     climb_line = st[2].replace("$((SLICE_ID * 2 + WORKER_ID))", "0")
@@ -337,7 +337,7 @@ def test_jobset_manifest_places_each_role_on_whole_slices(slices, replicas):
     assert ns.num_processes == 2 * slices and ns.mode == "on_policy"
     assert ns.coordinator_address == "c-learner-0-0.c:8476"
     serve_pod = inference["template"]["spec"]["template"]["spec"]["containers"][0]
-    assert "hcjax.launch.wait_ready" in serve_pod["readinessProbe"]["exec"]["command"]
+    assert "hcjax.cluster.wait_ready" in serve_pod["readinessProbe"]["exec"]["command"]
     server = parse_serve(serve_pod["command"][2])
     assert server.extra.host == "0.0.0.0"
     with pytest.raises(ValueError, match="single-host slice"):

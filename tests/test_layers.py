@@ -14,6 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Lower numbers are lower layers; packages on one level may import each other.
 LAYERS = {
     "pallas_kernels": 0, "hcjax.sharding": 0, "hcjax.model": 1, "hcjax.data": 1,
+    # Leaves: the gRPC server and auth every service runs on, the NaN/Inf refusal of weights.
+    "hcjax.rpc": 0, "hcjax.finite": 0,
     "hcjax.sandbox": 1,
     "hcjax.rollout": 2, "hcjax.transfer": 2, "hcjax.rewards": 2, "hcjax.envs": 2,
     "hcjax.tasks": 3, "hcjax.train": 3, "hcjax.rl": 4, "hcjax.distill": 4,
@@ -22,6 +24,7 @@ LAYERS = {
     "hcjax.data.pipeline": 4,
     "hcjax.climb": 5, "hcjax.serve": 5, "hcjax.sft": 5, "hcjax.convert": 5, "hcjax.plan": 5,
     "hcjax.consolidate": 5, "hcjax.long2short": 5, "hcjax.ray_placement": 5,
+    "hcjax.cluster": 5,  # the launchers' entry points: layouts, JobSet, readiness, storage
     "hcjax.bench": 6,
 }
 
@@ -85,6 +88,14 @@ def test_the_sandbox_is_a_leaf_and_rewards_and_envs_form_no_circle():
     assert "hcjax.sandbox" in graph["hcjax.rewards"] and "hcjax.sandbox" in graph["hcjax.envs"]
     for unit in ("hcjax.rewards", "hcjax.envs", "hcjax.tasks"):
         assert unit not in reachable(graph, unit), f"{unit} reaches itself through its imports"
+
+
+def test_transfer_sees_no_model_and_no_layer_that_does():
+    """transfer/ (reshard plans, their executors, the weights service) moves pytrees of arrays:
+    besides its own modules it reaches only the rpc and finite leaves, never the model, rollout
+    or RL layers."""
+    reached = reachable(unit_graph(), "hcjax.transfer")
+    assert reached <= {"hcjax.rpc", "hcjax.finite"}, sorted(reached)
 
 
 def test_rewards_envs_the_sandbox_and_the_curriculum_import_no_jax():

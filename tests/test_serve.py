@@ -88,7 +88,7 @@ def test_a_mesh_binding_the_devices_cannot_form_fails_before_building(monkeypatc
 
 
 def test_weights_service_installs_the_learners_version_on_the_gin_mesh():
-    from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
+    from hcjax.transfer.weights_service import WeightPublisher, param_digests, weights_status
 
     hcfg.bind([], [*MODEL, "MeshConfig.fsdp = 2", "MeshConfig.device_offset = 4"])
     [pushed] = learner_versions(1)
@@ -113,9 +113,9 @@ def _env(devices):
 
 @pytest.mark.slow
 def test_python_m_hcjax_serve_generates_with_the_pushed_versions(tmp_path):
-    from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
     from hcjax.rollout import GenerateRequest
     from hcjax.rollout.service import RolloutClient
+    from hcjax.transfer.weights_service import WeightPublisher, param_digests, weights_status
 
     cmd = [sys.executable, "-m", "hcjax.serve", "--max_prefill_length", "16",
            "--max_target_length", "32", "--max_concurrent_decodes", "4"]

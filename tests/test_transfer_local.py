@@ -2,6 +2,8 @@
 same bits as moving every piece alone and as the plan's host reference, for mixed sizes, dtypes,
 shardings and casts; bytes in flight stay under the bound; schedules are reused."""
 
+import copy
+import dataclasses
 import math
 from collections import Counter
 
@@ -12,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hcjax.transfer import Cast, TransferError, execute_entries, make_plan
+from hcjax.transfer import Cast, LocalTransfer, TransferError, make_plan
 from hcjax.transfer.local import PIECES_PER_BUFFER
 
 DEVICES = np.array(jax.devices())
@@ -101,8 +103,8 @@ def packed_buffers(entries):
 
 def test_batched_equals_piece_by_piece_and_the_host_reference():
     source, dst, plan = mixed_case()
-    batched = execute_entries(plan, source, plan.entries)
-    alone = execute_entries(plan, source, plan.entries, pack_below=0)  # every piece alone
+    batched = LocalTransfer(plan).run(source)
+    alone = LocalTransfer(plan, pack_below=0).run(source)  # every piece alone
     reference = plan.reference(source)
     assert batched.bytes_moved == alone.bytes_moved == plan.bytes_moved == plan.ideal_bytes
     for path, out in batched.leaves.items():
@@ -118,8 +120,8 @@ def test_large_pieces_travel_alone_and_small_ones_are_packed():
     source, dst, plan = mixed_case()
     big = [e for e in plan.entries if e.nbytes >= 32 << 10]
     assert big and len(big) < len(plan.entries)
-    mixed = execute_entries(plan, source, plan.entries, pack_below=32 << 10)
-    packed = execute_entries(plan, source, plan.entries)
+    mixed = LocalTransfer(plan, pack_below=32 << 10).run(source)
+    packed = LocalTransfer(plan).run(source)
     small = [e for e in plan.entries if e.nbytes < 32 << 10]
     assert mixed.copies == len(big) + packed_buffers(small)
     for path, out in mixed.leaves.items():
@@ -134,13 +136,11 @@ def test_bytes_in_flight_stay_under_the_bound(pack_below):
     plan = make_plan(source, dst)
     shard_bytes = {k: v.nbytes // 4 for k, v in xs.items()}
     bound = 3 * max(shard_bytes.values())
-    result = execute_entries(
-        plan, source, plan.entries, max_bytes_in_flight=bound, pack_below=pack_below
-    )
+    transfer = LocalTransfer(plan, max_bytes_in_flight=bound, pack_below=pack_below)
+    result = transfer.run(source)
     assert result.bytes_moved == plan.bytes_moved
     assert max(shard_bytes.values()) <= result.peak_bytes_in_flight <= bound
-    assert len(plan.schedules) == 1
-    (_, schedule), = plan.schedules.values()
+    schedule, = transfer.schedules.values()
     assert len(schedule.chunks) > 2  # the tree did not fit one chunk
     assert all(c.nbytes <= bound // 2 for c in schedule.chunks)
     for k, v in xs.items():
@@ -153,7 +153,7 @@ def test_a_shard_larger_than_the_bound_moves_alone():
     dst = {k: NamedSharding(INFERENCE, P(None, "tensor")) for k in xs}
     plan = make_plan(source, dst)
     huge_shard = xs["huge"].nbytes // 4
-    result = execute_entries(plan, source, plan.entries, max_bytes_in_flight=huge_shard // 2)
+    result = LocalTransfer(plan, max_bytes_in_flight=huge_shard // 2).run(source)
     assert result.peak_bytes_in_flight == huge_shard  # alone: nothing else was in flight
     for k, v in xs.items():
         assert_bit_identical(result.leaves[k], jax.device_put(v, dst[k]))
@@ -161,17 +161,24 @@ def test_a_shard_larger_than_the_bound_moves_alone():
 
 def test_schedule_is_made_once_and_every_execution_gives_fresh_buffers():
     source, _, plan = mixed_case()
-    first = plan.execute(source)
-    assert len(plan.schedules) == 1
-    second = plan.execute(source)
-    assert len(plan.schedules) == 1  # reused, not rebuilt
+    before = copy.deepcopy(plan)
+    transfer = LocalTransfer(plan)
+    first = transfer(source)
+    assert len(transfer.schedules) == 1
+    second = transfer(source)
+    assert len(transfer.schedules) == 1  # reused, not rebuilt
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
         assert_bit_identical(a, b)
         for x, y in zip(a.addressable_shards, b.addressable_shards, strict=True):
             assert x.data.unsafe_buffer_pointer() != y.data.unsafe_buffer_pointer()
-    # Another bound is another schedule; the plan's own entries stay untouched.
-    plan.execute(source, max_bytes_in_flight=4096)
-    assert len(plan.schedules) == 2
+    # Another bound is another executor with its own schedule; the plan stays data, unchanged
+    # by executing it (no compiled state is kept on it).
+    other = LocalTransfer(plan, max_bytes_in_flight=4096)
+    other(source)
+    assert len(other.schedules) == 1 and len(transfer.schedules) == 1
+    assert plan == before
+    assert {f.name for f in dataclasses.fields(plan)} == {
+        "entries", "routes", "src_leaves", "dst_leaves", "dst_paths", "dst_treedef"}
 
 
 @pytest.mark.parametrize("pack_below", [0, 1 << 20])
@@ -183,7 +190,7 @@ def test_failure_names_the_entry_on_both_paths(pack_below):
     plan = make_plan(source, {k: NamedSharding(INFERENCE, P("tensor")) for k in source})
     source["b"].delete()
     with pytest.raises(TransferError, match=r"transfer failed at entry b\[0:2, 0:4\] dev0.*delet"):
-        execute_entries(plan, source, plan.entries, pack_below=pack_below)
+        LocalTransfer(plan, pack_below=pack_below).run(source)
 
 
 def test_copies_grow_with_buffers_not_with_entries():
@@ -192,7 +199,7 @@ def test_copies_grow_with_buffers_not_with_entries():
         source = {k: put(v, P("fsdp", "tensor")) for k, v in xs.items()}
         dst = {k: NamedSharding(INFERENCE, P(None, "tensor")) for k in xs}
         plan = make_plan(source, dst, {"*": Cast(BF16)})
-        result = execute_entries(plan, source, plan.entries)
+        result = LocalTransfer(plan).run(source)
         for k, v in xs.items():
             assert_bit_identical(result.leaves[k], jax.device_put(v.astype(BF16), dst[k]))
         return result.copies, len(plan.entries)

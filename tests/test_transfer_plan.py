@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hcjax.transfer import Cast, PlanError, TransferError, make_plan
+from hcjax.transfer import Cast, LocalTransfer, PlanError, TransferError, make_plan
 
 DEVICES = np.array(jax.devices())
 BF16 = jnp.bfloat16
@@ -94,7 +94,8 @@ def test_random_reshard_equals_device_put(case, seed):
     plan = make_plan(source, {"w": dst_sharding}, {"w": Cast(cast)} if cast else None)
 
     expected = host.astype(cast) if cast else host
-    out = plan.execute(source)["w"]
+    transfer = LocalTransfer(plan)
+    out = transfer(source)["w"]
     assert_same_as_device_put(out, expected, dst_sharding)
 
     # Ideal bytes: every destination shard once, in the narrower of the two dtypes.
@@ -111,8 +112,8 @@ def test_random_reshard_equals_device_put(case, seed):
         if (src_mesh.devices == dst_mesh.devices).all():
             assert plan.bytes_across_devices == 0  # every shard is already where it is needed
 
-    # Executed twice, the plan gives fresh, equal buffers (it is compiled once, run many times).
-    again = plan.execute(source)["w"]
+    # Executed twice, the executor gives fresh, equal buffers (compiled once, run many times).
+    again = transfer(source)["w"]
     np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
 
 
@@ -141,7 +142,7 @@ def test_cast_runs_on_the_narrow_side():
         and by_leaf["down"].transform == "cast(bfloat16)@src"
     )
     assert by_leaf["up"].wire_dtype == "bfloat16" and by_leaf["up"].transform == "cast(float32)@dst"
-    out = plan.execute(source)
+    out = LocalTransfer(plan)(source)
     assert_same_as_device_put(out["down"], x.astype(BF16), dst["down"])
     assert_same_as_device_put(out["up"], x.astype(BF16).astype(np.float32), dst["up"])
     assert plan.bytes_moved == 2 * x.size * 2  # both travel as bf16
@@ -158,7 +159,7 @@ def test_replicated_source_is_read_once_per_destination_element():
     plan = make_plan(source, dst)
     assert plan.bytes_moved == x.nbytes  # not 4x
     assert sorted(e.src_device for e in plan.entries) == [0, 1, 2, 3]  # spread over replicas
-    assert_same_as_device_put(plan.execute(source)["w"], x, dst["w"])
+    assert_same_as_device_put(LocalTransfer(plan)(source)["w"], x, dst["w"])
 
 
 def test_same_devices_prefers_the_local_replica():
@@ -168,7 +169,7 @@ def test_same_devices_prefers_the_local_replica():
     dst = {"w": NamedSharding(same, P("tensor"))}
     plan = make_plan(source, dst)
     assert plan.bytes_across_devices == 0 and plan.bytes_moved == x.nbytes
-    assert_same_as_device_put(plan.execute(source)["w"], x, dst["w"])
+    assert_same_as_device_put(LocalTransfer(plan)(source)["w"], x, dst["w"])
 
 
 def test_replicated_destination_gets_every_copy():
@@ -177,12 +178,10 @@ def test_replicated_destination_gets_every_copy():
     dst = {"w": NamedSharding(INFERENCE, P())}
     plan = make_plan(source, dst)
     assert plan.bytes_moved == 4 * x.nbytes  # one full copy per inference device
-    assert_same_as_device_put(plan.execute(source)["w"], x, dst["w"])
+    assert_same_as_device_put(LocalTransfer(plan)(source)["w"], x, dst["w"])
 
 
 def test_plan_from_shape_dtype_structs_and_bounded_in_flight():
-    from hcjax.transfer import execute_entries
-
     xs = {f"w{i}": arange((8, 16)) * (i + 1) for i in range(6)}
     specs = {
         k: jax.ShapeDtypeStruct(
@@ -194,7 +193,7 @@ def test_plan_from_shape_dtype_structs_and_bounded_in_flight():
     plan = make_plan(specs, dst)
     source = {k: put(v, LEARNER, P("fsdp", "tensor")) for k, v in xs.items()}
     shard_bytes = 8 * 4 * 4  # one destination shard
-    result = execute_entries(plan, source, plan.entries, max_bytes_in_flight=2 * shard_bytes)
+    result = LocalTransfer(plan, max_bytes_in_flight=2 * shard_bytes).run(source)
     assert result.peak_bytes_in_flight <= 2 * shard_bytes
     assert result.bytes_moved == plan.bytes_moved == sum(v.nbytes for v in xs.values())
     out = plan.unflatten(result.leaves)
@@ -273,15 +272,15 @@ def test_validate_catches_missing_and_duplicate_entries():
         moved.validate()
 
 
-def test_execute_rejects_a_source_of_another_structure():
+def test_executor_rejects_a_source_of_another_structure():
     source = {"a": put(arange((8, 4)), LEARNER, P("fsdp"))}
     plan = make_plan(source, {"a": NamedSharding(INFERENCE, P("tensor"))})
     with pytest.raises(PlanError, match=r"lacks leaves \['a'\]"):
-        plan.execute({"b": source["a"]})
+        LocalTransfer(plan)({"b": source["a"]})
     with pytest.raises(
         PlanError, match="is float32\\[4, 8\\], the plan was made for float32\\[8, 4\\]"
     ):
-        plan.execute({"a": put(arange((4, 8)), LEARNER, P())})
+        LocalTransfer(plan)({"a": put(arange((4, 8)), LEARNER, P())})
 
 
 def test_failure_names_the_entry():
@@ -294,7 +293,7 @@ def test_failure_names_the_entry():
     with pytest.raises(
         TransferError, match=r"transfer failed at entry b\[0:2, 0:4\] dev0.*deleted"
     ):
-        plan.execute(source)
+        LocalTransfer(plan)(source)
 
 
 def test_chain_errors_are_listed():
@@ -324,4 +323,4 @@ def test_process_of_prefers_a_replica_in_the_destination_process():
     assert plan.bytes_across_processes == 0  # every column block has a replica on each host
     relabelled = plan.with_processes(source=0, destination=1)
     assert relabelled.bytes_across_processes == relabelled.bytes_moved == plan.bytes_moved
-    assert_same_as_device_put(plan.execute(source)["w"], arange((8, 8)), dst["w"])
+    assert_same_as_device_put(LocalTransfer(plan)(source)["w"], arange((8, 8)), dst["w"])

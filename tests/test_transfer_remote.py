@@ -247,7 +247,7 @@ def test_transfer_ids_are_distinct_and_checked():
 def test_chunks_keep_order_and_bound():
     import dataclasses
 
-    from hcjax.transfer.plan import TransferEntry
+    from hcjax.transfer import TransferEntry
     from hcjax.transfer.remote import chunk_entries
 
     base = TransferEntry("a", "a", 0, 0, 4, 1, (), (), "copy", "float32", 0)

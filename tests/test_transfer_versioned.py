@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hcjax.transfer import Cast, TransferFailed, VersionedWeights, make_plan
+from hcjax.transfer import Cast, LocalTransfer, TransferFailed, VersionedWeights, make_plan
 
 DEVICES = np.array(jax.devices())
 BF16 = jnp.bfloat16
@@ -38,9 +38,9 @@ def test_failure_half_way_keeps_the_previous_version_serving():
 
     dst = {n: NamedSharding(inference, P(None, "tensor")) for n in names}
     host1, params1 = params(1)
-    plan = make_plan(params1, dst, {"*": Cast(BF16)})
+    transfer = LocalTransfer(make_plan(params1, dst, {"*": Cast(BF16)}), max_bytes_in_flight=1024)
     weights = VersionedWeights()
-    weights.update(lambda: plan.execute(params1, max_bytes_in_flight=1024), version=1)
+    weights.update(lambda: transfer(params1), version=1)
     served = weights.current()[1]
 
     # Version 2: the third leaf's buffer is gone (donated by the learner's next step) while the
@@ -48,7 +48,7 @@ def test_failure_half_way_keeps_the_previous_version_serving():
     host2, params2 = params(2)
     params2["layer2"].delete()
     with pytest.raises(TransferFailed, match="version 2 failed.*layer2.*still serving version 1"):
-        weights.update(lambda: plan.execute(params2, max_bytes_in_flight=1024), version=2)
+        weights.update(lambda: transfer(params2), version=2)
     assert weights.version == 1 and weights.current()[1] is served
     assert isinstance(weights.last_error, TransferFailed) and weights.last_error.serving == 1
     for n in names:  # the served buffers are intact and still usable
@@ -57,9 +57,9 @@ def test_failure_half_way_keeps_the_previous_version_serving():
             float(host1[n].astype(BF16).astype(np.float32).sum()), rel=1e-6
         )
 
-    # The next good version goes through and replaces it in one step.
+    # The next good version goes through the same executor and replaces it in one step.
     host3, params3 = params(3)
-    weights.update(lambda: plan.execute(params3), version=3)
+    weights.update(lambda: transfer(params3), version=3)
     version, tree = weights.current()
     assert version == 3 and weights.last_error is None
     for n in names:

@@ -336,7 +336,7 @@ def _replica_metrics(address: str, timeout: float = 2.0) -> dict[str, Any] | Non
 
 
 def _weights_version(address: str, timeout: float = 2.0) -> int | None:
-    from hcjax.rl.weight_sync import weights_status
+    from hcjax.transfer.weights_service import weights_status
 
     try:
         return int(weights_status(address, timeout=timeout)["version"])
@@ -607,8 +607,8 @@ class Chaos:
         next push tried. Then the same command is restarted."""
         import grpc
 
-        from hcjax.rl.weight_sync import WEIGHTS_SERVICE
         from hcjax.rpc.auth import open_channel
+        from hcjax.transfer.weights_service import WEIGHTS_SERVICE
 
         channels = {r.address: open_channel(r.address) for r in self.replicas}
         status = {a: c.unary_unary(f"/{WEIGHTS_SERVICE}/Status") for a, c in channels.items()}

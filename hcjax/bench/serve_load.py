@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-LAUNCHER_SIZES = ["--max_prefill_length", "32"]  # as hcjax.launch.jobset and launch/*.sh
+LAUNCHER_SIZES = ["--max_prefill_length", "32"]  # as hcjax.cluster.jobset and launch/*.sh
 PROMPT = [10, 20, 30, 40, 50, 60, 70, 80]
 
 
@@ -207,7 +207,7 @@ def _pusher(address: str, gin_params: list, every: float, stop, out) -> None:
     """A learner (its own process) pushing a new weights version every `every` s."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from hcjax.rl.weight_sync import WeightPublisher
+    from hcjax.transfer.weights_service import WeightPublisher
 
     versions = _learner_params(gin_params)
     current = {"params": versions[0]}

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from hcjax.display import Phases  # noqa: E402
-from hcjax.transfer import Cast, execute_entries, make_plan  # noqa: E402
+from hcjax.transfer import Cast, LocalTransfer, make_plan  # noqa: E402
 from hcjax.transfer.local import CHUNK_BYTES, PACK_BELOW  # noqa: E402
 
 
@@ -238,15 +238,12 @@ def bench_size(
     fp32_bytes = 4 * n_params
     dst_flat = jax.tree.leaves(destination)
 
+    transfer = LocalTransfer(
+        plan, max_bytes_in_flight=max_in_flight, pack_below=pack_below, chunk_bytes=chunk_bytes
+    )
+
     def ours():
-        result = execute_entries(
-            plan,
-            params,
-            plan.entries,
-            max_bytes_in_flight=max_in_flight,
-            pack_below=pack_below,
-            chunk_bytes=chunk_bytes,
-        )
+        result = transfer.run(params)
         ours.peak_in_flight = result.peak_bytes_in_flight
         ours.copies = result.copies
         return plan.unflatten(result.leaves)

@@ -14,7 +14,8 @@ __all__ = ["LocalInference", "RemoteInference"]
 
 class LocalInference:
     """Replicas on this process's inference meshes. `params()` is the learner's current params
-    tree; `publish(version)` moves it to every replica (the plan's copies run once per push)."""
+    tree; `publish(version)` moves it to every replica (each replica's LocalTransfer runs its
+    plan once per push)."""
 
     def __init__(self, model: Any, meshes: Sequence[Any], params: Callable[[], Any], *,
                  max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
@@ -25,7 +26,7 @@ class LocalInference:
 
         from hcjax.model import shard_state
         from hcjax.rollout import Engine, RolloutServer
-        from hcjax.transfer import VersionedWeights, make_plan
+        from hcjax.transfer import LocalTransfer, VersionedWeights, make_plan
 
         self._params = params
         self._lock = threading.Lock()
@@ -38,7 +39,7 @@ class LocalInference:
                             max_prefill_length=max_prefill_length,
                             max_target_length=max_target_length)
             plan = make_plan(params(), jax.tree.map(lambda x: x.sharding, engine.load_params()))
-            self.replicas.append({"engine": engine, "plan": plan, "inflight": 0,
+            self.replicas.append({"engine": engine, "transfer": LocalTransfer(plan), "inflight": 0,
                                   "served": VersionedWeights(None, -1),
                                   "server": RolloutServer(engine, max_queue=max_queue)})
 
@@ -48,7 +49,7 @@ class LocalInference:
 
     def publish(self, version: int) -> None:
         for r in self.replicas:
-            tree = r["served"].update(lambda r=r: r["plan"].execute(self._params()), version)
+            tree = r["served"].update(lambda r=r: r["transfer"](self._params()), version)
             r["server"].update_weights(tree, version)
 
     def start(self, version: int) -> None:
@@ -74,7 +75,7 @@ class LocalInference:
 
 class RemoteInference:
     """Remote replicas: requests through the Router, weights by reshard plans to every live
-    replica (hcjax.rl.weight_sync.WeightPublisher).
+    replica (hcjax.transfer.weights_service.WeightPublisher).
 
     Start: waits (with backoff, up to `ready_timeout` s) for the replicas' Health to answer
     SERVING; those not ready by then, and any whose transfer later fails or that the router's
@@ -91,9 +92,9 @@ class RemoteInference:
         always gets the current params at once. health_timeout: a replica that does not answer
         Health this fast before a push is left out of it (see `publish`), and one that stops
         answering during a push is dropped from it (the publisher probes every 5 s)."""
-        from hcjax.rl.weight_sync import WeightPublisher
         from hcjax.rollout.router import Router
         from hcjax.rollout.service import wait_ready
+        from hcjax.transfer.weights_service import WeightPublisher
 
         addresses = list(addresses)
         wait_ready(addresses, timeout=ready_timeout, require="any")

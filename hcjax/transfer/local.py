@@ -1,4 +1,6 @@
-"""In-process executor: move a plan's entries between devices and assemble destination shards.
+"""In-process executor (LocalTransfer): move a plan's entries between devices and assemble
+destination shards. The executor owns the compiled schedules it derives from a plan; the plan
+stays data.
 
 Small pieces are batched (per chunk, a few jitted packs, one device_put, a few jitted unpacks);
 large pieces travel one by one. Work is issued in chunks with a bound on bytes in flight, so the
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hcjax.transfer.plan import (
+from hcjax.transfer.reshard_plan import (
     PlanError,
     TransferEntry,
     TransferPlan,
@@ -199,7 +201,7 @@ def assemble_shard(
 # device_put, and every destination device runs one jitted function that cuts its buffers back
 # into pieces, finishes them and assembles all of its shards of the chunk. A chunk thus costs a
 # few dispatches and copies per device whatever the number of leaves, instead of two or three
-# per entry. The schedule (chunks, specs, compiled functions) is made once per plan and entries;
+# per entry. The schedule (chunks, specs, compiled functions) is made once per LocalTransfer;
 # the first execution pays for compiling them (XLA:CPU: tens of ms per destination shard).
 
 # Pieces smaller than this are packed; per-piece dispatch costs as much as copying ~100 KiB.
@@ -411,22 +413,17 @@ def _plan_chunk(
     return _Chunk(sum(s.nbytes for s in shards), sends, large, receives, assembled, ready)
 
 
-def _destination_shards(
-    plan: TransferPlan,
-    entries: Sequence[TransferEntry],
-    dst_shardings: Mapping[str, jax.sharding.Sharding],
-    devices: Mapping[int, Any],
-) -> list[_Shard]:
+def _destination_shards(plan: TransferPlan, devices: Mapping[int, Any]) -> list[_Shard]:
     """Every destination shard that has entries, in the destination tree's order."""
     groups: dict[tuple[str, int], list[TransferEntry]] = defaultdict(list)
-    for entry in entries:
+    for entry in plan.entries:
         groups[(entry.dst_leaf, entry.dst_device)].append(entry)
     order = {path: i for i, path in enumerate(plan.dst_paths)}
     shards = []
     for (path, dst_id), group in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
-        shape = plan.dst_leaves[path].shape
-        index = dst_shardings[path].devices_indices_map(shape)[devices[dst_id]]
-        box = _to_box(index, shape)
+        spec = plan.dst_leaves[path]
+        index = spec.sharding.devices_indices_map(spec.shape)[devices[dst_id]]
+        box = _to_box(index, spec.shape)
         shards.append(_Shard(path, dst_id, tuple(group), box, sum(e.nbytes for e in group)))
     return shards
 
@@ -446,58 +443,21 @@ def chunked(items: Sequence[Any], max_bytes: int) -> list[list[Any]]:
 
 
 def _make_schedule(
-    plan: TransferPlan,
-    leaves: Mapping[str, Any],
-    entries: Sequence[TransferEntry],
-    dst_shardings: Mapping[str, jax.sharding.Sharding],
-    max_chunk_bytes: int,
-    pack_below: int,
+    plan: TransferPlan, leaves: Mapping[str, Any], max_chunk_bytes: int, pack_below: int
 ) -> _Schedule:
     devices = {d.id: d for d in jax.devices()}
     src_boxes = {}
-    for path in {e.src_leaf for e in entries}:
+    for path in {e.src_leaf for e in plan.entries}:
         leaf = leaves[path]
         for d, box in shard_boxes(leaf.sharding, tuple(leaf.shape)).items():
             src_boxes[(path, d.id)] = box
-    shards = _destination_shards(plan, entries, dst_shardings, devices)
+    shards = _destination_shards(plan, devices)
     chunks = [
         _plan_chunk(plan, group, src_boxes, pack_below)
         for group in chunked(shards, max_chunk_bytes)
     ]
     copies = sum(len(s.dst_ids) for c in chunks for s in c.sends)
     return _Schedule(chunks, copies + sum(len(c.large) for c in chunks))
-
-
-_SCHEDULES_KEPT = 64  # per plan: e.g. one per replica of an expansion
-_SCHEDULES_LOCK = threading.Lock()
-
-
-def _schedule(
-    plan: TransferPlan,
-    leaves: Mapping[str, Any],
-    entries: Sequence[TransferEntry],
-    dst_shardings: Mapping[str, jax.sharding.Sharding],
-    max_chunk_bytes: int,
-    pack_below: int,
-) -> _Schedule:
-    """The plan's schedule for these entries and layouts, made on first use and kept."""
-    key = (
-        id(entries),
-        max_chunk_bytes,
-        pack_below,
-        tuple(dst_shardings[p] for p in plan.dst_paths),
-        tuple(leaves[p].sharding for p in sorted(plan.src_leaves)),
-    )
-    with _SCHEDULES_LOCK:  # an expansion executes one plan from several threads
-        kept = plan.schedules.get(key)
-    if kept is not None and kept[0] is entries:  # the same object, not a recycled id
-        return kept[1]
-    schedule = _make_schedule(plan, leaves, entries, dst_shardings, max_chunk_bytes, pack_below)
-    with _SCHEDULES_LOCK:
-        plan.schedules[key] = (entries, schedule)
-        while len(plan.schedules) > _SCHEDULES_KEPT:
-            plan.schedules.pop(next(iter(plan.schedules)))
-    return schedule
 
 
 def _culprit(entries: Sequence[TransferEntry], shard_of: SourceShards) -> TransferEntry:
@@ -550,63 +510,102 @@ def _issue_chunk(
     return out
 
 
-def execute_entries(
-    plan: TransferPlan,
-    source: Any,
-    entries: Sequence[TransferEntry],
-    dst_shardings: Mapping[str, jax.sharding.Sharding] | None = None,
-    max_bytes_in_flight: int = 64 << 20,
-    pack_below: int = PACK_BELOW,
-    chunk_bytes: int = CHUNK_BYTES,
-) -> ExecutionResult:
-    """Execute `entries` (the plan's own, or an expansion's) and build fresh destination arrays.
+class LocalTransfer:
+    """Executes one TransferPlan in this process, many times: `transfer(source)` returns a fresh
+    destination tree; `transfer.run(source)` also says what moved.
 
     Destination shards move in chunks of at most min(chunk_bytes, max_bytes_in_flight / 2) wire
     bytes (a single shard larger than that is a chunk alone), so that several chunks can be in
-    flight; before a chunk is issued the oldest unfinished ones are waited for until the bytes in flight fit
-    `max_bytes_in_flight`. Memory beyond the returned tree is then the packed or sliced
-    buffers on the senders plus their copies on the receivers of the chunks in flight, at most
-    2 * max(max_bytes_in_flight, largest destination shard in wire bytes), plus XLA's
+    flight; before a chunk is issued the oldest unfinished ones are waited for until the bytes
+    in flight fit `max_bytes_in_flight`. Memory beyond the returned tree is then the packed or
+    sliced buffers on the senders plus their copies on the receivers of the chunks in flight, at
+    most 2 * max(max_bytes_in_flight, largest destination shard in wire bytes), plus XLA's
     temporaries inside one pack or unpack (kept small by PIECES_PER_BUFFER).
 
     Pieces under `pack_below` bytes are batched: per chunk, one slice-and-cast function per
     source device, one device_put of all buffers, one unpack-and-assemble function per
     destination device; larger pieces travel one by one (pack_below=0: every piece alone).
+
+    The executor owns what it derives from the plan: the schedule (chunks, specs, compiled
+    functions) is made at the first execution for the layout the source arrives in and kept, so
+    executing again costs only the copies. The plan stays data and is never written.
     """
-    if max_bytes_in_flight <= 0:
-        raise ValueError(f"max_bytes_in_flight={max_bytes_in_flight} must be positive")
-    leaves = source_leaves(plan, source)
-    dst_shardings = dict(dst_shardings or {p: s.sharding for p, s in plan.dst_leaves.items()})
-    devices = {d.id: d for d in jax.devices()}
-    chunk_bytes = max(1, min(chunk_bytes, max_bytes_in_flight // 2))
-    schedule = _schedule(plan, leaves, entries, dst_shardings, chunk_bytes, pack_below)
-    shard_of = SourceShards(leaves)
 
-    pending: deque[tuple[int, list[jax.Array]]] = deque()
-    in_flight = peak = moved = 0
-    made: dict[tuple[str, int], jax.Array] = {}
-    for chunk in schedule.chunks:
-        while pending and in_flight + chunk.nbytes > max_bytes_in_flight:
-            nbytes, done = pending.popleft()
-            jax.block_until_ready(done)
-            in_flight -= nbytes
-        out = _issue_chunk(plan, chunk, shard_of, devices)
-        made.update(out)
-        pending.append((chunk.nbytes, list(out.values())))
-        in_flight += chunk.nbytes
-        moved += chunk.nbytes
-        peak = max(peak, in_flight)
+    # Schedules kept, one per source layout seen (the learner's layout does not change, so one
+    # is the rule; the bound only keeps a caller that varies it from growing without end).
+    SCHEDULES_KEPT = 8
 
-    out = {}
-    for path, spec in plan.dst_leaves.items():
-        sharding = dst_shardings[path]
-        arrays = []
-        for device, index in sharding.addressable_devices_indices_map(spec.shape).items():
-            if (path, device.id) in made:
-                arrays.append(made[(path, device.id)])
-            else:  # only empty shards have no entries
-                shape = tuple(hi - lo for lo, hi in _to_box(index, spec.shape))
-                arrays.append(jax.device_put(np.zeros(shape, spec.dtype), device))
-        out[path] = jax.make_array_from_single_device_arrays(spec.shape, sharding, arrays)
-    jax.block_until_ready(out)
-    return ExecutionResult(out, moved, peak, schedule.copies)
+    def __init__(
+        self,
+        plan: TransferPlan,
+        *,
+        max_bytes_in_flight: int = 64 << 20,
+        pack_below: int = PACK_BELOW,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        if max_bytes_in_flight <= 0:
+            raise ValueError(f"max_bytes_in_flight={max_bytes_in_flight} must be positive")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be positive")
+        self.plan = plan
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.pack_below = pack_below
+        self.chunk_bytes = max(1, min(chunk_bytes, max_bytes_in_flight // 2))
+        # By the source leaves' shardings, in sorted path order.
+        self.schedules: dict[tuple[jax.sharding.Sharding, ...], _Schedule] = {}
+        self._lock = threading.Lock()  # threads may share one executor
+
+    def __call__(self, source: Any) -> Any:
+        """Run the plan on `source` (the source tree, or a path -> array dict); returns a fresh
+        destination tree."""
+        return self.plan.unflatten(self.run(source).leaves)
+
+    def _schedule(self, leaves: Mapping[str, Any]) -> _Schedule:
+        """The schedule for the layout of `leaves` (path -> source array), made on first use."""
+        key = tuple(leaves[p].sharding for p in sorted(self.plan.src_leaves))
+        with self._lock:
+            kept = self.schedules.get(key)
+        if kept is not None:
+            return kept
+        schedule = _make_schedule(self.plan, leaves, self.chunk_bytes, self.pack_below)
+        with self._lock:
+            self.schedules[key] = schedule
+            while len(self.schedules) > self.SCHEDULES_KEPT:
+                self.schedules.pop(next(iter(self.schedules)))
+        return schedule
+
+    def run(self, source: Any) -> ExecutionResult:
+        """Execute every entry of the plan; the destination leaves by path, and what moved."""
+        plan = self.plan
+        leaves = source_leaves(plan, source)
+        devices = {d.id: d for d in jax.devices()}
+        schedule = self._schedule(leaves)
+        shard_of = SourceShards(leaves)
+
+        pending: deque[tuple[int, list[jax.Array]]] = deque()
+        in_flight = peak = moved = 0
+        made: dict[tuple[str, int], jax.Array] = {}
+        for chunk in schedule.chunks:
+            while pending and in_flight + chunk.nbytes > self.max_bytes_in_flight:
+                nbytes, done = pending.popleft()
+                jax.block_until_ready(done)
+                in_flight -= nbytes
+            out = _issue_chunk(plan, chunk, shard_of, devices)
+            made.update(out)
+            pending.append((chunk.nbytes, list(out.values())))
+            in_flight += chunk.nbytes
+            moved += chunk.nbytes
+            peak = max(peak, in_flight)
+
+        out = {}
+        for path, spec in plan.dst_leaves.items():
+            arrays = []
+            for device, index in spec.sharding.addressable_devices_indices_map(spec.shape).items():
+                if (path, device.id) in made:
+                    arrays.append(made[(path, device.id)])
+                else:  # only empty shards have no entries
+                    shape = tuple(hi - lo for lo, hi in _to_box(index, spec.shape))
+                    arrays.append(jax.device_put(np.zeros(shape, spec.dtype), device))
+            out[path] = jax.make_array_from_single_device_arrays(spec.shape, spec.sharding, arrays)
+        jax.block_until_ready(out)
+        return ExecutionResult(out, moved, peak, schedule.copies)

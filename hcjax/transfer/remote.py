@@ -27,7 +27,7 @@ from hcjax.transfer.local import (
     slice_source,
     source_leaves,
 )
-from hcjax.transfer.plan import TransferEntry, TransferPlan, _to_box
+from hcjax.transfer.reshard_plan import TransferEntry, TransferPlan, _to_box
 
 _PROCESS_BITS, _CHUNK_BITS = 10, 16
 

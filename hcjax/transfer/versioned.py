@@ -46,7 +46,8 @@ class VersionedWeights:
             self._tree, self._version = tree, version
 
     def update(self, build: Callable[[], Any], version: int) -> Any:
-        """Run `build()` (e.g. `lambda: plan.execute(params)`), wait for every buffer, then swap.
+        """Run `build()` (e.g. `lambda: transfer(params)` with a LocalTransfer), wait for every
+        buffer, then swap.
 
         On any failure the served version is untouched, the error is kept in `last_error` and
         raised as TransferFailed.

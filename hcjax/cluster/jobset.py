@@ -1,10 +1,10 @@
-"""`python -m hcjax.launch.jobset`: print a GKE JobSet manifest (YAML) for a climb on TPU slices:
+"""`python -m hcjax.cluster.jobset`: print a GKE JobSet manifest (YAML) for a climb on TPU slices:
 replicated job `learner` (one Job per learner slice, one pod per host, all in one JAX job, slices
 joined over DCN by MEGASCALE_*), replicated job `inference` (one single-host slice per replica,
 `hcjax.serve` with a readiness probe on its Health RPC). The image must hold the repository and
 jax[tpu]; a gs:// output_dir is mounted with the GKE gcsfuse CSI driver.
 
-  python -m hcjax.launch.jobset --name climb --image IMAGE --learner_topology v5p-64 \\
+  python -m hcjax.cluster.jobset --name climb --image IMAGE --learner_topology v5p-64 \\
       --learner_slices 2 --inference_topology v5p-8 --inference_replicas 2 \\
       --output_dir gs://BUCKET/run --token_secret hcjax-token [-- extra climb flags]
 """
@@ -17,7 +17,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from hcjax.launch.plan import (
+from hcjax.cluster.layout import (
     COORDINATOR_PORT,
     MEGASCALE_PORT,
     SERVE_PORT,
@@ -27,7 +27,7 @@ from hcjax.launch.plan import (
     tpu_slice,
     wait_step,
 )
-from hcjax.launch.storage import gcs_mount
+from hcjax.cluster.storage import gcs_mount
 
 __all__ = ["jobset"]
 
@@ -150,7 +150,7 @@ def jobset(*, name: str, image: str, learner_topology: str, learner_slices: int,
         refs["MEGASCALE_SLICE_ID"] = refs["SLICE_ID"]
     serve = " ".join(map(shlex.quote, _serve_argv(PYTHON, SERVE_PORT, sizes, extra)))
     serve_env = {**security, "HCJAX_TRUSTED_PEERS": ",".join(learner_pods)}
-    probe = [PYTHON, "-m", "hcjax.launch.wait_ready", f"127.0.0.1:{SERVE_PORT}", "--timeout",
+    probe = [PYTHON, "-m", "hcjax.cluster.wait_ready", f"127.0.0.1:{SERVE_PORT}", "--timeout",
              "5"]
     lines = [
         "apiVersion: jobset.x-k8s.io/v1alpha2",
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      extra=extra, sizes=args.sizes.split(), token_secret=args.token_secret),
               end="")
     except ValueError as err:
-        print(f"hcjax.launch.jobset: {err}", file=sys.stderr)
+        print(f"hcjax.cluster.jobset: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -3,7 +3,7 @@
 or a SLURM GPU cluster (a multi-node learner, inference on their own nodes). The shell launchers
 and the JobSet generator print and run these; tests check them. Standard library only.
 
-`python -m hcjax.launch.plan tpu|slurm ...` prints one process a line: ROLE HOST ENV... COMMAND.
+`python -m hcjax.cluster.layout tpu|slurm ...` prints one process a line: ROLE HOST ENV... COMMAND.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def install_step(accelerator: str, venv: str = VENV) -> str:
 def storage_steps(output_dir: str, python: str) -> tuple[str, list[str]]:
     """(the path processes use, the steps that mount and check it): gs://B/P is mounted with
     gcsfuse at /mnt/gcs/B; every output folder is checked to be shared and writable."""
-    from hcjax.launch.storage import gcs_mount
+    from hcjax.cluster.storage import gcs_mount
 
     path, bucket = gcs_mount(output_dir)
     steps = []
@@ -111,12 +111,12 @@ def storage_steps(output_dir: str, python: str) -> tuple[str, list[str]]:
         mnt = shlex.quote(f"/mnt/gcs/{bucket}")
         steps.append(f"{{ mountpoint -q {mnt} || {{ sudo mkdir -p {mnt} && sudo chown \"$USER\" "
                      f"{mnt} && gcsfuse --implicit-dirs {shlex.quote(bucket)} {mnt}; }}; }}")
-    steps.append(f"{python} -m hcjax.launch.storage {shlex.quote(path)}")
+    steps.append(f"{python} -m hcjax.cluster.storage {shlex.quote(path)}")
     return path, steps
 
 
 def wait_step(python: str, addresses: Sequence[str]) -> str:
-    return " ".join([python, "-m", "hcjax.launch.wait_ready", *addresses])
+    return " ".join([python, "-m", "hcjax.cluster.wait_ready", *addresses])
 
 
 def gin_flags(extra: Sequence[str]) -> list[str]:
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             procs = slurm_processes(args.nodes.split(), learner_nodes=args.learner_nodes,
                                     **common)
     except ValueError as err:
-        print(f"hcjax.launch.plan: {err}", file=sys.stderr)
+        print(f"hcjax.cluster.layout: {err}", file=sys.stderr)
         return 2
     for p in procs:
         print(f"{p.host} {p.group} {p.worker}" if args.slice_of_hosts else p.line())
@@ -304,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hcjax.config import run_main
-
-    run_main(main)
+    # Not hcjax.config.run_main (it needs gin): the launchers run this with the host's python3
+    # before any install step, so only the standard library is there; main prints its own
+    # one-line errors and returns the exit status.
+    raise SystemExit(main())

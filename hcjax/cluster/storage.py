@@ -1,4 +1,4 @@
-"""`python -m hcjax.launch.storage DIR`: check at start that a climb's output folder (config,
+"""`python -m hcjax.cluster.storage DIR`: check at start that a climb's output folder (config,
 checkpoints, rollouts) is on storage every host shares and can write; exit 2 naming the problem.
 A multi-host climb that writes checkpoints to one host's local disk cannot resume elsewhere."""
 
@@ -69,9 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kind = check(args.path, allow_local=os.environ.get("HCJAX_ALLOW_LOCAL_OUTPUT") == "1")
     except ValueError as err:
-        print(f"hcjax.launch.storage: {err}", file=sys.stderr)
+        print(f"hcjax.cluster.storage: {err}", file=sys.stderr)
         return 2
-    print(f"hcjax.launch.storage: {args.path} ({kind}) ok", file=sys.stderr)
+    print(f"hcjax.cluster.storage: {args.path} ({kind}) ok", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`python -m hcjax.launch.wait_ready HOST:PORT ...`: block until every rollout service answers
+"""`python -m hcjax.cluster.wait_ready HOST:PORT ...`: block until every rollout service answers
 its Health RPC with SERVING, polling with exponential backoff; exit 0 when ready, 1 on timeout,
 2 when the token is refused. Launchers run it between starting inference and the learner."""
 

@@ -1,6 +1,8 @@
-"""Weights from the learner process to inference processes by a precomputed reshard plan
-(RECIPE §4): a small gRPC control channel (`hcjax.Weights`) steers PlanSender / PlanReceiver pulls
-over `jax.experimental.transfer`; no message ever holds the parameters themselves.
+"""The `hcjax.Weights` gRPC service: weights from the learner process to inference processes by
+a precomputed reshard plan (RECIPE §4). A small control channel steers PlanSender / PlanReceiver
+pulls over `jax.experimental.transfer`; no message ever holds the parameters themselves. The
+learner side is `WeightPublisher` (the service's client), the inference side `WeightsServicer`
+(its handlers, mounted on an `hcjax.rpc` server by `weights_service`).
 
 Protocol, per inference process (replica k, transfer process index p_k; the learner is 0):
   Handshake  learner -> replica: its parameter layout (paths, shapes, dtypes, mesh, specs), its
@@ -14,7 +16,8 @@ Protocol, per inference process (replica k, transfer process index p_k; the lear
 Both sides build the same plan from the two layouts. Processes run separate JAX runtimes, so the
 plan's device ids are each side's own ids: the other side's mesh is stood in for by local devices
 with the same ids (every process needs at least as many devices as the other side's mesh uses).
-This module sees pytrees of arrays and shardings, never a model.
+This module sees pytrees of arrays and shardings, never a model, and imports nothing of the
+rollout or RL layers: the replica's server is anything with `update_weights(tree, version)`.
 """
 
 from __future__ import annotations
@@ -30,23 +33,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import grpc
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax.finite import NonFiniteWeights
-from hcjax.transfer import (
-    JaxTransferBackend,
-    PlanReceiver,
-    PlanSender,
-    TransferError,
-    TransferPlan,
-    UntrustedPeer,
-    VersionedWeights,
-    assign_processes,
-    make_plan,
-)
-from hcjax.transfer.plan import path_str
+from hcjax.rpc.auth import open_channel
+from hcjax.rpc.server import blocking
+from hcjax.transfer.local import TransferError
+from hcjax.transfer.remote import JaxTransferBackend, PlanReceiver, PlanSender, UntrustedPeer
+from hcjax.transfer.reshard_plan import TransferPlan, assign_processes, make_plan, path_str
+from hcjax.transfer.versioned import VersionedWeights
 
 __all__ = [
     "WEIGHTS_SERVICE",
@@ -230,8 +228,6 @@ def _rpc(channel, method: str, timeout: float) -> Callable[[dict], dict]:
 def _start_call(method, request: dict, timeout: float) -> tuple[cf.Future, Any]:
     """Start a unary call; returns its decoded answer as a concurrent future (to wait on beside
     other futures) and the gRPC call (to cancel: the other side then stops waiting for it)."""
-    import grpc
-
     call = method.future(json.dumps(request).encode(), timeout=timeout)
     answer: cf.Future = cf.Future()
 
@@ -298,10 +294,6 @@ class WeightPublisher:
         unresponsive: Callable[[list[str]], Sequence[str]] | None = None,
         probe_every: float = 5.0,
     ) -> None:
-        import grpc
-
-        from hcjax.rpc.auth import open_channel
-
         if not addresses:
             raise ValueError("addresses=[]: weight sync needs at least one inference process")
         if timeout <= 0:
@@ -354,8 +346,6 @@ class WeightPublisher:
     def _handshake_unused(self, address: str, channel) -> _Replica:
         """`_handshake` with the next process index the replica has not used before: one it
         refuses (ALREADY_EXISTS) is skipped. Raises grpc.RpcError for any other refusal."""
-        import grpc
-
         for _ in range(_MAX_PROCESSES - 1):
             try:
                 return self._handshake(address, self._next_process(), channel)
@@ -486,10 +476,6 @@ class WeightPublisher:
         handshake; then with push=True the current params as the last published version, now.
         Returns whether it holds the last published version (False: it gets the next one, or
         the handshake or push failed and the caller may try again later)."""
-        import grpc
-
-        from hcjax.rpc.auth import open_channel
-
         if address not in self.addresses:
             raise ValueError(f"readmit({address!r}): not one of this publisher's replicas "
                              f"{self.addresses}")
@@ -563,8 +549,6 @@ class WeightsServicer:
         self._lock = threading.Lock()  # one handshake or pull at a time
 
     def handshake(self, data: bytes, context) -> bytes:
-        import grpc
-
         request = json.loads(data)
         try:
             plan = build_plan(request["layout"], self.layout)
@@ -602,8 +586,6 @@ class WeightsServicer:
                            "plan_fingerprint": plan_fingerprint(plan)}).encode()
 
     def pull(self, data: bytes, context) -> bytes:
-        import grpc
-
         version = int(json.loads(data)["version"])
         with self._lock:
             receiver = self.receiver
@@ -662,10 +644,6 @@ class WeightsServicer:
         """The `hcjax.Weights` handler for an `hcjax.rpc.server.RpcServer`; its calls block (a
         Pull waits for the transfer), so they run in `pool` (the server's blocking pool): a push
         never waits for a thread behind generation streams, nor holds up the event loop."""
-        import grpc
-
-        from hcjax.rpc.server import blocking
-
         return grpc.method_handlers_generic_handler(WEIGHTS_SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(blocking(fn, pool))
             for name, fn in (("Handshake", self.handshake), ("Pull", self.pull),
@@ -680,7 +658,5 @@ def weights_service(server: Any, params_template: Any, pool, host: str = "127.0.
 
 def weights_status(address: str, digests: bool = False, timeout: float = 60.0) -> dict:
     """Call a replica's debug `Status` RPC (served versions, bytes, optional per-leaf digests)."""
-    from hcjax.rpc.auth import open_channel
-
     with open_channel(address) as channel:
         return _rpc(channel, "Status", timeout)({"digests": digests})

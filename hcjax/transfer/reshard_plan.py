@@ -1,7 +1,10 @@
-"""Reshard plans: one entry per overlap of a source shard and a destination shard, made once.
+"""Reshard plans (TransferPlan): one entry per overlap of a source shard and a destination shard,
+made once from the two sides' shardings.
 
 The plan sees only pytrees of arrays / ShapeDtypeStructs with shardings (never a model); it is
-plain data that can be printed, validated, relabelled to processes and executed many times.
+plain data that can be printed, validated and relabelled to processes. It runs nothing and holds
+no compiled state: the executors (local.LocalTransfer in-process, remote.PlanSender/PlanReceiver
+across processes) take a plan and execute it many times.
 """
 
 from __future__ import annotations
@@ -340,7 +343,8 @@ def assign_processes(
 
 @dataclasses.dataclass
 class TransferPlan:
-    """The entries of a reshard plus what is needed to run and check them."""
+    """The entries of a reshard plus the two sides' leaves, to check them and to rebuild the
+    destination tree; data only (see local.LocalTransfer to run it)."""
 
     entries: tuple[TransferEntry, ...]
     routes: dict[tuple[str, str], Route]
@@ -348,15 +352,6 @@ class TransferPlan:
     dst_leaves: dict[str, LeafSpec]
     dst_paths: list[str]  # flattening order of the destination tree
     dst_treedef: Any
-    # What the in-process executor derives from the plan (chunks, compiled copy functions),
-    # kept so that executing again costs only the copies; never compared or printed.
-    schedules: dict = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Schedules hold compiled functions and device-bound data: never pickled or copied.
-        return {**self.__dict__, "schedules": {}}
 
     @property
     def bytes_moved(self) -> int:
@@ -451,16 +446,6 @@ class TransferPlan:
 
     def unflatten(self, leaves: Mapping[str, Any]) -> Any:
         return jax.tree_util.tree_unflatten(self.dst_treedef, [leaves[p] for p in self.dst_paths])
-
-    def execute(self, source: Any, max_bytes_in_flight: int = 64 << 20) -> Any:
-        """Run the plan in this process; returns a fresh destination tree."""
-        from hcjax.transfer.local import execute_entries
-
-        return self.unflatten(
-            execute_entries(
-                self, source, self.entries, max_bytes_in_flight=max_bytes_in_flight
-            ).leaves
-        )
 
     def __str__(self) -> str:
         lines = [
