@@ -63,9 +63,13 @@ def nonfinite_counts(tree: Any) -> dict[str, tuple[int, int]]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     named = [(_path(path), leaf) for path, leaf in flat
              if hasattr(leaf, "dtype") and _floating(leaf.dtype) and leaf.size]
-    on_device = [(n, x) for n, x in named if isinstance(x, jax.Array)]
+    # One jitted call per set of devices (a jit cannot mix arrays placed on different ones).
+    groups: dict[tuple, list[tuple[str, jax.Array]]] = {}
+    for n, x in named:
+        if isinstance(x, jax.Array):
+            groups.setdefault(tuple(sorted(d.id for d in x.sharding.device_set)), []).append((n, x))
     bad: dict[str, tuple[int, int]] = {}
-    if on_device:
+    for on_device in groups.values():
         counts = np.asarray(jax.device_get(_device_counts([x for _, x in on_device])))
         bad.update({n: (int(c), int(x.size)) for (n, x), c in zip(on_device, counts) if c})
     for name, x in named:

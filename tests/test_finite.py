@@ -35,6 +35,9 @@ def test_counts_name_every_bad_tensor_on_host_and_device():
                                                r"values \(NaN/Inf\): a/w: 2 of 4; b: 1 of 2"):
         check_finite(tree, "restored x")
     check_finite({"ok": jnp.ones(3), "ids": np.arange(4)}, "fine")
+    # leaves on different devices are checked too (one call per device set)
+    elsewhere = jax.device_put(jnp.array([np.nan, 1.0]), jax.devices()[1])
+    assert nonfinite_counts({"a": jnp.ones(2), "b": elsewhere}) == {"b": (1, 2)}
     # finite weights whose float sum overflows are not mistaken for bad ones
     check_finite_array("big", np.full(16, 3e38, np.float32), "fine")
     with pytest.raises(NonFiniteWeights, match="big: 1 of 16"):
