@@ -310,7 +310,7 @@ def _until(predicate, seconds=60.0):
 def test_a_replica_that_comes_back_is_readmitted_with_the_current_weights(monkeypatch):
     from hcjax.rl.inference import RemoteInference
     from hcjax.rl.weight_sync import param_digests, weights_status
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -362,7 +362,7 @@ def test_readmission_survives_pushes_faster_than_the_prober(monkeypatch):
     was never readmitted."""
     from hcjax.rl.inference import RemoteInference
     from hcjax.rl.weight_sync import param_digests, weights_status
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -407,7 +407,7 @@ def test_a_restarted_learner_may_publish_an_older_version(monkeypatch):
     what the replicas served before it died: a new weights session (handshake) takes its first
     version back; within a session versions still only move forward."""
     from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -442,7 +442,7 @@ def test_a_restarted_learner_never_reuses_a_transfer_index_the_replica_handed_ou
     import secrets
 
     from hcjax.rl.weight_sync import WeightPublisher, param_digests, weights_status
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from tests.test_serve import InProcess, learner_versions
 
     for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
@@ -489,7 +489,7 @@ def test_a_killed_learners_pending_ack_pull_does_not_hang_its_successor(monkeypa
     import sys
 
     from hcjax.rl.weight_sync import WeightPublisher, weights_status
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from hcjax.transfer.remote import transfer_uuid
     from tests.test_serve import REPO, InProcess, _env, learner_versions
 
