@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
+from tqdm import tqdm
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer, IncompatibleCheckpoint, jsonable
 from hcjax.data.byte_hf import BYTE_TOKEN_IDS, write_byte_tokenizer
@@ -216,9 +217,7 @@ def hf_source_meta(path: str, output_dir: str) -> dict[str, Any]:
     return {"hf_checkpoint": os.path.abspath(path), "hf_config": hf.read_hf_config(path)}
 
 
-def _bar(total: int, unit: str, quiet: bool) -> Any:
-    from tqdm import tqdm  # only the conversions show a bar
-
+def _bar(total: int, unit: str, quiet: bool) -> tqdm:
     return tqdm(total=total, unit=unit, disable=quiet, dynamic_ncols=True)
 
 

@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # After the flags, so --help stays fast; it registers what a replica reads from gin
     # (ModelConfig, MeshConfig, Engine and RolloutServer sizes).
     from hcjax.display import serve_banner
+    from hcjax.model import ModelConfig
     from hcjax.rollout.standalone import ServeOptions, serve
 
     hcfg.bind(flags.gin_files, flags.gin_params)
@@ -115,18 +116,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             hcfg.write_operative_config(flags.output_dir)
         print(json.dumps({"event": "serving", **info}), flush=True)
         if sys.stderr.isatty():
-            print(serve_banner(info, options.host, _model_name(options.hf_checkpoint)),
-                  file=sys.stderr, flush=True)
+            model = (f"Hugging Face folder {options.hf_checkpoint}" if options.hf_checkpoint
+                     else _describe(ModelConfig()))
+            print(serve_banner(info, options.host, model), file=sys.stderr, flush=True)
 
     serve(options, ready=announce)
 
 
-def _model_name(hf_checkpoint: str | None) -> str:
-    if hf_checkpoint:
-        return f"Hugging Face folder {hf_checkpoint}"
-    from hcjax.model import ModelConfig  # imported by the standalone server already
-
-    c = ModelConfig()
+def _describe(c) -> str:
+    """The banner's one-line description of the gin ModelConfig `c`."""
     return (f"gin ModelConfig: {c.num_layers} layers, d_model {c.d_model}, {c.num_experts} "
             f"experts, vocab {c.vocab_size}, max_seq_len {c.max_seq_len}")
 
