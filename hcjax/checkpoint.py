@@ -159,13 +159,17 @@ class Checkpointer:
         )
         return self._mngr.save(step, args=args, force=force)
 
-    def check_compatible(self, step: int, keys: tuple[str, ...] | None = None) -> None:
-        """Raise if the checkpoint's meta differs from this run's (only `keys` if given)."""
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The meta saved with `step` (e.g. its model_config)."""
         saved = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         if not isinstance(saved["meta"], dict):  # a missing or damaged meta item
             raise CorruptCheckpoint(f"checkpoint {self.directory!r} step {step} has no readable "
                                     f"meta (got {type(saved['meta']).__name__})")
-        saved, current = dict(saved["meta"]), self.meta
+        return dict(saved["meta"])
+
+    def check_compatible(self, step: int, keys: tuple[str, ...] | None = None) -> None:
+        """Raise if the checkpoint's meta differs from this run's (only `keys` if given)."""
+        saved, current = self.read_meta(step), self.meta
         if keys is not None:
             saved = {k: saved.get(k) for k in keys}
             current = {k: current.get(k) for k in keys}

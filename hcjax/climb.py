@@ -75,7 +75,7 @@ def _extra_args(parser) -> None:
 def _climb_on_ray(flags, output_dir: str):
     """Placement.backend = "ray": the learner and the replicas as Ray actors
     (hcjax.ray_placement), which bind the same gin files and parameters."""
-    from hcjax.ray_placement import climb_on_ray
+    from hcjax.ray_placement import climb_on_ray  # imported by main before binding
 
     args = flags.extra
     for flag, value in (("--inference_address", args.inference_address),
@@ -94,6 +94,13 @@ def main(argv: Sequence[str] | None = None):
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
     args = flags.extra
+    # After the flags, so --help stays fast: the climb in every placement (in-process, remote
+    # replicas, Ray actors), so that every configurable it reads is registered when gin binds.
+    import hcjax.ray_placement  # noqa: F401  (Placement.backend = "ray")
+    from hcjax.display import climb_summary_text, resolve_format, resume_hint
+    from hcjax.rl.climber import Climb
+    from hcjax.rl.placement import Placement
+
     config.bind(flags.gin_files, flags.gin_params)
     leader = True
     if args.coordinator_address:
@@ -106,10 +113,6 @@ def main(argv: Sequence[str] | None = None):
     output_dir = flags.output_dir or os.path.join("runs", "climb")
     if leader:
         config.write_config(output_dir, flags)
-    from hcjax.display import climb_summary_text, resolve_format, resume_hint
-    from hcjax.rl.climber import Climb
-    from hcjax.rl.placement import Placement
-
     log_format = resolve_format(args.log_format)
     argv = list(sys.argv[1:] if argv is None else argv)
     on_ray = Placement().backend == "ray"

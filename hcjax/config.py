@@ -1,16 +1,18 @@
 """gin plumbing shared by every entry point: flags, binding with clear errors, config files out.
 
-Entry points call `parse_flags(argv)` then `bind(...)`; both fail before any JAX compile when a
-binding is wrong, naming the binding. `bind` imports every module that registers configurables
-(so unknown names are caught); this module itself holds no model or JAX code.
+Entry points call `parse_flags(argv)`, import what they run, then `bind(...)`; both fail before
+any JAX compile when a binding is wrong, naming the binding. This module itself holds no model or
+JAX code and imports none of the modules that register configurables.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +28,7 @@ __all__ = [
     "hf_checkpoint_folder",
     "bind",
     "parse_flags",
+    "project_configurables",
     "run_main",
     "write_config",
     "write_operative_config",
@@ -168,10 +171,13 @@ def resolve_gin_file(name: str) -> Path:
 def bind(gin_files: Sequence[str], gin_params: Sequence[str], *, finalize: bool = True) -> None:
     """Clear gin state, then parse files and bindings; any mistake raises ConfigError naming it.
 
-    The configurables referred to must already be registered, i.e. their modules imported; call
-    `hcjax.config.import_configurables()` (done here) so every name in the project is known.
+    The configurables an entry point uses must already be registered: it imports their modules
+    before binding (gin locks its registry on `finalize`, so a module imported later could not
+    register). Gin files are shared between jobs (tiny_cpu.gin holds the SFT settings that serve
+    does not read), so a binding of another job's configurable, one defined in hcjax but not
+    imported here, is skipped; a name hcjax does not define is an error.
     """
-    import_configurables()
+    skip = sorted(project_configurables())
     gin.clear_config()
     gin.add_config_file_search_path(str(CONFIG_DIR))
     for f in gin_files:
@@ -182,57 +188,31 @@ def bind(gin_files: Sequence[str], gin_params: Sequence[str], *, finalize: bool 
         level = root.level
         root.setLevel(logging.CRITICAL)
         try:
-            gin.parse_config_file(str(path))
+            gin.parse_config_file(str(path), skip_unknown=skip)
         except Exception as e:  # gin raises several exception types; all are config mistakes
             raise ConfigError(f"in gin file {str(path)!r}: {e}") from e
         finally:
             root.setLevel(level)
     for p in gin_params:
         try:
-            gin.parse_config(p)
+            gin.parse_config(p, skip_unknown=skip)
         except Exception as e:
             raise ConfigError(f"bad --gin_param {p!r}: {e}") from e
     if finalize:
         gin.finalize()
 
 
-def import_configurables() -> None:
-    """Import every module that registers gin configurables so that bindings can be checked."""
-    import importlib
-
-    for mod in _CONFIGURABLE_MODULES:
-        importlib.import_module(mod)
+# A module-level `@gin.configurable` (possibly under other decorators) on a class or function.
+_CONFIGURABLE_RE = re.compile(r"^@gin\.configurable\b.*\n(?:@.*\n)*(?:class|def)\s+(\w+)", re.M)
 
 
-# Modules whose import registers configurables. Keep in sync with new gin-configurable modules.
-_CONFIGURABLE_MODULES = [
-    "hcjax.sharding",
-    "hcjax.model.config",
-    "hcjax.rl.losses",
-    "hcjax.rl.entropy",
-    "hcjax.rl.learner",
-    "hcjax.rollout.engine",
-    "hcjax.rollout.server",
-    "hcjax.data.pipeline",
-    "hcjax.distill.sft",
-    "hcjax.checkpoint",
-    "hcjax.profiling",
-    "hcjax.rl.controller",
-    "hcjax.rl.multihost",
-    "hcjax.rl.curriculum",
-    "hcjax.rl.sources",
-    "hcjax.rl.placement",
-    "hcjax.rl.climber",
-    "hcjax.rewards.spec",
-    "hcjax.tasks.arithmetic",
-    "hcjax.tasks.mixture",
-    "hcjax.tasks.code",
-    "hcjax.tasks.dataset",
-    "hcjax.tasks.tool_use",
-    "hcjax.plan",
-    "hcjax.distill.dpo",
-    "hcjax.consolidate",
-]
+@functools.cache
+def project_configurables() -> frozenset[str]:
+    """The name of every gin configurable defined in the hcjax package, read from its source
+    rather than imported (importing all of it is what an entry point must not need)."""
+    package = Path(__file__).resolve().parent
+    return frozenset(name for path in package.rglob("*.py")
+                     for name in _CONFIGURABLE_RE.findall(path.read_text(encoding="utf-8")))
 
 
 def write_config(output_dir: str | os.PathLike, flags: Flags | None = None) -> Path:

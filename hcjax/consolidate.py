@@ -151,9 +151,9 @@ def _run_sft(output_dir: str, mix_path: str, base: str) -> dict[str, Any]:
     from hcjax.checkpoint import CheckpointConfig
     from hcjax.data.pipeline import DataConfig
     from hcjax.data.tokenizer import ByteTokenizer
-    from hcjax.distill.merge import load_model
     from hcjax.distill.sft import SFTConfig, SFTTrainer
     from hcjax.model import ModelConfig
+    from hcjax.model_io import load_model
 
     mesh = shd.make_mesh(shd.MeshConfig())
     model_cfg = ModelConfig()
@@ -173,8 +173,8 @@ def _evaluate(models: dict[str, str], suites: Sequence[Any], cfg: ConsolidateCon
               ) -> dict[str, dict[str, dict[str, float]]]:
     """{model name: {suite name: {"pass_at_1", "mean_length", "problems"}}}; each (model, suite)
     is a step of `phase`."""
-    from hcjax.distill.merge import load_model
     from hcjax.distill.rejection import evaluate_suite
+    from hcjax.model_io import load_model
 
     phase = phase or Phase("evaluating")
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -289,6 +289,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["consolidate_tiny.gin"], extra_args=extra)
+    # After the flags, so --help stays fast: what the consolidation runs (the SFT trainer, the
+    # climb, the evaluation), so that every configurable it reads is registered when gin binds.
+    from hcjax.distill import rejection, sft  # noqa: F401
+    from hcjax.rl import climber  # noqa: F401
+
     config.bind(flags.gin_files, flags.gin_params)
     output_dir = flags.output_dir or os.path.join("runs", "consolidate")
     config.write_config(output_dir, flags)

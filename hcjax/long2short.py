@@ -2,9 +2,8 @@
 k1.5 long2short, RECIPE §5) on the held-out split of `ClimbConfig.suite`: greedy pass@1, mean
 response length, and whether each cuts the length by `--min_cut` at pass@1 within `--max_drop`
 of the first (reference) model. The methods themselves are their own steps: merging
-(hcjax.distill.merge), shortest rejection sampling (hcjax.distill.rejection, then hcjax.sft),
-DPO (hcjax.distill.dpo) and RL with the length reward (hcjax.climb --gin_file
-long2short_tiny.gin).
+(hcjax.merge), shortest rejection sampling (hcjax.rejection, then hcjax.sft), DPO (hcjax.dpo)
+and RL with the length reward (hcjax.climb --gin_file long2short_tiny.gin).
 """
 
 from __future__ import annotations
@@ -58,12 +57,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=extra)
-    config.bind(flags.gin_files, flags.gin_params)
+    # After the flags, so --help stays fast; they register ClimbConfig (the suite and the token
+    # budget), the task suites and ModelConfig before gin binds.
     from hcjax.display import Phases
-    from hcjax.distill.merge import load_model
     from hcjax.distill.rejection import evaluate_suite
+    from hcjax.model_io import load_model
     from hcjax.rl.climber import ClimbConfig
 
+    config.bind(flags.gin_files, flags.gin_params)
     a = flags.extra
     climb = ClimbConfig()
     suite = climb.make_suite()

@@ -41,7 +41,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hcjax import config as hcfg
 from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer, param_shardings
+from hcjax.rl.batch import BATCH_AXES, LearnerBatch
+from hcjax.rl.learner import LearnerConfig, LearnerState, make_learner_step
+from hcjax.rollout.engine import Engine
 from hcjax.sharding import MeshConfig, make_mesh
+from hcjax.train.step import make_optimizer
 
 __all__ = ["CHIP_SPECS", "ChipSpec", "PlanConfig", "collectives", "plan", "tpu_devices"]
 
@@ -546,10 +550,6 @@ def _causal_mean_ctx(seq: int, window: int) -> tuple[float, float]:
 
 
 def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
-    from hcjax.rl.batch import BATCH_AXES, LearnerBatch
-    from hcjax.rl.learner import LearnerState, make_learner_step
-    from hcjax.train.step import make_optimizer
-
     graphdef, params, _ = _abstract_params(model_cfg, mesh)
     tx = make_optimizer(learner_cfg.optimizer())
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -594,8 +594,6 @@ def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
 
 
 def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
-    from hcjax.rollout.engine import Engine
-
     dtype = None if pc.serve_dtype is None else jnp.dtype(pc.serve_dtype)
     _, params, model = _abstract_params(model_cfg, mesh, dtype)
     engine = Engine(model, mesh=mesh, max_concurrent_decodes=pc.decode_batch,
@@ -784,8 +782,6 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
          mesh_cfg: MeshConfig | None = None, phases: Phases | None = None) -> dict:
     """Compile the configured steps for `pc.topology` / `pc.inference_topology`; the JSON record.
     phases: where each compile shows as a phase (default: nowhere)."""
-    from hcjax.rl.learner import LearnerConfig
-
     phases = phases or Phases("hcjax.plan", mode="off")
     compiles = int(pc.train) + int(pc.decode)
 

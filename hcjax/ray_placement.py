@@ -1,10 +1,10 @@
 """The climb on Ray (`Placement.backend = "ray"`): a placement group with one bundle per learner
-process and per inference replica (`RayPlacement.bundles`), an inference actor per replica serving
-`hcjax.serve.serve` on a port it reports, and learner actors that run the `Climb` against those
-replicas as remote ones (router, reshard-plan weight sync, health checks and readmission, as in
-the multi-process placement). The controller runs inside the first learner actor, which drives
-the learner as in every placement. Ray is imported only when a climb starts; this module must
-not know the climb's internals beyond `Climb`'s constructor and its summary."""
+process and per inference replica (`RayPlacement.bundles`), an inference actor per replica running
+`hcjax.rollout.standalone.serve` on a port it reports, and learner actors that run the `Climb`
+against those replicas as remote ones (router, reshard-plan weight sync, health checks and
+readmission, as in the multi-process placement). The controller runs inside the first learner
+actor, which drives the learner as in every placement. Ray is imported only when a climb starts;
+this module must not know the climb's internals beyond `Climb`'s constructor and its summary."""
 
 from __future__ import annotations
 
@@ -19,7 +19,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# The actors bind the climb's gin files before building anything: everything they run is
+# imported here, so each configurable is registered when they bind.
+from hcjax import config
+from hcjax.config import resolve_gin_file
+from hcjax.data.tokenizer import ByteTokenizer
+from hcjax.model import ModelConfig
+from hcjax.rl.climber import Climb, ClimbConfig, ClimbResult, engine_lengths
 from hcjax.rl.placement import Placement, RayBundle, RayPlacement
+from hcjax.rollout.standalone import ServeOptions, serve
 
 __all__ = ["RayClimb", "RayInference", "RayLearner", "check_fits", "climb_on_ray"]
 
@@ -71,12 +79,10 @@ def _mesh_bindings(role: str, bundle: RayBundle) -> list[str]:
 
 
 class RayInference:
-    """An inference replica: `hcjax.serve.serve` on a thread of this actor, on the bundle's
-    devices, until `stop`."""
+    """An inference replica: `hcjax.rollout.standalone.serve` on a thread of this actor, on the
+    bundle's devices, until `stop`."""
 
     def __init__(self, gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
-        from hcjax import config
-
         config.bind(gin_files, gin_params)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -84,8 +90,6 @@ class RayInference:
     def start(self, options: Mapping[str, Any]) -> str:
         """Build, compile and serve; return host:port once it accepts requests."""
         import ray
-
-        from hcjax.serve import ServeOptions, serve
 
         ready, info, errors = threading.Event(), {}, []
 
@@ -135,15 +139,11 @@ class RayLearner:
 
     def run(self, output_dir: str, addresses: Sequence[str], coordinator: str | None,
             options: Mapping[str, Any]) -> dict[str, Any]:
-        from hcjax import config
-
         config.bind(self.gin_files, self.gin_params)
         if self.num_processes > 1:
             import jax
 
             jax.distributed.initialize(coordinator, self.num_processes, self.process_id)
-        from hcjax.rl.climber import Climb
-
         self.climb = Climb(output_dir, inference_addresses=list(addresses), **options)
         result = self.climb.run()
         if self.process_id == 0:
@@ -165,11 +165,6 @@ class RayClimb:
     def __init__(self, output_dir: str, gin_files: Sequence[str], gin_params: Sequence[str], *,
                  base_checkpoint: str | None = None, mode: str | None = None,
                  progress: bool = True, log: Any = print) -> None:
-        from hcjax.config import resolve_gin_file
-        from hcjax.data.tokenizer import ByteTokenizer
-        from hcjax.model import ModelConfig
-        from hcjax.rl.climber import ClimbConfig, engine_lengths
-
         self.placement, self.cfg = Placement(), RayPlacement()
         # Everything a bad binding can break fails here, before Ray starts.
         self.bundles = self.cfg.bundles(self.placement)
@@ -325,7 +320,6 @@ def climb_on_ray(output_dir: str, gin_files: Sequence[str], gin_params: Sequence
                  mode: str | None = None, progress: bool = True):
     """Run the bound climb with Placement.backend = "ray" (gin_files / gin_params: the
     bindings, which every actor binds again); a `ClimbResult`."""
-    from hcjax.rl.climber import ClimbResult
 
     if hf_checkpoint is not None:
         raise ValueError(f"hf_checkpoint={hf_checkpoint!r} with Placement.backend='ray': the Ray "

@@ -70,11 +70,11 @@ step l2s_short "$OUT/l2s_short/summary.txt" \
   "$PY" -m hcjax.sft --gin_file long2short_short_tiny.gin --output_dir "$OUT/l2s_short" \
     --gin_param "SFTConfig.init_checkpoint = '$OUT/long'" --log_format json
 step l2s_merge "$OUT/l2s_merge/checkpoints" \
-  "$PY" -m hcjax.distill.merge --checkpoint "$OUT/long" --checkpoint "$OUT/l2s_short" \
+  "$PY" -m hcjax.merge --checkpoint "$OUT/long" --checkpoint "$OUT/l2s_short" \
     --weights 0.5,0.5 --output_dir "$OUT/l2s_merge"
 # Shortest rejection sampling: k = 8 samples per training problem, the shortest correct kept.
 step l2s_samples "$OUT/l2s_samples/rejection.json" \
-  "$PY" -m hcjax.distill.rejection --gin_file long2short_base_tiny.gin --checkpoint "$OUT/long" \
+  "$PY" -m hcjax.rejection --gin_file long2short_base_tiny.gin --checkpoint "$OUT/long" \
     --k 8 --num_problems 512 --output_dir "$OUT/l2s_samples"
 step l2s_rejection "$OUT/l2s_rejection/summary.txt" \
   "$PY" -m hcjax.sft --gin_file long2short_rejection_tiny.gin --output_dir "$OUT/l2s_rejection" \
@@ -82,7 +82,7 @@ step l2s_rejection "$OUT/l2s_rejection/summary.txt" \
     --gin_param "SFTConfig.init_checkpoint = '$OUT/long'" --log_format json
 # DPO on the same samples: shortest correct chosen, >= 1.5x longer correct or wrong rejected.
 step l2s_dpo "$OUT/l2s_dpo/summary.json" \
-  "$PY" -m hcjax.distill.dpo --gin_file long2short_dpo_tiny.gin \
+  "$PY" -m hcjax.dpo --gin_file long2short_dpo_tiny.gin \
     --samples "$OUT/l2s_samples/samples.jsonl" --init_checkpoint "$OUT/long" \
     --output_dir "$OUT/l2s_dpo"
 # RL with the Kimi length reward.

@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 from hcjax.model import ModelConfig
+from hcjax.model_io import load_model
 from hcjax.profiling import trace_files
-from hcjax.rl.climber import load_base_model
 from hcjax.rl.store import main as store_main
 from hcjax.rl.store import read_groups
 from hcjax.sharding import MeshConfig, make_mesh
@@ -206,9 +206,9 @@ def test_self_distillation_then_climb_from_the_distilled_model(first_run, tmp_pa
     # The climb starts from the distilled run exactly as from a base (--base_checkpoint).
     cfg = ModelConfig(**TINY_MODEL)
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, expert=1, num_devices=1))
-    model = load_base_model(str(sft_dir), cfg, mesh)
+    model, _ = load_model(str(sft_dir), mesh, cfg)
     params = nnx.state(model, nnx.Param)
-    base_model = load_base_model(str(out / "base"), cfg, mesh)
+    base_model, _ = load_model(str(out / "base"), mesh, cfg)
     base_params = nnx.state(base_model, nnx.Param)
     diff = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(base_params), strict=True)]

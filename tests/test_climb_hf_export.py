@@ -145,7 +145,7 @@ def test_tiny_base_exports_to_hf_and_climbs_through_its_chat_template(tmp_path):
     import orbax.checkpoint as ocp
 
     from hcjax.model import ModelConfig, hf
-    from hcjax.rl.climber import load_base_model
+    from hcjax.model_io import load_model
     from hcjax.rl.store import read_groups
     from hcjax.sharding import MeshConfig, make_mesh
 
@@ -166,7 +166,7 @@ def test_tiny_base_exports_to_hf_and_climbs_through_its_chat_template(tmp_path):
     meta = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     mngr.close()
     mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, expert=1, num_devices=1))
-    ours = load_base_model(str(base), ModelConfig(**meta["meta"]["model_config"]), mesh)
+    ours, _ = load_model(str(base), mesh, ModelConfig(**meta["meta"]["model_config"]))
     tok = load_tokenizer(str(exported))
     ids = jnp.asarray([template.prompt_ids("What is 3 + 4?", tok)])
     np.testing.assert_allclose(np.asarray(model(ids).logits), np.asarray(ours(ids).logits),

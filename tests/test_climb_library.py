@@ -343,9 +343,10 @@ def test_readme_custom_suite_binds_from_a_gin_file(tmp_path):
     (tmp_path / "my_tasks.py").write_text(readme_suite_source())
     (tmp_path / "reverse.gin").write_text(
         "include 'climb_tiny.gin'\nimport my_tasks\nClimbConfig.suite = @Reverse()\n")
+    # As `python -m hcjax.climb --gin_file reverse.gin` does: the climb imported, then bound.
     code = ("from hcjax import config\n"
-            f"config.bind([{str(tmp_path / 'reverse.gin')!r}], [])\n"
             "from hcjax.rl.climber import ClimbConfig\n"
+            f"config.bind([{str(tmp_path / 'reverse.gin')!r}], [])\n"
             "print(ClimbConfig().make_suite().train_problem(1).messages[0]['content'])\n")
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,

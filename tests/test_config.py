@@ -1,7 +1,10 @@
 """gin plumbing, model summary and the main entry point: clear errors, files written, counts right."""
 
+import ast
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,30 +91,155 @@ def test_cli_config_error_is_one_clear_line():
     assert "ModelConfig.bogus" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_every_gin_configurable_module_is_registered_for_binding():
-    """A module with @gin.configurable missing from _CONFIGURABLE_MODULES would be imported only
-    after the config is locked, and gin then refuses to register it at run time."""
-    root = Path(hcfg.__file__).resolve().parent
-    found = set()
-    for path in root.rglob("*.py"):
-        if "gin.configurable" in path.read_text(encoding="utf-8") and path.name != "config.py":
-            rel = path.relative_to(root.parent).with_suffix("")
-            found.add(".".join(rel.parts).removesuffix(".__init__"))
-    assert found, "no gin-configurable module found under hcjax/"
-    missing = sorted(found - set(hcfg._CONFIGURABLE_MODULES))
-    assert not missing, f"add {missing} to hcjax.config._CONFIGURABLE_MODULES"
+def test_another_jobs_binding_is_skipped_and_an_unknown_name_is_not():
+    """Gin files are shared between jobs: a configurable hcjax defines but this process never
+    imported is another job's setting and is skipped; a name hcjax does not define fails."""
+    assert {"SFTConfig", "ClimbConfig", "PlanConfig", "run_sft"} <= hcfg.project_configurables()
+    code = ("import sys\n"
+            "from hcjax import config\n"
+            "config.bind(['climb_tiny.gin'], ['ClimbConfig.group = 4'])\n"
+            "print('hcjax.rl.climber' in sys.modules)\n"
+            "try:\n"
+            "    config.bind(['climb_tiny.gin'], ['ClimbConfg.group = 4'])\n"
+            "except config.ConfigError as e:\n"
+            "    print(' '.join(str(e).split()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "False" and "No configurable matching 'ClimbConfg'" in lines[1], done.stdout
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in
-                                        (Path(__file__).parent.parent / "configs").glob("*.gin")))
+# Which hcjax modules a module imports: when it is imported (module level), and anywhere in it.
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in (REPO / "hcjax").rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = ast.parse(path.read_text(encoding="utf-8"))
+    return out
+
+
+def _imported(node: ast.AST, known: dict) -> list[str]:
+    """The hcjax modules an import statement runs: each module it names and their packages."""
+    names = []
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+    elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    parts = [n.split(".") for n in names]
+    return [m for p in parts for m in (".".join(p[:i]) for i in range(1, len(p) + 1))
+            if m in known]
+
+
+def _is_main_block(node: ast.AST) -> bool:
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+
+def _module_level_imports(body: list) -> list[ast.AST]:
+    out = []
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or _is_main_block(node):
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.append(node)
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            out += _module_level_imports(getattr(node, field, None) or [])
+    return out
+
+
+def _closure(starts, graph: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), list(starts)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
+def _is_config_bind(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "bind" and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in ("config", "hcfg"))
+
+
+def test_every_binding_entry_point_registers_what_it_can_reach_before_binding():
+    """gin locks its registry when a config is bound: a module with configurables imported
+    afterwards fails ("Attempted to add a new configurable after the config was locked"), and
+    one not yet imported has its bindings skipped. So wherever hcjax binds (an entry point's
+    main, a Ray actor, a benchmark), every gin-configurable module reachable from that module
+    through any import is imported first: at module level, or in the binding function above the
+    bind call."""
+    modules = _modules()
+    at_import = {name: {m for n in _module_level_imports(tree.body) for m in _imported(n, modules)}
+                 for name, tree in modules.items()}
+    anywhere = {name: {m for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+                       for m in _imported(n, modules)} for name, tree in modules.items()}
+    configurable = _configurable_modules()
+    binders, unregistered = [], []
+    for name, tree in modules.items():
+        functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+        for fn, call in ((f, c) for f in functions for c in ast.walk(f) if _is_config_bind(c)):
+            before = [m for n in ast.walk(fn) if isinstance(n, ast.Import | ast.ImportFrom)
+                      and n.lineno < call.lineno for m in _imported(n, modules)]
+            missing = (_closure([name], anywhere) & configurable) - _closure([name, *before],
+                                                                                at_import)
+            binders.append(f"{name}.{fn.name}")
+            if missing:
+                unregistered.append(f"{name}.{fn.name} (line {call.lineno}) binds before "
+                                    f"importing {sorted(missing)}")
+    assert {"hcjax.climb.main", "hcjax.serve.main", "hcjax.sft.main", "hcjax.dpo.main",
+            "hcjax.merge.main", "hcjax.rejection.main", "hcjax.ray_placement.run"} <= set(binders)
+    assert not unregistered, "\n".join(unregistered)
+
+
+def test_a_configurable_a_gin_value_names_is_imported_with_the_one_it_configures():
+    """A gin value may name another configurable (`ClimbConfig.rewards = {"arithmetic":
+    @RewardSpec()}`), built when the bound one is: the bound one's module imports its module, so
+    it is registered wherever the bound one is (else that binding fails with "No configurable
+    matching reference")."""
+    modules = _modules()
+    at_import = {name: {m for n in _module_level_imports(tree.body) for m in _imported(n, modules)}
+                 for name, tree in modules.items()}
+    defined_in = {}
+    for name in _configurable_modules():
+        for node in modules[name].body:
+            if isinstance(node, ast.ClassDef | ast.FunctionDef) and any(
+                    "gin.configurable" in ast.unparse(d) for d in node.decorator_list):
+                defined_in[node.name] = name
+    binding = re.compile(r"^(?:[\w.]+/)*(\w+)\.\w+\s*=")
+    pairs, unregistered = set(), []
+    for path in sorted((REPO / "configs").rglob("*.gin")):
+        bound = None
+        for line in path.read_text(encoding="utf-8").splitlines():
+            line = line.split("#", 1)[0]
+            if match := binding.match(line):
+                bound = match.group(1)
+            for ref in re.findall(r"@(?:[\w.]+/)*(\w+)", line):
+                pairs.add((bound, ref))
+    for bound, ref in sorted(pairs):
+        if defined_in[ref] not in _closure([defined_in[bound]], at_import):
+            unregistered.append(f"gin binds {bound} (in {defined_in[bound]}) to @{ref}, but "
+                                f"{defined_in[bound]} does not import {defined_in[ref]}")
+    assert ("ClimbConfig", "RewardSpec") in pairs and ("DataConfig", "MixtureSuite") in pairs
+    assert not unregistered, "\n".join(unregistered)
+
+
+def _configurable_modules() -> set[str]:
+    return {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            for p in (REPO / "hcjax").rglob("*.py")
+            if "@gin.configurable" in p.read_text(encoding="utf-8")}
+
+
+@pytest.mark.parametrize("name", sorted(str(p.relative_to(REPO / "configs"))
+                                        for p in (REPO / "configs").rglob("*.gin")))
 def test_every_config_binds(name):
-    # Every shipped gin file parses and binds against the registered configurables (a renamed
-    # field or a typo in a config nobody ran would otherwise surface only when a user runs it).
-    import hcjax.climb  # noqa: F401  (registers the climb's configurables)
-    import hcjax.consolidate  # noqa: F401
-    import hcjax.distill.dpo  # noqa: F401
-    import hcjax.distill.rejection  # noqa: F401
-
+    # Every shipped gin file parses and binds with every configurable registered, so that no
+    # binding is skipped (a renamed field or a typo in a config nobody ran would otherwise
+    # surface only when a user runs it).
+    for module in sorted(_configurable_modules()):
+        importlib.import_module(module)
     hcfg.bind([name], [])
 
 

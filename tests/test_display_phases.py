@@ -1,6 +1,6 @@
 """The phase display of the long entry points other than the climb and SFT (hcjax.display.Phases):
 one line redrawn in place on a terminal, plain stderr lines off one, nothing ever on stdout; and
-`python -m hcjax.distill.merge` on tiny checkpoints showing its phases while its stdout stays the
+`python -m hcjax.merge` on tiny checkpoints showing its phases while its stdout stays the
 one JSON line it always printed."""
 
 import io
@@ -135,12 +135,12 @@ def test_in_a_terminal_one_line_redraws_in_place():
     assert records == [*({"case": i, "pad": "x" * 120} for i in range(3)), {"done": True}]
 
 
-# A real entry point: hcjax.distill.merge on two tiny checkpoints ---------------------------------
+# A real entry point: hcjax.merge on two tiny checkpoints ----------------------------------------
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoints(tmp_path_factory):
-    from hcjax.distill.merge import write_checkpoint
+    from hcjax.model_io import write_checkpoint
     from tests.test_distill_merge import _params, _tiny
 
     root = tmp_path_factory.mktemp("phases")
@@ -151,7 +151,7 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 def merge_args(root, out):
-    return [sys.executable, "-m", "hcjax.distill.merge", "--checkpoint", str(root / "a"),
+    return [sys.executable, "-m", "hcjax.merge", "--checkpoint", str(root / "a"),
             "--checkpoint", str(root / "b"), "--weights", "1,3", "--output_dir", str(out)]
 
 
@@ -164,12 +164,12 @@ def test_merge_shows_its_phases_on_stderr_and_keeps_its_json(tiny_checkpoints):
     assert proc.stdout.count("\n") == 1
     assert json.loads(proc.stdout) == json.loads((out / "merge.json").read_text())
     phases = [line for line in proc.stderr.splitlines()
-              if line.startswith("hcjax.distill.merge: ")]
-    assert phases[0] == "hcjax.distill.merge: reading checkpoints 0/2 …"
-    assert phases[1].startswith("hcjax.distill.merge: reading checkpoints 2/2 … done in ")
-    assert "hcjax.distill.merge: averaging 2 checkpoints …" in phases
-    assert f"hcjax.distill.merge: writing {out} …" in phases
-    assert re.fullmatch(rf"hcjax\.distill\.merge: writing {re.escape(str(out))} … done in "
+              if line.startswith("hcjax.merge: ")]
+    assert phases[0] == "hcjax.merge: reading checkpoints 0/2 …"
+    assert phases[1].startswith("hcjax.merge: reading checkpoints 2/2 … done in ")
+    assert "hcjax.merge: averaging 2 checkpoints …" in phases
+    assert f"hcjax.merge: writing {out} …" in phases
+    assert re.fullmatch(rf"hcjax\.merge: writing {re.escape(str(out))} … done in "
                         r"\d+\.\d s", phases[-1])
 
 
@@ -178,10 +178,10 @@ def test_merge_in_a_terminal_redraws_its_phases(tiny_checkpoints):
     assert rc == 0, raw[-3000:]
     plain = SGR.sub("", raw)
     assert "\r\x1b[2K" in plain
-    assert re.search(r"hcjax\.distill\.merge · reading checkpoints · [0-2]/2 · elapsed 0:0\d · "
+    assert re.search(r"hcjax\.merge · reading checkpoints · [0-2]/2 · elapsed 0:0\d · "
                      r"ETA ", plain)
     screen = Screen().feed(raw).text()
-    assert "hcjax.distill.merge: reading checkpoints 2/2 … done in" in screen
-    assert "hcjax.distill.merge: averaging 2 checkpoints … done in" in screen
+    assert "hcjax.merge: reading checkpoints 2/2 … done in" in screen
+    assert "hcjax.merge: averaging 2 checkpoints … done in" in screen
     summary = json.loads(next(line for line in screen.splitlines() if line.startswith("{")))
     assert summary["method"] == "weighted_average" and summary["weights"] == [1.0, 3.0]

@@ -1,5 +1,5 @@
-"""hcjax.distill.merge: exact weighted averages and task vectors on small trees, the mismatch
-errors, and a merged checkpoint that the other entry points load."""
+"""hcjax.distill.merge and `python -m hcjax.merge`: exact weighted averages and task vectors on small
+trees, the mismatch errors, and a merged checkpoint that the other entry points load."""
 
 import json
 
@@ -8,16 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hcjax.distill.merge import (
-    check_same_tree,
-    main,
-    read_checkpoint,
-    task_arithmetic,
-    weighted_average,
-    write_checkpoint,
-)
-from hcjax.distill.sft import load_params
+from hcjax.distill.merge import check_same_tree, task_arithmetic, weighted_average
+from hcjax.merge import main
 from hcjax.model import ModelConfig, create_sharded
+from hcjax.model_io import read_checkpoint, write_checkpoint
 from hcjax.sharding import MeshConfig, make_mesh
 
 A = {"w": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), "b": {"g": np.array([0.0, 8.0])}}
@@ -68,7 +62,7 @@ def _params(cfg, seed):
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def test_merge_cli_writes_a_checkpoint_load_params_reads(tmp_path):
+def test_merge_cli_writes_a_checkpoint_init_checkpoint_reads(tmp_path):
     cfg = _tiny()
     pa, pb = _params(cfg, 0), _params(cfg, 1)
     write_checkpoint(str(tmp_path / "a"), pa, cfg)
@@ -79,13 +73,14 @@ def test_merge_cli_writes_a_checkpoint_load_params_reads(tmp_path):
                     "--weights", "0.25,0.75", "--output_dir", str(out)])
     assert summary["method"] == "weighted_average"
     assert json.loads((out / "merge.json").read_text())["weights"] == [0.25, 0.75]
-    got = load_params(str(out), cfg, pa)
+    got = read_checkpoint(str(out), model_cfg=cfg, target=pa).params
     want = jax.tree.map(lambda a, b: 0.25 * np.asarray(a) + 0.75 * np.asarray(b), pa, pb)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(x), y, rtol=1e-6, atol=1e-7)
     # One checkpoint alone is re-written in the sft layout (a climb's params for init_checkpoint).
     main(["--checkpoint", str(tmp_path / "b"), "--output_dir", str(tmp_path / "export")])
-    for x, y in zip(jax.tree.leaves(load_params(str(tmp_path / "export"), cfg, pa)),
+    exported = read_checkpoint(str(tmp_path / "export"), model_cfg=cfg, target=pa).params
+    for x, y in zip(jax.tree.leaves(exported),
                     jax.tree.leaves(pb), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # Task vectors from a base: base + 1.0 (b - base) is b.

@@ -1,5 +1,5 @@
 """DPO: the loss against hand-computed values, pair selection (pure and from a rollout store), and
-training steps on a tiny model that lower the loss and write a checkpoint load_params reads."""
+training steps on a tiny model that lower the loss and write a checkpoint hcjax.model_io reads."""
 
 import json
 import math
@@ -20,8 +20,8 @@ from hcjax.distill.dpo import (
     run_dpo,
     select_pairs,
 )
-from hcjax.distill.merge import read_checkpoint, write_checkpoint
 from hcjax.distill.sft import SFTConfig
+from hcjax.model_io import read_checkpoint, write_checkpoint
 from hcjax.rl.losses import dpo_loss
 from hcjax.rl.store import rollout_to_json
 from hcjax.rollout.records import Rollout

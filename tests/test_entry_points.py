@@ -43,9 +43,9 @@ def _error_line(capsys, module: str, argv: list[str]) -> str:
     ("hcjax.plan", ["--gin_param", "PlanConfig.nonsense = 1"], "nonsense"),
     ("hcjax.consolidate", [], "the following arguments are required: --climb"),
     ("hcjax.long2short", [], "the following arguments are required: --checkpoint"),
-    ("hcjax.distill.dpo", [], "give at least one --climb or --samples"),
-    ("hcjax.distill.merge", [], "the following arguments are required: --checkpoint"),
-    ("hcjax.distill.rejection", [], "the following arguments are required: --checkpoint"),
+    ("hcjax.dpo", [], "give at least one --climb or --samples"),
+    ("hcjax.merge", [], "the following arguments are required: --checkpoint"),
+    ("hcjax.rejection", [], "the following arguments are required: --checkpoint"),
     ("hcjax.data.hygiene", [], "the following arguments are required: --input"),
     ("hcjax.rl.store", [], "the following arguments are required: store, out"),
     ("hcjax.model.summary", ["--gin_param", "ModelConfig.num_heads = 3"],
@@ -56,7 +56,7 @@ def _error_line(capsys, module: str, argv: list[str]) -> str:
     ("hcjax.cluster.storage", [], "the following arguments are required: path"),
 ])
 def test_a_bad_input_is_one_error_line(capsys, tmp_path, module, argv, says):
-    if module in ("hcjax.climb", "hcjax.sft", "hcjax.convert", "hcjax.distill.dpo"):
+    if module in ("hcjax.climb", "hcjax.sft", "hcjax.convert", "hcjax.dpo"):
         argv = [*argv, "--output_dir", str(tmp_path / "out")]
     assert says in _error_line(capsys, module, argv)
 

@@ -309,7 +309,7 @@ def _until(predicate, seconds=60.0):
 @pytest.mark.slow
 def test_a_replica_that_comes_back_is_readmitted_with_the_current_weights(monkeypatch):
     from hcjax.rl.inference import RemoteInference
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from hcjax.transfer.weights_service import param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
@@ -361,7 +361,7 @@ def test_readmission_survives_pushes_faster_than_the_prober(monkeypatch):
     backoff at a second, each push used to drop it again (the router still held it down), so it
     was never readmitted."""
     from hcjax.rl.inference import RemoteInference
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from hcjax.transfer.weights_service import param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
@@ -406,7 +406,7 @@ def test_a_restarted_learner_may_publish_an_older_version(monkeypatch):
     """A learner restarted from a checkpoint numbers its versions from that checkpoint, below
     what the replicas served before it died: a new weights session (handshake) takes its first
     version back; within a session versions still only move forward."""
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from hcjax.transfer.weights_service import WeightPublisher, param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
@@ -441,7 +441,7 @@ def test_a_restarted_learner_never_reuses_a_transfer_index_the_replica_handed_ou
     is forced onto the dead one's index, and it still re-sends version 7 through a fresh one."""
     import secrets
 
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from hcjax.transfer.weights_service import WeightPublisher, param_digests, weights_status
     from tests.test_serve import InProcess, learner_versions
 
@@ -488,7 +488,7 @@ def test_a_killed_learners_pending_ack_pull_does_not_hang_its_successor(monkeypa
     import subprocess
     import sys
 
-    from hcjax.serve import ServeOptions
+    from hcjax.rollout.standalone import ServeOptions
     from hcjax.transfer.remote import transfer_uuid
     from hcjax.transfer.weights_service import WeightPublisher, weights_status
     from tests.test_serve import REPO, InProcess, _env, learner_versions

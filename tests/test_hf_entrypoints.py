@@ -117,8 +117,8 @@ def test_climb_prompt_limit_is_measured_and_enforced(qwen3_tok):
 @needs_fixtures
 def test_hf_checkpoint_flag_errors(tmp_path, capsys):
     from hcjax.climb import main as climb_main
-    from hcjax.distill.sft import main as sft_main
     from hcjax.serve import main as serve_main
+    from hcjax.sft import main as sft_main
 
     assert hf_checkpoint_folder(str(FIXTURES / "qwen3")) == str(FIXTURES / "qwen3")
     cases = [
@@ -269,11 +269,11 @@ def test_climb_from_hf_moe_checkpoint(tmp_path):
     assert meta["meta"]["hf_checkpoint"] == str(folder)
     assert meta["meta"]["hf_config"]["model_type"] == "qwen3_moe"
     # ... and the climbed model goes back to a Hugging Face folder that loads with the same config.
-    from hcjax import convert
     from hcjax.model import hf
+    from hcjax.model_io import run_to_hf
 
     exported = str(tmp_path / "exported")
-    convert.to_hf(str(out), exported, quiet=True)
+    run_to_hf(str(out), exported, quiet=True)
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(os.listdir(exported))
     model, cfg = hf.load(exported)
     _, source_cfg = hf.load(str(folder))

@@ -18,6 +18,9 @@ LAYERS = {
     "hcjax.rpc": 0, "hcjax.finite": 0,
     "hcjax.sandbox": 1,
     "hcjax.rollout": 2, "hcjax.transfer": 2, "hcjax.rewards": 2, "hcjax.envs": 2,
+    # Models in and out of run folders and Hugging Face folders: every job reads models through
+    # it, the standalone server included.
+    "hcjax.model_io": 2,
     "hcjax.tasks": 3, "hcjax.train": 3, "hcjax.rl": 4, "hcjax.distill": 4,
     # The SFT input pipeline turns task suites' reference responses into packed batches: it
     # reads hcjax.tasks, and only the trainers above read it.
@@ -25,6 +28,7 @@ LAYERS = {
     "hcjax.climb": 5, "hcjax.serve": 5, "hcjax.sft": 5, "hcjax.convert": 5, "hcjax.plan": 5,
     "hcjax.consolidate": 5, "hcjax.long2short": 5, "hcjax.ray_placement": 5,
     "hcjax.cluster": 5,  # the launchers' entry points: layouts, JobSet, readiness, storage
+    "hcjax.dpo": 5, "hcjax.merge": 5, "hcjax.rejection": 5,
     "hcjax.bench": 6,
 }
 

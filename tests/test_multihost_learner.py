@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer
-from hcjax.distill.sft import model_identity
 from hcjax.model import create_sharded
+from hcjax.model_io import load_model, model_identity
 from hcjax.rl.batch import pack_rollouts, to_device
 from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.multihost import (
@@ -82,10 +82,8 @@ def _save_base(base_dir: str) -> None:
 
 def _climb_learner(base_dir: str, mesh) -> Learner:
     """The learner as hcjax.rl.climber.Climb builds it: the base's params restored onto `mesh`
-    (hcjax.distill.sft.load_params via Checkpointer.restore_subtree), then `Learner`."""
-    from hcjax.rl.climber import load_base_model
-
-    model = load_base_model(base_dir, CFG, mesh)
+    (hcjax.model_io.load_model via Checkpointer.restore_subtree), then `Learner`."""
+    model, _ = load_model(base_dir, mesh, CFG)
     return Learner(model, LCFG, mesh)
 
 

@@ -6,13 +6,13 @@ import json
 import pytest
 from flax import nnx
 
-from hcjax.distill.merge import write_checkpoint
 from hcjax.distill.rejection import (
     Sample,
     rejection_conversations,
     run_rejection,
     shortest_correct,
 )
+from hcjax.model_io import write_checkpoint
 from hcjax.tasks.base import TaskProblem
 
 

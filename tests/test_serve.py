@@ -1,4 +1,4 @@
-"""The inference process `python -m hcjax.serve` (`hcjax.serve.serve`): its mesh comes from the gin
+"""The inference process `python -m hcjax.serve` (`hcjax.rollout.standalone.serve`): its mesh comes from the gin
 MeshConfig and a binding the devices cannot form fails before anything is built; it serves the
 Weights service beside Rollout, so a learner's WeightPublisher moves new versions into it and
 greedy generation follows them."""
@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from hcjax import config as hcfg
-from hcjax.serve import ServeOptions, serve
+from hcjax.rollout.standalone import ServeOptions, serve
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,9 +15,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from hcjax.distill.sft import load_params, main
 from hcjax.model import ModelConfig
+from hcjax.model_io import read_checkpoint
 from hcjax.profiling import trace_files
+from hcjax.sft import main
 
 P = [
     "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2", "ModelConfig.num_heads = 2",
@@ -61,12 +62,13 @@ def test_exact_resume_outputs_traces_and_config_mismatch(tmp_path):
 
     target = jax.tree.map(jnp.zeros_like, ints(_params(b, 10)))
     assert 0 in target["blocks"]
-    loaded = load_params(str(b), model_cfg, target)
+    loaded = read_checkpoint(str(b), model_cfg=model_cfg, target=target).params
     assert jax.tree.structure(loaded) == jax.tree.structure(target)
     np.testing.assert_array_equal(loaded["blocks"][1]["attn"]["wq"],
                                   _params(b, 10)["blocks"]["1"]["attn"]["wq"])
     with pytest.raises(ValueError, match="d_model"):
-        load_params(str(b), dataclasses.replace(model_cfg, d_model=64), target)
+        read_checkpoint(str(b), model_cfg=dataclasses.replace(model_cfg, d_model=64),
+                        target=target)
 
     pa, pb = _params(a, 10), _params(b, 10)
     for (path, x), y in zip(

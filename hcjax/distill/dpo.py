@@ -4,48 +4,44 @@ longer, or a wrong one, is rejected — and a trainer that fits `hcjax.rl.losses
 the frozen starting params through the shared train step (hcjax.train.step: `PreferenceObjective`
 is all DPO adds) with an SFTConfig's optimiser settings and the hcjax.sft checkpoint layout.
 
-`python -m hcjax.distill.dpo --climb DIR [--climb DIR] --init_checkpoint RUN --output_dir OUT`
-writes OUT/checkpoints in the hcjax.sft layout (a `--base_checkpoint` of the climb); `--samples
-FILE` takes the pairs from the k samples per problem that `hcjax.distill.rejection` wrote
-(OUT/samples.jsonl) instead of a rollout store. The pair selection is a pure function; the loss
-lives with the other losses.
+`run_dpo` writes OUT/checkpoints in the hcjax.sft layout (a `--base_checkpoint` of the climb);
+`pairs_from_samples` takes the pairs from the k samples per problem that shortest rejection
+sampling wrote (OUT/samples.jsonl) instead of a rollout store. `python -m hcjax.dpo` is the
+command line; this module parses no flags. The pair selection is a pure function; the loss lives
+with the other losses.
 """
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    # Run the imported module's main: defining the gin configurables here, in __main__, would
-    # register DPOConfig twice and make `DPOConfig.beta = ...` in a gin file ambiguous.
-    from hcjax.config import run_main
-    from hcjax.distill.dpo import main as _main
+import dataclasses
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
-    run_main(_main)
-    raise SystemExit(0)
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-import gin  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from hcjax.distill.sft import (  # noqa: E402
+from hcjax.checkpoint import CheckpointConfig, Checkpointer
+from hcjax.data.tokenizer import ByteTokenizer
+from hcjax.distill.sft import (
     MODEL_INPUTS,
     SFTConfig,
     make_run_step,
-    model_identity,
     target_weights,
     token_nll,
 )
-from hcjax.model import ModelConfig  # noqa: E402
-from hcjax.rl.losses import dpo_loss  # noqa: E402
-from hcjax.train.step import Objective, make_optimizer, model_forward  # noqa: E402
+from hcjax.metrics import MetricsWriter
+from hcjax.model import ModelConfig
+from hcjax.model_io import load_model, model_identity
+from hcjax.rl.losses import dpo_loss
+from hcjax.rl.store import read_groups
+from hcjax.train.step import Objective, make_optimizer, model_forward
 
 __all__ = [
     "DPOConfig",
@@ -145,8 +141,6 @@ def pairs_from_store(path: str, cfg: DPOConfig | None = None, *, seed: int = 0
     """Preference pairs of a climb's rollout store (a run folder, its rollouts/ folder or the
     file): per group, `select_pairs` on response token counts and correctness, aborted and
     empty responses left out; at most `max_pairs_per_group` per group (uniformly drawn)."""
-    from hcjax.rl.store import read_groups
-
     cfg = cfg or DPOConfig()
     if os.path.isdir(os.path.join(path, "rollouts")):
         path = os.path.join(path, "rollouts")
@@ -321,13 +315,6 @@ def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: s
     """Train DPO on `pairs` from `init_checkpoint` (any hcjax run; also the frozen reference;
     None: the optimiser config's init_checkpoint) into OUTPUT_DIR; resumes from its checkpoints.
     Returns the summary (also OUTPUT_DIR/summary.json)."""
-    from flax import nnx
-
-    from hcjax.checkpoint import CheckpointConfig, Checkpointer
-    from hcjax.data.tokenizer import ByteTokenizer
-    from hcjax.distill.merge import load_model
-    from hcjax.metrics import MetricsWriter
-
     cfg = cfg or DPOConfig()
     optim = cfg.optimiser()
     init_checkpoint = init_checkpoint or optim.init_checkpoint
@@ -385,47 +372,3 @@ def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: s
     with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     return summary
-
-
-EXAMPLES = """examples:
-  python -m hcjax.distill.dpo --climb runs/climb --init_checkpoint runs/climb --output_dir runs/dpo
-  python -m hcjax.distill.dpo --gin_file long2short_dpo_tiny.gin --samples runs/l2s_rejection/samples.jsonl \\
-      --init_checkpoint runs/long --output_dir runs/l2s_dpo
-"""
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """`python -m hcjax.distill.dpo (--climb DIR | --samples FILE) [...] --init_checkpoint RUN
-    --output_dir OUT [--gin_file F] [--gin_param B]`: pairs from each climb's rollout store and
-    each rejection-sampling samples.jsonl."""
-    from hcjax import config
-
-    def extra(parser):
-        parser.add_argument("--climb", action="append", default=[],
-                            help="a climb's output folder (its rollouts/ store); repeatable")
-        parser.add_argument("--samples", action="append", default=[],
-                            help="a samples.jsonl of hcjax.distill.rejection; repeatable")
-        parser.add_argument("--init_checkpoint", default=None,
-                            help="the starting params and the frozen reference (any hcjax run; "
-                            "default: the optimiser's SFTConfig.init_checkpoint)")
-        parser.add_argument("--quiet", action="store_true")
-        config.set_examples(parser, EXAMPLES)
-
-    flags = config.parse_flags(argv, description=__doc__.splitlines()[0], extra_args=extra)
-    config.bind(flags.gin_files, flags.gin_params)
-    if not flags.output_dir:
-        raise config.ConfigError("--output_dir is required")
-    config.write_config(flags.output_dir, flags)
-    if not (flags.extra.climb or flags.extra.samples):
-        raise config.ConfigError("give at least one --climb or --samples")
-    cfg = DPOConfig()
-    pairs = [p for i, d in enumerate(flags.extra.climb)
-             for p in pairs_from_store(d, cfg, seed=i)]
-    pairs += [p for i, f in enumerate(flags.extra.samples)
-              for p in pairs_from_samples(f, cfg, seed=len(flags.extra.climb) + i)]
-    summary = run_dpo(flags.output_dir, pairs, flags.extra.init_checkpoint, cfg,
-                      progress=not flags.extra.quiet)
-    config.write_operative_config(flags.output_dir)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("first",)}))
-    return summary
-

@@ -4,10 +4,10 @@ set for `python -m hcjax.sft` (DataConfig.source = "chat_jsonl"). Also the suite
 after-the-climb steps evaluate with (`sample_suite`, `evaluate_suite`: greedy pass@1 and mean
 response length per suite, graded by the suite's own grader). No training here.
 
-`python -m hcjax.distill.rejection --checkpoint RUN --output_dir OUT [--k 8] [--num_problems N]
-[--gin_file F]` samples `ClimbConfig.suite`'s training problems and writes OUT/rejection.jsonl,
-and every sample (graded, with its length) to OUT/samples.jsonl, from which
-`python -m hcjax.distill.dpo --samples` forms preference pairs.
+`run_rejection` samples a suite's training problems with a run's params and writes
+OUT/rejection.jsonl, and every sample (graded, with its length) to OUT/samples.jsonl, from which
+`python -m hcjax.dpo --samples` forms preference pairs; `python -m hcjax.rejection` is its
+command line (this module parses no flags).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from hcjax.model_io import load_model
 
 __all__ = [
     "Sample",
@@ -112,8 +114,6 @@ def run_rejection(checkpoint: str, output_dir: str, suite: Any, *, k: int = 8,
     params of `checkpoint` (any hcjax run) and write OUTPUT_DIR/rejection.jsonl (the kept
     conversations) and OUTPUT_DIR/samples.jsonl (every sample, `sample_records`). Returns the
     summary (also OUTPUT_DIR/rejection.json)."""
-    from hcjax.distill.merge import load_model
-
     model, _ = load_model(checkpoint)
     problems = [suite.train_problem(first_problem + i) for i in range(num_problems)]
     samples = sample_suite(model, suite, problems, k=k, max_new_tokens=max_new_tokens,
@@ -137,51 +137,3 @@ def run_rejection(checkpoint: str, output_dir: str, suite: Any, *, k: int = 8,
     with open(os.path.join(output_dir, "rejection.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     return summary
-
-
-EXAMPLES = """examples:
-  python -m hcjax.distill.rejection --checkpoint runs/long --k 8 --output_dir runs/l2s_samples
-  python -m hcjax.distill.rejection --gin_file long2short_base_tiny.gin --checkpoint runs/long \\
-      --num_problems 512 --output_dir runs/l2s_samples
-then SFT on OUT/rejection.jsonl (hcjax.sft --gin_file long2short_rejection_tiny.gin ...).
-"""
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """`python -m hcjax.distill.rejection --checkpoint RUN --output_dir OUT [--k 8]
-    [--num_problems N] [--gin_file F]`: the suite is ClimbConfig.suite of the gin files."""
-    from hcjax import config
-
-    def extra(parser):
-        parser.add_argument("--checkpoint", required=True, help="any hcjax run to sample from")
-        parser.add_argument("--k", type=int, default=8, help="samples per problem (Kimi: 8)")
-        parser.add_argument("--num_problems", type=int, default=256)
-        parser.add_argument("--first_problem", type=int, default=0,
-                            help="index of the first training problem sampled")
-        parser.add_argument("--max_new_tokens", type=int, default=None,
-                            help="default: ClimbConfig.max_tokens")
-        parser.add_argument("--temperature", type=float, default=1.0)
-        parser.add_argument("--seed", type=int, default=0)
-        config.set_examples(parser, EXAMPLES)
-
-    flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
-                               default_gin_files=["tiny_cpu.gin"], extra_args=extra)
-    config.bind(flags.gin_files, flags.gin_params)
-    if not flags.output_dir:
-        raise config.ConfigError("--output_dir is required")
-    from hcjax.rl.climber import ClimbConfig
-
-    climb = ClimbConfig()
-    a = flags.extra
-    summary = run_rejection(a.checkpoint, flags.output_dir, climb.make_suite(), k=a.k,
-                            num_problems=a.num_problems, first_problem=a.first_problem,
-                            max_new_tokens=a.max_new_tokens or climb.max_tokens,
-                            temperature=a.temperature, seed=a.seed)
-    print(json.dumps(summary))
-    return summary
-
-
-if __name__ == "__main__":
-    from hcjax.config import run_main
-
-    run_main(main)

@@ -4,8 +4,9 @@ exact gradient accumulation, dropout, Orbax checkpoints with exact resume, metri
 
 Defaults are the self-distillation values of RECIPE §3 (cosine LR 1.7e-5 → 5.2e-6, 2% warm-up,
 weight decay 0.001, load-balance coefficient 1e-2); the tiny base binds its own in gin.
-With `--hf_checkpoint DIR` the run starts from a Hugging Face folder's weights, config and
-tokenizer (its chat template encodes the data and the evaluation prompts).
+With `hf_checkpoint` the run starts from a Hugging Face folder's weights, config and tokenizer
+(its chat template encodes the data and the evaluation prompts). The command line lives in
+hcjax/sft.py; this module parses no flags, and reads and writes models through hcjax.model_io.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import gin
@@ -26,11 +27,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax import sharding as shd
-from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
+from hcjax.checkpoint import CheckpointConfig, Checkpointer
 from hcjax.data.pipeline import DataConfig, make_batch_iterator, put_on_mesh
 from hcjax.data.tokenizer import Tokenizer
 from hcjax.metrics import MetricsWriter, Progress, plot_curves, read_metrics, write_summary
 from hcjax.model import ModelConfig, create_sharded
+from hcjax.model_io import hf_source_meta, load_hf_model, model_identity, read_checkpoint
 from hcjax.profiling import StepTracer
 from hcjax.train.step import (
     Objective,
@@ -193,41 +195,6 @@ def _to_pure(params: nnx.State) -> dict:
 
 
 _STEP_CACHE: dict[tuple, Callable] = {}
-# Kernel choices: they change how, not what, the model computes, so checkpoints move freely
-# between them.
-# Switches of how the model runs, not what it computes: checkpoints stay compatible across them.
-_IMPLEMENTATION_FIELDS = (
-    "moe_impl", "attention_impl", "expert_parallel", "expert_parallel_chunks", "scan_layers",
-    "remat_policy",
-)
-
-
-def load_hf_model(path: str, mesh: Mesh) -> tuple[nnx.Module, ModelConfig]:
-    """(model, config) of the Hugging Face folder `path`, parameters born sharded on `mesh`, with
-    the gin ModelConfig's kernel choices (moe_impl, attention_impl): they change how, not what,
-    the model computes, and the folder cannot know which suit this machine."""
-    from hcjax.model import hf
-
-    gin_cfg = ModelConfig()
-    impl = {f: getattr(gin_cfg, f) for f in _IMPLEMENTATION_FIELDS}
-    return hf.load(path, mesh=mesh, **impl)
-
-
-def hf_source_meta(path: str, output_dir: str) -> dict[str, Any]:
-    """Record the Hugging Face folder a run starts from, so its checkpoints export back to one
-    (`python -m hcjax.convert --to_hf OUTPUT_DIR`): copies the folder's config and tokenizer files
-    into OUTPUT_DIR/hf and returns the checkpoint meta entries (its path and config.json)."""
-    from hcjax.model import hf
-    from hcjax.model.hf import copy_side_files
-
-    copy_side_files(path, os.path.join(output_dir, "hf"))
-    return {"hf_checkpoint": os.path.abspath(path), "hf_config": hf.read_hf_config(path)}
-
-
-def model_identity(model_cfg: ModelConfig) -> dict[str, Any]:
-    """The model config as written into checkpoints and compared on restore."""
-    d = jsonable(model_cfg)
-    return {k: v for k, v in d.items() if k not in _IMPLEMENTATION_FIELDS}
 
 
 @dataclasses.dataclass
@@ -350,9 +317,11 @@ class SFTTrainer:
                 self.data.set_state(data_state)
             self.resumed_from = latest
         elif self.cfg.init_checkpoint:
-            self.state["params"] = load_params(
-                self.cfg.init_checkpoint, self.model_cfg, self.state["params"]
-            )
+            # Any hcjax run's params (sft, convert, merge, dpo or climb layout), read into this
+            # run's shardings after checking they were written for this model.
+            self.state["params"] = read_checkpoint(
+                self.cfg.init_checkpoint, model_cfg=self.model_cfg, target=self.state["params"]
+            ).params
 
     @property
     def step(self) -> int:
@@ -427,26 +396,6 @@ class SFTTrainer:
 
     def close(self) -> None:
         self.ckpt.close()
-
-
-def load_params(directory: str, model_cfg: ModelConfig, target_params: Any) -> Any:
-    """Params of the latest checkpoint in `directory` (a run folder or its checkpoints/ folder),
-    after checking it was written for `model_cfg`."""
-    ckpt_dir = os.path.join(directory, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        ckpt_dir = directory
-    if not os.path.isdir(ckpt_dir):
-        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
-    meta = {"model_config": model_identity(model_cfg)}
-    ck = Checkpointer(ckpt_dir, CheckpointConfig(async_save=False), meta)
-    try:
-        step = ck.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt_dir!r}")
-        ck.check_compatible(step, keys=("model_config",))
-        return ck.restore_subtree(step, "params", target_params)
-    finally:
-        ck.close()
 
 
 @gin.configurable
@@ -539,49 +488,4 @@ def run_sft(
     if result.eval:
         items.update({f"eval_{k}": v for k, v in result.eval.items() if k != "examples"})
     write_summary(output_dir, "hcjax.sft run summary", items)
-    return result
-
-
-EXAMPLES = """examples:
-  python -m hcjax.sft                                   # pre-train the tiny base into runs/sft
-  python -m hcjax.sft --gin_file sft_self_distill.gin --output_dir runs/distill
-  python -m hcjax.sft --hf_checkpoint DIR --output_dir runs/sft_hf   # fine-tune a HF folder
-
-A run resumes from its latest checkpoint in OUTPUT_DIR; on a terminal a bar shows the step, loss,
-tokens/s and the ETA; off a terminal (or with --log_format json) each logged step is one JSON line.
-"""
-
-
-def _extra_args(parser) -> None:
-    import argparse
-
-    from hcjax import config
-
-    config.add_hf_checkpoint_flag(parser)
-    parser.add_argument("--log_format", choices=("auto", "json", "display"), default="auto",
-                        help="display: the step bar; json: one JSON line per logged step on "
-                             "stdout; auto: the bar on a terminal, JSON lines otherwise")
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = EXAMPLES
-
-
-def main(argv: Sequence[str] | None = None) -> TrainResult:
-    """`python -m hcjax.sft --gin_file tiny_cpu --output_dir DIR [--gin_param ...]`."""
-    from hcjax import config
-
-    flags = config.parse_flags(
-        argv, description="hcjax SFT / pre-training", default_gin_files=["tiny_cpu.gin"],
-        extra_args=_extra_args,
-    )
-    config.bind(flags.gin_files, flags.gin_params)
-    output_dir = flags.output_dir or os.path.join("runs", "sft")
-    config.write_config(output_dir, flags)
-    from hcjax.display import resolve_format
-
-    log_format = resolve_format(flags.extra.log_format)
-    result = run_sft(output_dir, hf_checkpoint=flags.extra.hf_checkpoint,
-                     progress=log_format == "display", json_lines=log_format == "json")
-    config.write_operative_config(output_dir)
-    with open(os.path.join(output_dir, "summary.txt"), encoding="utf-8") as f:
-        print(f.read())
     return result

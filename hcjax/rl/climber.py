@@ -18,9 +18,18 @@ from typing import Any
 import gin
 import numpy as np
 
+from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
+from hcjax.distill.sft import run_sft
 from hcjax.finite import check_finite
+from hcjax.model import ModelConfig
+from hcjax.model_io import hf_source_meta, load_hf_model, load_model
+from hcjax.rewards.spec import RewardSpec
 from hcjax.rl.controller import Controller, ControllerConfig, StepReport
 from hcjax.rl.curriculum import EarlyExit, LengthCurriculum
+from hcjax.rl.learner import Learner, LearnerConfig
+from hcjax.rl.multihost import DistributedLearner
+from hcjax.rl.placement import Placement
+from hcjax.rl.sources import SourceConfig, TaskBuilder
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
 from hcjax.rl.workers import (
     GroupResult,
@@ -30,8 +39,9 @@ from hcjax.rl.workers import (
     SamplingConfig,
     WorkerStats,
 )
+from hcjax.tasks import ArithmeticSuite, check_suite
 
-__all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengths", "load_base_model",
+__all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengths",
            "pretrain_base", "run_climb"]
 
 
@@ -95,7 +105,8 @@ class ClimbConfig:
         for name in ("max_prompt_len", "max_prefill_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ClimbConfig.{name}={getattr(self, name)} must be >= 1 or None")
-        if not isinstance(self.rewards, Mapping):
+        if not isinstance(self.rewards, Mapping) or not all(
+                isinstance(spec, RewardSpec) for spec in self.rewards.values()):
             raise ValueError(f"ClimbConfig.rewards={self.rewards!r} must map suite names to "
                              "RewardSpecs")
 
@@ -104,8 +115,6 @@ class ClimbConfig:
                          tuple(self.full_window))
 
     def make_suite(self) -> Any:
-        from hcjax.tasks import ArithmeticSuite, check_suite
-
         suite = self.suite if self.suite is not None else ArithmeticSuite()
         check_suite(suite, "ClimbConfig.suite")
         return suite
@@ -128,27 +137,9 @@ class ClimbResult:
     summary: dict[str, Any]
 
 
-def load_base_model(base_dir: str, model_cfg, mesh):
-    """The model with the params of the latest checkpoint of an hcjax.sft run, on `mesh`."""
-    from flax import nnx
-
-    from hcjax.distill.sft import load_params
-    from hcjax.model import create_sharded
-
-    model = create_sharded(model_cfg, mesh)
-    _, params, _ = nnx.split(model, nnx.Param, ...)
-    # load_params checks the run's ModelConfig (implementation switches may differ) and places
-    # each leaf like the target.
-    nnx.replace_by_pure_dict(params, load_params(base_dir, model_cfg, nnx.to_pure_dict(params)))
-    nnx.update(model, params)
-    return model
-
-
 def pretrain_base(output_dir: str, progress: bool = False) -> str:
     """Pre-train the tiny base with hcjax.sft into OUTPUT_DIR/base (resumes a previous run);
     progress: show its step bar with ETA."""
-    from hcjax.distill.sft import run_sft
-
     base_dir = os.path.join(output_dir, "base")
     run_sft(base_dir, progress=progress, eval_problems=0)
     return base_dir
@@ -234,12 +225,6 @@ class Climb:
                  stop_at_gain: float | None = None, log_format: str = "auto") -> None:
         import jax
 
-        from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
-        from hcjax.model import ModelConfig
-        from hcjax.rl.learner import Learner, LearnerConfig
-        from hcjax.rl.placement import Placement
-        from hcjax.rl.sources import SourceConfig, TaskBuilder
-
         if hf_checkpoint is not None and base_checkpoint is not None:
             raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
                              f"{base_checkpoint!r}: the climb starts from one base, give one")
@@ -299,8 +284,6 @@ class Climb:
         ckpt_meta: dict[str, Any] = {}
         learner_mesh = self.placement.learner_mesh
         if hf_checkpoint is not None:
-            from hcjax.distill.sft import hf_source_meta, load_hf_model
-
             model, model_cfg = load_hf_model(hf_checkpoint, learner_mesh)
             ckpt_meta = hf_source_meta(hf_checkpoint, self.output_dir)
             if self.tok.vocab_size > model_cfg.vocab_size:
@@ -309,9 +292,9 @@ class Climb:
         else:
             if base_checkpoint is None:
                 self.display.pretraining(os.path.join(self.output_dir, "base"))
-            model = load_base_model(
+            model, _ = load_model(
                 base_checkpoint or pretrain_base(self.output_dir, progress=self.display.live),
-                model_cfg, learner_mesh)
+                learner_mesh, model_cfg)
         self.model_cfg = model_cfg
         self.base_seconds = time.perf_counter() - t_base
         # Tool episodes' later turns are prefilled with everything before them: their context
@@ -328,8 +311,6 @@ class Climb:
         # mesh only through `dist`.
         self.dist = None
         if self.processes > 1:
-            from hcjax.rl.multihost import DistributedLearner
-
             self.dist = DistributedLearner(learner)
         # ClimbConfig.checkpoint_every is the climb's save interval; the rest (keep, async_save)
         # is the gin CheckpointConfig's.

@@ -1,0 +1,76 @@
+"""hcjax.model_io: a run folder's params read into a mesh's shardings (the sft layout and the
+climb's {"value": array} layout alike) exactly as written, the model config checked by identity
+(kernel choices may differ, a real difference is named), and the errors for a missing folder and
+an occupied one."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from hcjax.checkpoint import IncompatibleCheckpoint
+from hcjax.model import ModelConfig, create_sharded, param_shardings
+from hcjax.model_io import (
+    checkpoints_folder,
+    load_model,
+    model_identity,
+    read_checkpoint,
+    write_checkpoint,
+)
+from hcjax.sharding import MeshConfig, make_mesh
+
+CFG = ModelConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=8, d_ff=32, num_experts=2, experts_per_token=1, moe_latent_dim=8,
+                  moe_d_ff=16, max_seq_len=32, dtype="float32", moe_impl="dense")
+
+
+def _params(seed: int) -> dict:
+    model = create_sharded(CFG, make_mesh(MeshConfig(num_devices=1)), seed=seed)
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _same(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("layout", ["sft", "climb"])
+def test_load_model_reads_each_layout_into_the_mesh_shardings(tmp_path, layout):
+    params = _params(seed=3)
+    saved = params if layout == "sft" else jax.tree.map(lambda x: {"value": x}, params)
+    write_checkpoint(str(tmp_path / "run"), saved, CFG, step=7)
+    mesh = make_mesh(MeshConfig(fsdp=2, num_devices=2))
+    model, cfg = load_model(str(tmp_path / "run"), mesh)
+    assert model_identity(cfg) == model_identity(CFG)
+    state = nnx.state(model, nnx.Param)
+    _same(nnx.to_pure_dict(state), params)
+    want = nnx.to_pure_dict(param_shardings(state, mesh))
+    got = jax.tree.map(lambda x: x.sharding, nnx.to_pure_dict(state))
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)
+    # The checkpoints folder itself reads the same; the step and meta come back too.
+    loaded = read_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    assert loaded.step == 7 and loaded.meta["model_config"] == model_identity(CFG)
+    _same(loaded.params, params)
+
+
+def test_the_model_config_is_checked_by_identity(tmp_path):
+    write_checkpoint(str(tmp_path / "run"), _params(seed=0), CFG)
+    # Another kernel choice computes the same model: accepted, and the model built with it.
+    other_kernel = dataclasses.replace(CFG, moe_impl="blocked")
+    _, cfg = load_model(str(tmp_path / "run"), model_cfg=other_kernel)
+    assert cfg.moe_impl == "blocked"
+    wider = dataclasses.replace(CFG, d_ff=64)
+    with pytest.raises(IncompatibleCheckpoint, match="d_ff: checkpoint has 32, run has 64"):
+        load_model(str(tmp_path / "run"), model_cfg=wider)
+    with pytest.raises(IncompatibleCheckpoint, match="d_ff"):
+        read_checkpoint(str(tmp_path / "run"), model_cfg=wider)
+
+
+def test_missing_and_occupied_folders_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        checkpoints_folder(str(tmp_path / "nowhere"))
+    write_checkpoint(str(tmp_path / "run"), _params(seed=0), CFG)
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        write_checkpoint(str(tmp_path / "run"), _params(seed=1), CFG)
