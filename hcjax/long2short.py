@@ -61,8 +61,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     config.bind(flags.gin_files, flags.gin_params)
     from hcjax.display import Phases
     from hcjax.distill.merge import load_model
-    from hcjax.distill.rejection import evaluate_suite
     from hcjax.rl.climber import ClimbConfig
+    from hcjax.rl.pass_at_1 import evaluate_model
 
     a = flags.extra
     climb = ClimbConfig()
@@ -78,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 name, directory = os.path.basename(os.path.normpath(item)), item
             phase.now(name)
             model, _ = load_model(directory)
-            results[name] = evaluate_suite(model, suite, problems,
-                                           max_new_tokens=a.max_new_tokens or climb.max_tokens)
+            result = evaluate_model(model, suite, problems,
+                                    max_tokens=a.max_new_tokens or climb.max_tokens)
+            results[name] = {k: result[k] for k in ("pass_at_1", "mean_length", "problems")}
             phase.advance()
     table = compare(results, min_cut=a.min_cut, max_drop=a.max_drop)
     for name, r in table.items():
