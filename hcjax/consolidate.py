@@ -7,7 +7,7 @@ The union suite is gin's `ClimbConfig.suite`: a MixtureSuite whose i-th componen
 the i-th `--climb` (a climb's own gin is not re-read: gin state is global, and the specialists'
 suites usually share a name that a mixture must tell apart). Flags → gin → mix → SFT → climb →
 report; the SFT is `SFTTrainer`, the climb `hcjax.rl.climber.Climb`, the evaluation
-`hcjax.rl.pass_at_1.evaluate_model`.
+`hcjax.rl.pass_at_1.ModelEvaluator`.
 """
 
 from __future__ import annotations
@@ -174,9 +174,10 @@ def _evaluate(models: dict[str, str], suites: Sequence[Any], cfg: ConsolidateCon
     """{model name: {suite name: {"pass_at_1", "mean_length", "problems"}}}; each (model, suite)
     is a step of `phase`."""
     from hcjax.distill.merge import load_model
-    from hcjax.rl.pass_at_1 import evaluate_model
+    from hcjax.rl.pass_at_1 import ModelEvaluator
 
     phase = phase or Phase("evaluating")
+    evaluator = ModelEvaluator(max_tokens=max_tokens)  # one engine for models of one config
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name, directory in models.items():
         phase.now(name)
@@ -184,8 +185,7 @@ def _evaluate(models: dict[str, str], suites: Sequence[Any], cfg: ConsolidateCon
         out[name] = {}
         for s in suites:
             phase.now(f"{name} on {s.name}")
-            result = evaluate_model(model, s, list(s.heldout())[: cfg.eval_problems],
-                                    max_tokens=max_tokens)
+            result = evaluator.evaluate(model, s, list(s.heldout())[: cfg.eval_problems])
             out[name][s.name] = {k: result[k] for k in ("pass_at_1", "mean_length", "problems")}
             phase.advance()
     return out

@@ -62,13 +62,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from hcjax.display import Phases
     from hcjax.distill.merge import load_model
     from hcjax.rl.climber import ClimbConfig
-    from hcjax.rl.pass_at_1 import evaluate_model
+    from hcjax.rl.pass_at_1 import ModelEvaluator
 
     a = flags.extra
     climb = ClimbConfig()
     suite = climb.make_suite()
     problems = list(suite.heldout())[: a.eval_problems]
     results = {}
+    # One engine for models of one config: its functions compile once.
+    evaluator = ModelEvaluator(max_tokens=a.max_new_tokens or climb.max_tokens)
     phases = Phases("hcjax.long2short")
     with phases.phase(f"evaluating on {len(problems)} held-out problems",
                       total=len(a.checkpoint)) as phase:
@@ -78,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 name, directory = os.path.basename(os.path.normpath(item)), item
             phase.now(name)
             model, _ = load_model(directory)
-            result = evaluate_model(model, suite, problems,
-                                    max_tokens=a.max_new_tokens or climb.max_tokens)
+            result = evaluator.evaluate(model, suite, problems)
             results[name] = {k: result[k] for k in ("pass_at_1", "mean_length", "problems")}
             phase.advance()
     table = compare(results, min_cut=a.min_cut, max_drop=a.max_drop)

@@ -16,14 +16,15 @@ from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.model import ModelConfig, Transformer
 from hcjax.rl.pass_at_1 import (
     EVAL_PRIORITY,
+    ModelEvaluator,
     PassAt1,
     evaluate_model,
     greedy,
-    model_evaluator,
     summarize,
 )
 from hcjax.rl.sources import TaskBuilder
 from hcjax.rollout import Engine, SampledRollout, SamplingOptions, generate
+from hcjax.rollout.testing import perturbed
 from hcjax.tasks import ArithmeticSuite, MixtureSuite
 
 TINY = ModelConfig(
@@ -154,26 +155,43 @@ def test_pass_at_1_of_k_samples_per_problem_and_per_suite():
         PassAt1(client, TaskBuilder(mix, TOK), problems, greedy(OPTIONS), k=2)
 
 
-def test_a_model_is_evaluated_on_the_climbs_path(model):
-    suite = ArithmeticSuite(kinds=("add",), max_digits=1, num_heldout=4)
-    problems = suite.heldout()
-    with model_evaluator(model, suite, problems, max_tokens=4,
-                         max_concurrent_decodes=4) as evaluator:
-        groups = evaluator.samples()
-    s = summarize(problems, groups, TOK)
-    # The random model never writes a complete <answer> block: nothing passes, nothing formatted.
-    assert s["pass_at_1"] == 0.0 and s["format_rate"] == 0.0 and s["problems"] == 4
-    assert 1 <= s["mean_length"] <= 4
-    # Its samples are the greedy continuations of the climb's prompts: the full forward's argmax
-    # at every position, up to a stop token.
-    builder = TaskBuilder(suite, TOK)
+def _check_greedy(model, builder, problems, groups, max_tokens):
+    """Each sample is the greedy continuation of the climb's prompt: the full forward's argmax
+    at every position, up to a stop token."""
     for p, [rec] in zip(problems, groups, strict=True):
         prompt, out = list(builder.prompt_ids(p)), rec.response_ids.tolist()
         assert rec.prompt_ids.tolist() == prompt and rec.temperature == 0.0
         logits = model(jnp.asarray([prompt + out], jnp.int32)).logits[0]
         want = np.asarray(jnp.argmax(logits, axis=-1))[len(prompt) - 1 : len(prompt) + len(out) - 1]
         np.testing.assert_array_equal(want, out)
-        assert len(out) == 4 or out[-1] in stop_ids(TOK)
+        assert len(out) == max_tokens or out[-1] in stop_ids(TOK)
+
+
+def test_a_model_is_evaluated_on_the_climbs_path(model):
+    suite = ArithmeticSuite(kinds=("add",), max_digits=1, num_heldout=4)
+    problems, builder = suite.heldout(), TaskBuilder(suite, TOK)
+    evaluations = ModelEvaluator(max_tokens=4, max_concurrent_decodes=4)
+    with evaluations.serving(model, suite, problems) as evaluator:
+        groups = evaluator.samples()
+    s = summarize(problems, groups, TOK)
+    # The random model never writes a complete <answer> block: nothing passes, nothing formatted.
+    assert s["pass_at_1"] == 0.0 and s["format_rate"] == 0.0 and s["problems"] == 4
+    assert 1 <= s["mean_length"] <= 4
+    _check_greedy(model, builder, problems, groups, 4)
+    # Another model of the same config is served on the same engine (compiled once), with its
+    # own weights; a model of another config needs an engine of its own.
+    engine = evaluations._engine
+    other = Transformer(TINY, rngs=nnx.Rngs(3))
+    nnx.update(other, perturbed(nnx.state(other), 1))
+    with evaluations.serving(other, suite, problems) as evaluator:
+        theirs = evaluator.samples()
+    assert evaluations._engine is engine
+    assert _tokens(g[0] for g in theirs) != _tokens(g[0] for g in groups)
+    _check_greedy(other, builder, problems, theirs, 4)
+    wider = Transformer(dataclasses.replace(TINY, window=8), rngs=nnx.Rngs(3))
+    assert not engine.serves(wider)
+    with pytest.raises(ValueError, match="built for another model"):
+        generate(wider, [[1, 2]], GREEDY6, engine=engine)
 
 
 def test_bad_arguments_and_no_problems(model):

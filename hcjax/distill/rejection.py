@@ -22,7 +22,7 @@ import numpy as np
 
 from hcjax.data.template import stop_ids
 from hcjax.data.tokenizer import ByteTokenizer
-from hcjax.rl.pass_at_1 import is_correct, model_evaluator
+from hcjax.rl.pass_at_1 import ModelEvaluator, is_correct
 from hcjax.rollout.request import SamplingOptions
 
 __all__ = [
@@ -77,13 +77,14 @@ def sample_suite(model: Any, suite: Any, problems: Sequence[Any], tok: Any = Non
                  max_new_tokens: int = 32, temperature: float = 1.0, seed: int = 0
                  ) -> list[list[Sample]]:
     """k samples per problem from `model` at `temperature` with the whole distribution (top-p 1),
-    each graded by `suite` (`hcjax.rl.pass_at_1.model_evaluator`: the climb's prompts, stop
+    each graded by `suite` (`hcjax.rl.pass_at_1.ModelEvaluator`: the climb's prompts, stop
     tokens and grading)."""
     tok = tok or ByteTokenizer()
     stops = stop_ids(tok)
     options = SamplingOptions(max_tokens=max_new_tokens, temperature=temperature, top_p=1.0,
                               stop_tokens=stops)
-    with model_evaluator(model, suite, problems, options, tok=tok, k=k, seed=seed) as evaluator:
+    with ModelEvaluator(tok=tok, sampling=options).serving(model, suite, problems, k=k,
+                                                           seed=seed) as evaluator:
         groups = evaluator.samples()
     out = []
     for group in groups:

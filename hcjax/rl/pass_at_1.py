@@ -1,8 +1,8 @@
 """pass@1 of a policy on task problems, the one evaluator: the climb's held-out figure (through the
-climb's inference client), SFT's, consolidation's and long2short's (through `local_server` over a
-model), and the graded samples that rejection sampling keeps from. Problems are `TaskProblem`s,
-prompted and graded by their suite exactly as the climb's rollouts are (TaskBuilder,
-RolloutWorker); there is no decoding or grading of its own here."""
+climb's inference client), SFT's, consolidation's and long2short's (`ModelEvaluator`: in-process
+servers over models), and the graded samples that rejection sampling keeps from. Problems are
+`TaskProblem`s, prompted and graded by their suite exactly as the climb's rollouts are
+(TaskBuilder, RolloutWorker); there is no decoding or grading of its own here."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from hcjax.data.template import response_answer, stop_ids
 from hcjax.data.tokenizer import ByteTokenizer, Tokenizer
 from hcjax.rl.sources import TaskBuilder
 from hcjax.rl.workers import InferenceClient, RolloutWorker, WorkerStats
-from hcjax.rollout.offline import local_server
+from hcjax.rollout.engine import Engine
+from hcjax.rollout.offline import local_engine, local_server
 from hcjax.rollout.records import Rollout
 from hcjax.rollout.request import SamplingOptions
 
@@ -28,9 +29,9 @@ __all__ = [
     "EVAL_PRIORITY",
     "PassAt1",
     "evaluate_model",
+    "ModelEvaluator",
     "greedy",
     "is_correct",
-    "model_evaluator",
     "summarize",
 ]
 
@@ -143,30 +144,45 @@ def summarize(problems: Sequence[TaskProblem], samples: Sequence[Sequence[Rollou
             "aborted": sum(r.aborted for r in records), "examples": examples}
 
 
-@contextlib.contextmanager
-def model_evaluator(model: Any, suite: Any, problems: Sequence[TaskProblem],
-                    sampling: SamplingOptions | None = None, *, tok: Tokenizer | None = None,
-                    max_tokens: int = 32, k: int = 1, seed: int = 0,
-                    max_concurrent_decodes: int = 64) -> Iterator[PassAt1]:
-    """A PassAt1 of `model` (an nnx model) on `problems` of `suite` through an in-process
-    `local_server`, stopped on exit. sampling None: greedy, `max_tokens` response tokens, ending
-    at the tokenizer's stop ids (ByteTokenizer when tok is None), as the climb samples."""
-    tok = tok or ByteTokenizer()
-    if sampling is None:
-        sampling = greedy(SamplingOptions(max_tokens=max_tokens, stop_tokens=stop_ids(tok)))
-    builder = TaskBuilder(suite, tok)
-    longest = max((len(builder.prompt_ids(p)) for p in problems), default=1)
-    with local_server(model, max_prompt_len=longest, max_tokens=sampling.max_tokens,
-                      max_concurrent_decodes=max_concurrent_decodes) as server:
-        yield PassAt1(server, builder, problems, sampling, k=k, seed=seed,
-                      threads=max_concurrent_decodes)
+class ModelEvaluator:
+    """pass@1 of models (nnx models in this process) through `local_server`s, one model at a
+    time on one engine per model structure: consolidation and long2short evaluate several models
+    of one config on several suites, and the engine's functions compile once for all of them.
+
+    sampling None: greedy, `max_tokens` response tokens, ending at the tokenizer's stop ids
+    (ByteTokenizer when tok is None), as the climb samples. max_concurrent_decodes: the engine's
+    slots, and the requests in flight.
+    """
+
+    def __init__(self, *, tok: Tokenizer | None = None, max_tokens: int = 32,
+                 sampling: SamplingOptions | None = None,
+                 max_concurrent_decodes: int = 64) -> None:
+        self.tok = tok or ByteTokenizer()
+        self.sampling = sampling or greedy(SamplingOptions(max_tokens=max_tokens,
+                                                           stop_tokens=stop_ids(self.tok)))
+        self.max_concurrent_decodes = max_concurrent_decodes
+        self._engine: Engine | None = None
+
+    @contextlib.contextmanager
+    def serving(self, model: Any, suite: Any, problems: Sequence[TaskProblem], *, k: int = 1,
+                seed: int = 0) -> Iterator[PassAt1]:
+        """A PassAt1 of `model` on `problems` of `suite`, its server stopped on exit."""
+        if self._engine is None or not self._engine.serves(model):
+            self._engine = local_engine(model, max_tokens=self.sampling.max_tokens,
+                                        max_concurrent_decodes=self.max_concurrent_decodes)
+        with local_server(model, max_tokens=self.sampling.max_tokens, engine=self._engine,
+                          max_queue=self.max_concurrent_decodes) as server:
+            yield PassAt1(server, TaskBuilder(suite, self.tok), problems, self.sampling, k=k,
+                          seed=seed, threads=self.max_concurrent_decodes)
+
+    def evaluate(self, model: Any, suite: Any, problems: Sequence[TaskProblem]) -> dict[str, Any]:
+        """`summarize`'s dict for `model` on `problems` of `suite`."""
+        with self.serving(model, suite, problems) as evaluator:
+            return evaluator.evaluate()
 
 
 def evaluate_model(model: Any, suite: Any, problems: Sequence[TaskProblem], *,
-                   tok: Tokenizer | None = None, max_tokens: int = 32,
-                   max_concurrent_decodes: int = 64) -> dict[str, Any]:
-    """Greedy pass@1 of `model` on `problems` of `suite` (`summarize`'s dict), as the climb
-    measures it: the one call of SFT, consolidation and long2short."""
-    with model_evaluator(model, suite, problems, tok=tok, max_tokens=max_tokens,
-                         max_concurrent_decodes=max_concurrent_decodes) as evaluator:
-        return evaluator.evaluate()
+                   tok: Tokenizer | None = None, max_tokens: int = 32) -> dict[str, Any]:
+    """Greedy pass@1 of one `model` on `problems` of `suite` (`summarize`'s dict), as the climb
+    measures it."""
+    return ModelEvaluator(tok=tok, max_tokens=max_tokens).evaluate(model, suite, problems)

@@ -290,6 +290,7 @@ class Engine:
             )
         self._graphdef, self._params = nnx.split(model)
         self._vocab = None if cfg is None else int(cfg.vocab_size)
+        self._model_type, self._model_config = type(model), cfg
         self._mesh = mesh
         self._num_slots = max_concurrent_decodes
         self._max_prefill = max_prefill_length
@@ -366,6 +367,17 @@ class Engine:
     @property
     def vocab_size(self) -> int | None:
         return self._vocab
+
+    def serves(self, model: nnx.Module) -> bool:
+        """Whether `model`'s state can be served as this engine's parameters: a model of the
+        same class and config, whose parameters have the same shapes and dtypes (two models built
+        from one config have unequal graphdefs, whose static parts are distinct equal objects)."""
+        def layout(state: Any) -> Any:
+            return jax.tree.map(lambda x: (x.shape, x.dtype), state)
+
+        return (type(model) is self._model_type
+                and getattr(model, "config", None) == self._model_config
+                and layout(nnx.state(model)) == layout(self._params))
 
     def load_params(self, *args, **kwargs) -> Any:
         """The model's parameters (an nnx.State), version 0; wrap them as
