@@ -180,12 +180,12 @@ def test_a_model_is_evaluated_on_the_climbs_path(model):
     _check_greedy(model, builder, problems, groups, 4)
     # Another model of the same config is served on the same engine (compiled once), with its
     # own weights; a model of another config needs an engine of its own.
-    engine = evaluations._engine
+    [engine] = evaluations._engines
     other = Transformer(TINY, rngs=nnx.Rngs(3))
     nnx.update(other, perturbed(nnx.state(other), 1))
     with evaluations.serving(other, suite, problems) as evaluator:
         theirs = evaluator.samples()
-    assert evaluations._engine is engine
+    assert evaluations._engines == [engine]
     assert _tokens(g[0] for g in theirs) != _tokens(g[0] for g in groups)
     _check_greedy(other, builder, problems, theirs, 4)
     wider = Transformer(dataclasses.replace(TINY, window=8), rngs=nnx.Rngs(3))

@@ -146,8 +146,10 @@ def summarize(problems: Sequence[TaskProblem], samples: Sequence[Sequence[Rollou
 
 class ModelEvaluator:
     """pass@1 of models (nnx models in this process) through `local_server`s, one model at a
-    time on one engine per model structure: consolidation and long2short evaluate several models
-    of one config on several suites, and the engine's functions compile once for all of them.
+    time on one engine per model structure (class, config, parameter shapes): consolidation and
+    long2short evaluate several models on several suites, and an engine's functions compile once
+    for every model it serves. The engines, each holding the first parameters it was built from,
+    live as long as the evaluator.
 
     sampling None: greedy, `max_tokens` response tokens, ending at the tokenizer's stop ids
     (ByteTokenizer when tok is None), as the climb samples. max_concurrent_decodes: the engine's
@@ -161,16 +163,18 @@ class ModelEvaluator:
         self.sampling = sampling or greedy(SamplingOptions(max_tokens=max_tokens,
                                                            stop_tokens=stop_ids(self.tok)))
         self.max_concurrent_decodes = max_concurrent_decodes
-        self._engine: Engine | None = None
+        self._engines: list[Engine] = []
 
     @contextlib.contextmanager
     def serving(self, model: Any, suite: Any, problems: Sequence[TaskProblem], *, k: int = 1,
                 seed: int = 0) -> Iterator[PassAt1]:
         """A PassAt1 of `model` on `problems` of `suite`, its server stopped on exit."""
-        if self._engine is None or not self._engine.serves(model):
-            self._engine = local_engine(model, max_tokens=self.sampling.max_tokens,
-                                        max_concurrent_decodes=self.max_concurrent_decodes)
-        with local_server(model, max_tokens=self.sampling.max_tokens, engine=self._engine,
+        engine = next((e for e in self._engines if e.serves(model)), None)
+        if engine is None:
+            engine = local_engine(model, max_tokens=self.sampling.max_tokens,
+                                  max_concurrent_decodes=self.max_concurrent_decodes)
+            self._engines.append(engine)
+        with local_server(model, max_tokens=self.sampling.max_tokens, engine=engine,
                           max_queue=self.max_concurrent_decodes) as server:
             yield PassAt1(server, TaskBuilder(suite, self.tok), problems, self.sampling, k=k,
                           seed=seed, threads=self.max_concurrent_decodes)
