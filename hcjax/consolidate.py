@@ -7,7 +7,7 @@ The union suite is gin's `ClimbConfig.suite`: a MixtureSuite whose i-th componen
 the i-th `--climb` (a climb's own gin is not re-read: gin state is global, and the specialists'
 suites usually share a name that a mixture must tell apart). Flags → gin → mix → SFT → climb →
 report; the SFT is `SFTTrainer`, the climb `hcjax.rl.climber.Climb`, the evaluation
-`hcjax.distill.rejection.evaluate_suite`.
+`hcjax.rl.pass_at_1.ModelEvaluator`.
 """
 
 from __future__ import annotations
@@ -173,10 +173,11 @@ def _evaluate(models: dict[str, str], suites: Sequence[Any], cfg: ConsolidateCon
               ) -> dict[str, dict[str, dict[str, float]]]:
     """{model name: {suite name: {"pass_at_1", "mean_length", "problems"}}}; each (model, suite)
     is a step of `phase`."""
-    from hcjax.distill.rejection import evaluate_suite
     from hcjax.model_io import load_model
+    from hcjax.rl.pass_at_1 import ModelEvaluator
 
     phase = phase or Phase("evaluating")
+    evaluator = ModelEvaluator(max_tokens=max_tokens)  # one engine for models of one config
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name, directory in models.items():
         phase.now(name)
@@ -184,8 +185,8 @@ def _evaluate(models: dict[str, str], suites: Sequence[Any], cfg: ConsolidateCon
         out[name] = {}
         for s in suites:
             phase.now(f"{name} on {s.name}")
-            out[name][s.name] = evaluate_suite(model, s, list(s.heldout())[: cfg.eval_problems],
-                                               max_new_tokens=max_tokens)
+            result = evaluator.evaluate(model, s, list(s.heldout())[: cfg.eval_problems])
+            out[name][s.name] = {k: result[k] for k in ("pass_at_1", "mean_length", "problems")}
             phase.advance()
     return out
 

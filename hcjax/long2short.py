@@ -60,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # After the flags, so --help stays fast; they register ClimbConfig (the suite and the token
     # budget), the task suites and ModelConfig before gin binds.
     from hcjax.display import Phases
-    from hcjax.distill.rejection import evaluate_suite
     from hcjax.model_io import load_model
     from hcjax.rl.climber import ClimbConfig
+    from hcjax.rl.pass_at_1 import ModelEvaluator
 
     config.bind(flags.gin_files, flags.gin_params)
     a = flags.extra
@@ -70,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     suite = climb.make_suite()
     problems = list(suite.heldout())[: a.eval_problems]
     results = {}
+    # One engine for models of one config: its functions compile once.
+    evaluator = ModelEvaluator(max_tokens=a.max_new_tokens or climb.max_tokens)
     phases = Phases("hcjax.long2short")
     with phases.phase(f"evaluating on {len(problems)} held-out problems",
                       total=len(a.checkpoint)) as phase:
@@ -79,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 name, directory = os.path.basename(os.path.normpath(item)), item
             phase.now(name)
             model, _ = load_model(directory)
-            results[name] = evaluate_suite(model, suite, problems,
-                                           max_new_tokens=a.max_new_tokens or climb.max_tokens)
+            result = evaluator.evaluate(model, suite, problems)
+            results[name] = {k: result[k] for k in ("pass_at_1", "mean_length", "problems")}
             phase.advance()
     table = compare(results, min_cut=a.min_cut, max_drop=a.max_drop)
     for name, r in table.items():

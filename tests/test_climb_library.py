@@ -21,11 +21,11 @@ from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.rewards.spec import RewardSpec
 from hcjax.rewards.types import Grade
 from hcjax.rl.curriculum import EarlyExit
-from hcjax.rl.evaluate import HeldoutEval
+from hcjax.rl.pass_at_1 import EVAL_PRIORITY, PassAt1, greedy
 from hcjax.rl.placement import Placement
 from hcjax.rl.sources import PrioritizedSource, SourceConfig, TaskBuilder, make_source
-from hcjax.rl.workers import ProblemWorker, RolloutWorker, SamplingConfig
-from hcjax.rollout.request import SampledRollout
+from hcjax.rl.workers import ProblemWorker, RolloutWorker
+from hcjax.rollout.request import SampledRollout, SamplingOptions
 from hcjax.tasks import ArithmeticSuite, CodeSuite, MixtureSuite, TaskProblem, ToolUseSuite
 from hcjax.tasks.base import SuiteBase
 
@@ -135,12 +135,14 @@ def test_heldout_eval_goes_through_the_client_per_category():
     suite = ArithmeticSuite()
     problems = list(suite.heldout())[:24]
     client = OracleClient(arithmetic_answer)
-    sampling = SamplingConfig(max_tokens=16, stop_tokens=(TOK.special_id("<|end|>"),))
-    result = HeldoutEval(client, TaskBuilder(suite, TOK), problems, sampling).evaluate()
+    sampling = SamplingOptions(max_tokens=16, stop_tokens=(TOK.special_id("<|end|>"),),
+                               token_budget=4)
+    result = PassAt1(client, TaskBuilder(suite, TOK), problems, greedy(sampling)).evaluate()
     assert result["pass_at_1"] == 1.0 and result["problems"] == 24  # greedy sample 0 is right
     assert set(result["by_category"]) == {p.category for p in problems}
     assert result["extraction"] == {"strict": 1.0, "flexible": 1.0}
-    assert all(r.temperature == 0.0 and r.n == 1 for r in client.requests)
+    assert all(r.temperature == 0.0 and r.top_p == 1.0 and r.n == 1 and r.token_budget is None
+               and r.priority == EVAL_PRIORITY and r.max_tokens == 16 for r in client.requests)
 
 
 def test_reward_spec_shapes_a_group_before_advantages():
@@ -151,7 +153,7 @@ def test_reward_spec_shapes_a_group_before_advantages():
     shaping = _shaping_for({"arithmetic": spec}, lambda: 16, lambda: 0, TOK.decode)
     builder = TaskBuilder(suite, TOK, shaping=shaping)
     client = OracleClient(lambda text, i: arithmetic_answer(text, i) + " " * (i % 3))
-    worker = ProblemWorker(RolloutWorker(client, SamplingConfig(
+    worker = ProblemWorker(RolloutWorker(client, SamplingOptions(
         max_tokens=32, stop_tokens=(TOK.special_id("<|end|>"),))), EarlyExit(2, 6, (0, 1), (0, 1)))
     group = worker.run(builder.task(suite.train_problem(0)), seed=1)
     assert group.kept

@@ -26,12 +26,11 @@ from hcjax.rl.workers import (
     PartialRegistry,
     ProblemWorker,
     RolloutWorker,
-    SamplingConfig,
     Task,
     WorkerStats,
 )
 from hcjax.rollout.records import Rollout
-from hcjax.rollout.request import SampledRollout
+from hcjax.rollout.request import SampledRollout, SamplingOptions
 
 STOP, RIGHT, WRONG, FILL = 0, 1, 2, 3
 
@@ -120,7 +119,7 @@ EARLY = EarlyExit(4, 8, (0.05, 0.8), (0.1, 0.8))
 
 def make(cfg, server, tenths=5, early=EARLY, budget=None, on_group=None, stats=None):
     stats = stats or WorkerStats()
-    rw = RolloutWorker(server, SamplingConfig(max_tokens=8, stop_tokens=(STOP,),
+    rw = RolloutWorker(server, SamplingOptions(max_tokens=8, stop_tokens=(STOP,),
                                               token_budget=budget), stats=stats)
     pw = ProblemWorker(rw, early, stats=stats)
     learner = StubLearner()
@@ -148,7 +147,7 @@ def test_staleness_is_counted_from_the_oldest_policy_token():
 def test_rollout_worker_retries_failures_but_not_as_aborted():
     server = FakeServer(raise_first=1, bad_reasons=["error", "aborted"])
     stats = WorkerStats()
-    rw = RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,)), stats=stats)
+    rw = RolloutWorker(server, SamplingOptions(stop_tokens=(STOP,)), stats=stats)
     out = rw.run(task(0), 4, seed=1)
     assert len(out) == 4 and not any(r.aborted for r in out)
     # 1 raised request + 1 "error" sample are failures; the aborted sample is retried, not failed
@@ -161,7 +160,7 @@ def test_rollout_worker_retries_failures_but_not_as_aborted():
 def test_rollout_worker_gives_up_with_aborted_placeholders():
     server = FakeServer(bad_reasons=["aborted"] * 100)
     stats = WorkerStats()
-    rw = RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,)), max_retries=2, stats=stats)
+    rw = RolloutWorker(server, SamplingOptions(stop_tokens=(STOP,)), max_retries=2, stats=stats)
     out = rw.run(task(0), 2, seed=0)
     assert [r.finish_reason for r in out] == ["aborted", "aborted"]
     assert all(r.reward is None for r in out)
@@ -177,7 +176,7 @@ def test_invalid_requests_are_not_retried():
             raise ValueError("prompt too long")
 
     with pytest.raises(ValueError, match="prompt too long"):
-        RolloutWorker(Rejects(), SamplingConfig()).run(task(0), 2)
+        RolloutWorker(Rejects(), SamplingOptions()).run(task(0), 2)
     assert Rejects.calls == 1
 
 
@@ -191,7 +190,7 @@ def test_partial_rollouts_continue_and_span_versions():
             server.version += 1
             return out
 
-    rw = RolloutWorker(Bump(), SamplingConfig(max_tokens=8, stop_tokens=(STOP,), token_budget=3),
+    rw = RolloutWorker(Bump(), SamplingOptions(max_tokens=8, stop_tokens=(STOP,), token_budget=3),
                        partials=partials)
     out = rw.run(task(0, 10), 2, seed=0)
     assert [r.response_ids.tolist() for r in out] == [[RIGHT, FILL, FILL, STOP]] * 2
@@ -206,7 +205,7 @@ def test_partial_registry_resumes_saved_partials():
     first = record((10, 9, 9), [RIGHT, FILL], [0, 0], "length", partial=True, index=0)
     first.meta_full = [RIGHT, FILL, FILL, STOP]
     partials.put("t0", [first])
-    rw = RolloutWorker(server, SamplingConfig(max_tokens=8, stop_tokens=(STOP,)),
+    rw = RolloutWorker(server, SamplingOptions(max_tokens=8, stop_tokens=(STOP,)),
                        partials=partials)
     server.version = 4
     out = rw.run(task(0, 10), 1, seed=0)
@@ -220,7 +219,7 @@ def test_partial_registry_resumes_saved_partials():
                                                          (5, True, "full", 2)])
 def test_early_exit_group_flow(tenths, kept, stage, calls):
     server = FakeServer()
-    rw = RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,)))
+    rw = RolloutWorker(server, SamplingOptions(stop_tokens=(STOP,)))
     pw = ProblemWorker(rw, EarlyExit(4, 16, (0.05, 0.8), (0.1, 0.8)))
     group = pw.run(task(0, tenths), seed=3)
     assert group.kept is kept and group.stage == stage and server.calls == calls
@@ -233,7 +232,7 @@ def test_early_exit_group_flow(tenths, kept, stage, calls):
 
 def test_aborted_samples_are_kept_out_of_advantages():
     server = FakeServer(bad_reasons=["stop"] * 3 + ["aborted"] * 100)
-    rw = RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,)), max_retries=0)
+    rw = RolloutWorker(server, SamplingOptions(stop_tokens=(STOP,)), max_retries=0)
     pw = ProblemWorker(rw, EarlyExit(4, 4, (0.0, 1.0), (0.0, 1.0)))
     group = pw.run(task(0, 5), seed=11)
     assert group.kept
@@ -313,7 +312,7 @@ def test_worker_errors_are_counted_then_fatal():
         raise KeyError("grader crashed")
 
     server = FakeServer()
-    rw = RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,)))
+    rw = RolloutWorker(server, SamplingOptions(stop_tokens=(STOP,)))
     pw = ProblemWorker(rw, EarlyExit(2, 2, (0.0, 1.0), (0.0, 1.0)))
     source = SequentialSource(lambda i: Task(f"t{i}", (5,), bad_grade))
     ctl = Controller(cfg, source, pw, StubLearner(), lambda v: None)
@@ -367,7 +366,7 @@ def test_store_group_commit_fsyncs_once_per_interval_and_on_close(tmp_path, monk
     synced = []
     monkeypatch.setattr("hcjax.rl.store.os.fsync", lambda fd: synced.append(fd))
     server = FakeServer()
-    pw = ProblemWorker(RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,))),
+    pw = ProblemWorker(RolloutWorker(server, SamplingOptions(stop_tokens=(STOP,))),
                        EarlyExit(4, 4, (0.0, 1.0), (0.0, 1.0)))
     groups = [pw.run(task(i, 5), seed=i) for i in range(6)]
     per_line = RolloutStore(str(tmp_path / "a"), fsync_interval_s=0)
@@ -390,7 +389,7 @@ def test_distillation_set_is_late_successful_and_random(tmp_path):
     store = RolloutStore(str(tmp_path / "store"), decode=lambda ids: "ans" + "".join(map(str, ids)),
                          fsync=False)
     server = FakeServer()
-    rw = RolloutWorker(server, SamplingConfig(stop_tokens=(STOP,)))
+    rw = RolloutWorker(server, SamplingOptions(stop_tokens=(STOP,)))
     pw = ProblemWorker(rw, EarlyExit(8, 8, (0.0, 1.0), (0.0, 1.0)))
     for step in range(10):
         group = pw.run(task(step, 5), seed=step)
@@ -457,7 +456,7 @@ def test_multi_turn_rollouts_glue_policy_turns_and_observations():
 
     server = ToolPolicyServer()
     task = Task("agent", CharTok().encode("Q?"), grade, tools=tools, tokenizer=CharTok())
-    [r] = RolloutWorker(server, SamplingConfig()).run(task, 1, seed=0)
+    [r] = RolloutWorker(server, SamplingOptions()).run(task, 1, seed=0)
     text = CharTok().decode(r.response_ids)
     assert calls == ["calc"] and text.startswith(ToolPolicyServer.CALL)
     assert text.endswith("answer 42") and r.reward == 1.0 and r.finish_reason == "stop"
@@ -480,7 +479,7 @@ def test_multi_turn_infrastructure_failure_is_aborted_not_failed():
     task = Task("agent", CharTok().encode("Q?"), grade,
                 tools=lambda call: ToolResult("", aborted=True), tokenizer=CharTok())
     stats = WorkerStats()
-    [r] = RolloutWorker(ToolPolicyServer(), SamplingConfig(), stats=stats).run(task, 1)
+    [r] = RolloutWorker(ToolPolicyServer(), SamplingOptions(), stats=stats).run(task, 1)
     assert r.aborted and r.reward is None and stats.failures == 0
     with pytest.raises(ValueError, match="no tokenizer"):
         Task("x", (1,), grade, tools=lambda call: None)

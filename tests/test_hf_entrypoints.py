@@ -18,12 +18,14 @@ from hcjax.data.template import (
     encode_conversation,
     encode_prompt_response,
     hf_answer,
+    normalize_answer,
     prompt_ids,
     reasoning_response,
+    response_answer,
     stop_ids,
 )
 from hcjax.data.tokenizer import ByteTokenizer, load_tokenizer
-from hcjax.eval import grade_response
+from hcjax.tasks import ArithmeticSuite
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO.parent / "shared" / "fixtures" / "hf"
@@ -85,12 +87,20 @@ def test_hf_answer_and_grading(qwen3_tok):
     assert hf_answer("so the sum is \\boxed{15}.") == "15"
     assert hf_answer("<think>12+3 is 14? no</think>It is 15.<|im_end|>") == "15"
     assert hf_answer("<think>still 14") is None and hf_answer("no digits") is None
-    p = TaskProblem("add-0", "add:2x1", ({"role": "user", "content": "12+3="},), reference="15")
-    assert grade_response(p, "The answer is 15<|im_end|>", qwen3_tok)
-    assert not grade_response(p, "The answer is 14<|im_end|>", qwen3_tok)
+    # The answer a response gives is read the way the tokenizer's template writes it.
+    assert normalize_answer(response_answer("The answer is 15<|im_end|>", qwen3_tok)) == "15"
+    assert response_answer("The answer is 14<|im_end|>", qwen3_tok) == "14"
     # Our own template still needs its <answer> block.
-    assert not grade_response(p, "15", ByteTokenizer())
-    assert grade_response(p, "<answer>15</answer>", ByteTokenizer())
+    assert response_answer("15", ByteTokenizer()) is None
+    assert response_answer("<answer>15</answer>", ByteTokenizer()) == "15"
+    # Evaluation grades by the suite: its flexible extraction reads a chat model's answer (set
+    # ArithmeticSuite.extraction = 'flexible' for one), the strict one only our tags.
+    p = TaskProblem("add-0", "add:2x1", ({"role": "user", "content": "12+3="},), reference="15")
+    flexible = ArithmeticSuite(extraction="flexible")
+    assert flexible.grade(p, "The answer is 15<|im_end|>").correct
+    assert not flexible.grade(p, "The answer is 14<|im_end|>").correct
+    assert not ArithmeticSuite().grade(p, "The answer is 15<|im_end|>").correct
+    assert ArithmeticSuite().grade(p, "<answer>15</answer>").correct
 
 
 @needs_fixtures
@@ -199,7 +209,7 @@ def test_sft_from_hf_checkpoint(tmp_path):
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().split("\n")
               if line]
     assert len(losses) == 3 and all(np.isfinite(losses))
-    assert json.loads((out / "eval.json").read_text())["num_problems"] == 4
+    assert json.loads((out / "eval.json").read_text())["problems"] == 4
     # The run records its source for the way back (python -m hcjax.convert --to_hf OUT).
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(out / "hf"))
     # The checkpoint holds trained weights that started from (and moved away from) the fixture's.

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from hcjax.data.tokenizer import ByteTokenizer
-from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingParams
+from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingOptions
 from hcjax.rollout.engine import register_with_jetstream
 from hcjax.rollout.testing import tiny_model
 
@@ -101,7 +101,7 @@ def engine():
     # Vocabulary of the byte tokenizer, so text requests tokenize into ids the model knows.
     model = tiny_model(0, vocab_size=ByteTokenizer.vocab_size)
     return Engine(model, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=64,
-                  default_sampling=SamplingParams(temperature=0.0, max_tokens=64))
+                  default_sampling=SamplingOptions(temperature=0.0, max_tokens=64))
 
 
 def _run_orchestrator(js, engine, contents):

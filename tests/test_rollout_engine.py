@@ -14,6 +14,7 @@ from hcjax.rollout import (
     Engine,
     GenerateRequest,
     RolloutServer,
+    SamplingOptions,
     ServerStopped,
     generate,
 )
@@ -114,10 +115,8 @@ def test_recorded_support_logprobs_routing_match_full_forward(engine, full_forwa
 
 
 def test_bulk_insert_is_one_call_equal_to_inserting_slot_by_slot(engine):
-    from hcjax.rollout import SamplingParams
-
     params = engine.load_params()
-    sp = SamplingParams(top_p=0.9, seed=7, max_tokens=10, stop_tokens=(2, 5))
+    sp = SamplingOptions(top_p=0.9, seed=7, max_tokens=10, stop_tokens=(2, 5))
     prefix = engine.prefill(params=params, padded_tokens=PROMPTS[1], true_length=5, sampling=sp)
     one = engine.init_decode_state()
     for slot, index in [(3, 0), (1, 1), (2, 5)]:
@@ -271,7 +270,8 @@ def test_hundreds_of_concurrent_requests_complete(engine):
 
 
 def test_offline_generate_matches_server(engine):
-    recs = generate(None, PROMPTS, n=2, max_tokens=6, temperature=0.0, engine=engine)
+    recs = generate(None, PROMPTS, SamplingOptions(max_tokens=6, temperature=0.0), n=2,
+                    engine=engine)
     assert [r.group_id for r in recs] == [0, 0, 1, 1]
     with _serve(engine) as srv:
         served = srv.generate(GenerateRequest(prompt=PROMPTS[1], max_tokens=6, temperature=0.0))

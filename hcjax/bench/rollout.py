@@ -22,7 +22,7 @@ from flax import nnx
 from hcjax import config as hcfg
 from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer, cache_bytes, init_cache
-from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingParams
+from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingOptions
 from hcjax.rollout import engine as engine_module
 from hcjax.rollout.sampling import sample, sample_reference, sampling_keys, searched_rows
 from hcjax.rollout.testing import perturbed
@@ -58,7 +58,7 @@ def run_static(engine: Engine, jobs, seed: int = 0) -> tuple[int, float]:
         batch = jobs[lo : lo + b]
         state = engine.init_decode_state()
         for slot, (i, (p, m)) in enumerate(zip(range(lo, lo + b), batch)):
-            sp = SamplingParams(top_p=0.97, seed=seed + i, max_tokens=m)
+            sp = SamplingOptions(top_p=0.97, seed=seed + i, max_tokens=m)
             prefix = engine.prefill(params=params, padded_tokens=p, true_length=len(p),
                                     sampling=sp)
             state = engine.insert(prefix, state, slot)

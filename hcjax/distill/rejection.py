@@ -1,8 +1,8 @@
 """Shortest rejection sampling (Kimi k1.5 long2short, RECIPE §5): sample k responses per problem
 of a task suite, keep the shortest correct one, and write the kept conversations as a chat JSONL
-set for `python -m hcjax.sft` (DataConfig.source = "chat_jsonl"). Also the suite sampler the other
-after-the-climb steps evaluate with (`sample_suite`, `evaluate_suite`: greedy pass@1 and mean
-response length per suite, graded by the suite's own grader). No training here.
+set for `python -m hcjax.sft` (DataConfig.source = "chat_jsonl"). The samples come from the one
+evaluator's in-process server (hcjax.rl.pass_at_1), prompted and graded as the climb's. No
+training here.
 
 `run_rejection` samples a suite's training problems with a run's params and writes
 OUT/rejection.jsonl, and every sample (graded, with its length) to OUT/samples.jsonl, from which
@@ -20,11 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from hcjax.data.template import stop_ids
+from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.model_io import load_model
+from hcjax.rl.pass_at_1 import ModelEvaluator, is_correct
+from hcjax.rollout.request import SamplingOptions
 
 __all__ = [
     "Sample",
-    "evaluate_suite",
     "rejection_conversations",
     "sample_suite",
     "sample_records",
@@ -72,39 +75,27 @@ def sample_records(problems: Sequence[Any], samples: Sequence[Sequence[Sample]]
 
 
 def sample_suite(model: Any, suite: Any, problems: Sequence[Any], tok: Any = None, *, k: int = 1,
-                 max_new_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
-                 batch_size: int = 256) -> list[list[Sample]]:
-    """k samples per problem (`hcjax.eval.generate` from the chat-template prompt, as the climb
-    prompts), each graded by `suite.grade`. Greedy when temperature == 0 (then k must be 1)."""
-    from hcjax.data.template import messages_prompt_ids, stop_ids
-    from hcjax.data.tokenizer import ByteTokenizer
-    from hcjax.eval import generate
-
-    if k < 1 or (temperature == 0.0 and k != 1):
-        raise ValueError(f"k={k} must be 1 for greedy sampling and >= 1 when sampling")
+                 max_new_tokens: int = 32, temperature: float = 1.0, seed: int = 0
+                 ) -> list[list[Sample]]:
+    """k samples per problem from `model` at `temperature` with the whole distribution (top-p 1),
+    each graded by `suite` (`hcjax.rl.pass_at_1.ModelEvaluator`: the climb's prompts, stop
+    tokens and grading)."""
     tok = tok or ByteTokenizer()
-    stops = set(stop_ids(tok))
-    jobs = [p for p in problems for _ in range(k)]
-    flat: list[Sample] = []
-    for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start: start + batch_size]
-        outs = generate(model, [messages_prompt_ids(p.messages, tok) for p in chunk],
-                        max_new_tokens, tuple(stops), temperature, seed=seed + start)
-        for p, ids in zip(chunk, outs, strict=True):
+    stops = stop_ids(tok)
+    options = SamplingOptions(max_tokens=max_new_tokens, temperature=temperature, top_p=1.0,
+                              stop_tokens=stops)
+    with ModelEvaluator(tok=tok, sampling=options).serving(model, suite, problems, k=k,
+                                                           seed=seed) as evaluator:
+        groups = evaluator.samples()
+    out = []
+    for group in groups:
+        samples = []
+        for r in group:
+            ids = r.response_ids.tolist()
             body = ids[:-1] if ids and ids[-1] in stops else ids
-            text = tok.decode(body)
-            flat.append(Sample(text, len(ids), bool(suite.grade(p, text).correct)))
-    return [flat[i * k: (i + 1) * k] for i in range(len(problems))]
-
-
-def evaluate_suite(model: Any, suite: Any, problems: Sequence[Any], tok: Any = None, *,
-                   max_new_tokens: int = 32) -> dict[str, float]:
-    """Greedy pass@1 and mean response length (tokens) on `problems` of `suite`."""
-    samples = [g[0] for g in sample_suite(model, suite, problems, tok,
-                                          max_new_tokens=max_new_tokens)]
-    return {"pass_at_1": float(np.mean([s.correct for s in samples])),
-            "mean_length": float(np.mean([s.length for s in samples])),
-            "problems": len(samples)}
+            samples.append(Sample(tok.decode(body), len(ids), is_correct(r)))
+        out.append(samples)
+    return out
 
 
 def run_rejection(checkpoint: str, output_dir: str, suite: Any, *, k: int = 8,

@@ -34,6 +34,7 @@ from hcjax.metrics import MetricsWriter, Progress, plot_curves, read_metrics, wr
 from hcjax.model import ModelConfig, create_sharded
 from hcjax.model_io import hf_source_meta, load_hf_model, model_identity, read_checkpoint
 from hcjax.profiling import StepTracer
+from hcjax.rl.pass_at_1 import evaluate_model
 from hcjax.train.step import (
     Objective,
     OptimizerConfig,
@@ -422,7 +423,6 @@ def run_sft(
     template, encodes the data and the evaluation (unless DataConfig.tokenizer names another).
     """
     from hcjax.data.tokenizer import load_tokenizer
-    from hcjax.eval import evaluate_problems
 
     cfg = SFTConfig()
     data_cfg = DataConfig()
@@ -463,11 +463,10 @@ def run_sft(
     if eval_problems and data_cfg.source == "arithmetic" and finished:
         from hcjax.tasks.arithmetic import ArithmeticSuite
 
-        problems = ArithmeticSuite().heldout()[:eval_problems]
+        suite = ArithmeticSuite()
         t = time.perf_counter()
-        result.eval = evaluate_problems(
-            trainer.model(), problems, tok, max_new_tokens=eval_max_new_tokens
-        ).summary()
+        result.eval = evaluate_model(trainer.model(), suite, suite.heldout()[:eval_problems],
+                                     tok=tok, max_tokens=eval_max_new_tokens)
         result.eval["eval_wall_s"] = time.perf_counter() - t
         with open(os.path.join(output_dir, "eval.json"), "w", encoding="utf-8") as f:
             json.dump(result.eval, f, indent=1)
@@ -486,6 +485,8 @@ def run_sft(
     if hf_checkpoint is not None:
         items["hf_checkpoint"] = os.path.abspath(hf_checkpoint)
     if result.eval:
-        items.update({f"eval_{k}": v for k, v in result.eval.items() if k != "examples"})
+        items.update({f"eval_{k}": v for k, v in result.eval.items()
+                      if isinstance(v, int | float)})
+        items.update({f"eval_pass_at_1/{c}": v for c, v in result.eval["by_category"].items()})
     write_summary(output_dir, "hcjax.sft run summary", items)
     return result

@@ -28,6 +28,7 @@ from hcjax.rl.controller import Controller, ControllerConfig, StepReport
 from hcjax.rl.curriculum import EarlyExit, LengthCurriculum
 from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.multihost import DistributedLearner
+from hcjax.rl.pass_at_1 import PassAt1, greedy
 from hcjax.rl.placement import Placement
 from hcjax.rl.sources import SourceConfig, TaskBuilder
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
@@ -36,9 +37,9 @@ from hcjax.rl.workers import (
     PartialRegistry,
     ProblemWorker,
     RolloutWorker,
-    SamplingConfig,
     WorkerStats,
 )
+from hcjax.rollout.request import SamplingOptions
 from hcjax.tasks import ArithmeticSuite, check_suite
 
 __all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengths",
@@ -325,9 +326,9 @@ class Climb:
 
         self.stats = WorkerStats()
         self.partials = PartialRegistry()
-        self.sampling = SamplingConfig(max_tokens=cfg.max_tokens_at(0),
-                                       temperature=cfg.temperature, top_p=cfg.top_p,
-                                       stop_tokens=self.stops, token_budget=cfg.token_budget)
+        self.sampling = SamplingOptions(max_tokens=cfg.max_tokens_at(0),
+                                        temperature=cfg.temperature, top_p=cfg.top_p,
+                                        stop_tokens=self.stops, token_budget=cfg.token_budget)
         self.rollout_worker = RolloutWorker(self.inference, self.sampling,
                                             max_retries=cfg.max_retries, stats=self.stats,
                                             partials=self.partials)
@@ -341,11 +342,9 @@ class Climb:
         self.controller = Controller(self.ctl_cfg, self.source, worker, self.dist or learner,
                                      self._publish, on_group=self._on_group,
                                      on_step=self._on_step, stats=self.stats)
-        from hcjax.rl.evaluate import HeldoutEval
-
-        self.evaluator = HeldoutEval(self.inference, self.builder,
-                                     list(self.suite.heldout())[: cfg.eval_problems],
-                                     self.sampling, max_retries=cfg.max_retries)
+        self.evaluator = PassAt1(self.inference, self.builder,
+                                 list(self.suite.heldout())[: cfg.eval_problems],
+                                 greedy(self.sampling), max_retries=cfg.max_retries)
         self.history: dict[str, Any] = {"eval": [], "wall_offset": 0.0, "base_pass_at_1": None}
         self.resumed_from: int | None = None
         self.saved_step: int | None = None

@@ -16,7 +16,7 @@ from hcjax.rewards.types import Grade
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.curriculum import EarlyExit
 from hcjax.rollout.records import Rollout
-from hcjax.rollout.request import GenerateRequest, SampledRollout
+from hcjax.rollout.request import GenerateRequest, SampledRollout, SamplingOptions
 
 __all__ = [
     "Grade",
@@ -25,7 +25,6 @@ __all__ = [
     "PartialRegistry",
     "ProblemWorker",
     "RolloutWorker",
-    "SamplingConfig",
     "Task",
     "WorkerStats",
 ]
@@ -62,26 +61,6 @@ class Task:
             raise ValueError(f"task {self.id!r} has an empty prompt")
         if self.tools is not None and self.tokenizer is None:
             raise ValueError(f"task {self.id!r} has tools but no tokenizer for observations")
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """How rollouts are sampled. token_budget: Kimi partial rollouts, at most this many new tokens
-    per call; an unfinished sample is continued by the next call (with the newest weights).
-    priority: the requests' lane weight on a shared server (GenerateRequest.priority)."""
-
-    max_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 0.97
-    stop_tokens: tuple[int, ...] = ()
-    token_budget: int | None = None
-    priority: int = 0
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if self.token_budget is not None and self.token_budget < 1:
-            raise ValueError(f"token_budget={self.token_budget} must be >= 1 or None")
 
 
 @dataclasses.dataclass
@@ -142,13 +121,14 @@ class RolloutWorker:
     A request that raises, or a sample whose finish_reason is "error", counts as a failure and is
     retried; an "aborted" sample is retried without counting as a failure. Samples still failed
     after `max_retries` come back as they are (aborted records carry no reward and are kept out
-    of group statistics by the advantage estimator).
+    of group statistics by the advantage estimator). Every request carries `sampling`'s options
+    with the seed that `run` is given (the options' own seed is not used).
     """
 
     def __init__(
         self,
         client: InferenceClient,
-        sampling: SamplingConfig,
+        sampling: SamplingOptions,
         *,
         max_retries: int = 3,
         timeout: float | None = None,
@@ -170,12 +150,8 @@ class RolloutWorker:
         self.sampling = dataclasses.replace(self.sampling, **changes)
 
     def _request(self, task: Task, n: int, seed: int | None) -> GenerateRequest:
-        s = self.sampling
-        return GenerateRequest(
-            prompt=task.prompt_ids, n=n, max_tokens=s.max_tokens, temperature=s.temperature,
-            top_p=s.top_p, seed=seed, stop_tokens=s.stop_tokens, token_budget=s.token_budget,
-            group_id=task.id, request_id=task.id, priority=s.priority,
-        )
+        return GenerateRequest.of(self.sampling, prompt=task.prompt_ids, n=n, seed=seed,
+                                  group_id=task.id, request_id=task.id)
 
     def _call(self, request: GenerateRequest) -> list[SampledRollout] | None:
         self.stats.add(requests=1)
@@ -266,12 +242,11 @@ class RolloutWorker:
             pass
 
         def policy(ids: Sequence[int]) -> list[int]:
-            s = self.sampling
-            request = GenerateRequest(
-                prompt=tuple(ids), n=1, max_tokens=s.max_tokens, temperature=s.temperature,
-                top_p=s.top_p, seed=None if seed is None else (seed + len(turns)) % 2**32,
-                stop_tokens=s.stop_tokens, group_id=task.id, request_id=task.id,
-                priority=s.priority)
+            # One whole turn per request: a tool episode has no partial rollouts.
+            request = GenerateRequest.of(
+                self.sampling, prompt=tuple(ids), n=1, token_budget=None,
+                seed=None if seed is None else (seed + len(turns)) % 2**32,
+                group_id=task.id, request_id=task.id)
             for _ in range(self.max_retries + 1):
                 records = self._call(request)
                 if records is not None and records[0].finish_reason not in ("error", "aborted"):

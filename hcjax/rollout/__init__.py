@@ -6,12 +6,11 @@ from hcjax.rollout.engine import (
     Engine,
     Prefix,
     ResultTokens,
-    SamplingParams,
     VersionedParams,
 )
 from hcjax.rollout.offline import generate
 from hcjax.rollout.prefix_cache import PrefixCache
-from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
+from hcjax.rollout.request import GenerateRequest, SampledRollout, SamplingOptions, TokenEvent
 from hcjax.rollout.server import QueueFull, RequestHandle, RolloutServer, ServerStopped
 
 __all__ = [
@@ -25,7 +24,7 @@ __all__ = [
     "ResultTokens",
     "RolloutServer",
     "SampledRollout",
-    "SamplingParams",
+    "SamplingOptions",
     "ServerStopped",
     "TokenEvent",
     "VersionedParams",

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax.rollout import prefix_cache as pc
+from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.sampling import sample, sampling_keys
 
 __all__ = [
@@ -33,34 +34,11 @@ __all__ = [
     "Engine",
     "Prefix",
     "ResultTokens",
-    "SamplingParams",
     "SlotData",
     "TokenizerParameters",
     "VersionedParams",
     "register_with_jetstream",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples. temperature 0 = greedy; top_p 1 = no truncation."""
-
-    temperature: float = 1.0
-    top_p: float = 0.97
-    seed: int = 0
-    max_tokens: int = 256
-    stop_tokens: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
-        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0")
-        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive integer")
 
 
 @jax.tree_util.register_dataclass
@@ -182,7 +160,7 @@ class Prefix:
     routing: Any  # [num_moe_layers, length, k] int32 experts of the prompt tokens
     length: int = dataclasses.field(metadata=dict(static=True))  # = position of the first token
     version: int = dataclasses.field(metadata=dict(static=True))
-    sampling: SamplingParams = dataclasses.field(metadata=dict(static=True))
+    sampling: SamplingOptions = dataclasses.field(metadata=dict(static=True))
     tokens: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
@@ -280,7 +258,7 @@ class Engine:
         max_target_length: int | None = None,
         max_stop_tokens: int = 8,
         init_cache_fn: Callable[[int, int], Any] | None = None,
-        default_sampling: SamplingParams | None = None,
+        default_sampling: SamplingOptions | None = None,
         tokenizer: str = "byte",
         prefix_cache_blocks: int = 0,
         prefix_block_size: int = 16,
@@ -312,12 +290,13 @@ class Engine:
             )
         self._graphdef, self._params = nnx.split(model)
         self._vocab = None if cfg is None else int(cfg.vocab_size)
+        self._model_type, self._model_config = type(model), cfg
         self._mesh = mesh
         self._num_slots = max_concurrent_decodes
         self._max_prefill = max_prefill_length
         self._max_len = max_target_length
         self._max_stop = max_stop_tokens
-        self._default_sampling = default_sampling or SamplingParams()
+        self._default_sampling = default_sampling or SamplingOptions()
         self._tokenizer_path = tokenizer
         self._init_cache_fn = init_cache_fn
         self._batch_axes = _batch_axes(init_cache_fn, max_target_length)
@@ -388,6 +367,17 @@ class Engine:
     @property
     def vocab_size(self) -> int | None:
         return self._vocab
+
+    def serves(self, model: nnx.Module) -> bool:
+        """Whether `model`'s state can be served as this engine's parameters: a model of the
+        same class and config, whose parameters have the same shapes and dtypes (two models built
+        from one config have unequal graphdefs, whose static parts are distinct equal objects)."""
+        def layout(state: Any) -> Any:
+            return jax.tree.map(lambda x: (x.shape, x.dtype), state)
+
+        return (type(model) is self._model_type
+                and getattr(model, "config", None) == self._model_config
+                and layout(nnx.state(model)) == layout(self._params))
 
     def load_params(self, *args, **kwargs) -> Any:
         """The model's parameters (an nnx.State), version 0; wrap them as
@@ -527,7 +517,7 @@ class Engine:
         existing_prefix: Prefix | None = None,
         padded_tokens: Sequence[int] | np.ndarray | jax.Array,
         true_length: int,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingOptions | None = None,
     ) -> Prefix:
         """Run the prompt through the model into a fresh batch-1 cache (JetStream's prefill).
 
@@ -652,7 +642,9 @@ class Engine:
         return jax.lax.fori_loop(0, count, body, state)
 
     def _check_insert(self, prefix: Prefix, slots: Sequence[int], max_tokens: int | None):
-        """(token budget, stop-token row) of inserting `prefix` into `slots`, or a clear error."""
+        """(token budget, stop-token row, seed) of inserting `prefix` into `slots`, or a clear
+        error. A prefix whose options leave the seed to the server (None) draws with seed 0 here:
+        the server always resolves it first, and JetStream passes no options at all."""
         if not isinstance(prefix, Prefix):
             raise TypeError(f"insert expects the Prefix that prefill returned, got {type(prefix)}")
         for slot in slots:
@@ -673,7 +665,7 @@ class Engine:
             )
         stop = np.full((self._max_stop,), -1, np.int32)
         stop[: len(sp.stop_tokens)] = sp.stop_tokens
-        return budget, stop
+        return budget, stop, np.uint32(0 if sp.seed is None else sp.seed)
 
     def insert(
         self,
@@ -689,12 +681,12 @@ class Engine:
         `max_tokens` (an hcjax extra) overrides the sampling params' limit (partial-rollout
         budgets).
         """
-        budget, stop = self._check_insert(prefix, [slot], max_tokens)
+        budget, stop, seed = self._check_insert(prefix, [slot], max_tokens)
         sp = prefix.sampling
         return self._insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), np.int32(slot), np.int32(sample_index),
-            np.uint32(sp.seed), np.float32(sp.temperature), np.float32(sp.top_p),
+            seed, np.float32(sp.temperature), np.float32(sp.top_p),
             np.int32(budget), stop,
         )
 
@@ -719,7 +711,7 @@ class Engine:
             return decode_state
         if len(slots) > self._num_slots:
             raise ValueError(f"{len(slots)} slots exceed max_concurrent_decodes={self._num_slots}")
-        budget, stop = self._check_insert(prefix, slots, max_tokens)
+        budget, stop, seed = self._check_insert(prefix, slots, max_tokens)
         sp = prefix.sampling
         padded = np.zeros((2, self._num_slots), np.int32)  # one shape: compiled once
         padded[0, : len(slots)] = slots
@@ -727,7 +719,7 @@ class Engine:
         return self._bulk_insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), padded[0], padded[1], np.int32(len(slots)),
-            np.uint32(sp.seed), np.float32(sp.temperature), np.float32(sp.top_p),
+            seed, np.float32(sp.temperature), np.float32(sp.top_p),
             np.int32(budget), stop,
         )
 

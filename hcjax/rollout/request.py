@@ -1,5 +1,7 @@
-"""What a client asks the rollout server for (`GenerateRequest`) and what it gets back per sample
-(`SampledRollout`, the learner's `Rollout` plus sampling metadata and resumable state).
+"""What a client asks the rollout server for (`GenerateRequest`: a prompt and its
+`SamplingOptions`, the one sampling-options type of the engine, the server and the rollout
+workers) and what it gets back per sample (`SampledRollout`, the learner's `Rollout` plus sampling
+metadata and resumable state).
 
 Plain dataclasses of Python scalars and numpy arrays; validation errors name the bad value.
 """
@@ -16,7 +18,13 @@ import numpy as np
 
 from hcjax.rollout.records import Rollout, array_field, tuple_field
 
-__all__ = ["GenerateRequest", "SampledRollout", "TokenEvent", "request_from_dict"]
+__all__ = [
+    "GenerateRequest",
+    "SampledRollout",
+    "SamplingOptions",
+    "TokenEvent",
+    "request_from_dict",
+]
 
 
 @dataclasses.dataclass
@@ -80,39 +88,72 @@ class TokenEvent:
     version: int = array_field(np.int32)
 
 
-_FIELDS = (
-    "prompt n max_tokens temperature top_p seed stop_tokens token_budget request_id group_id "
-    "priority"
-).split()
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """How samples are drawn, with the one set of defaults: the options of a `GenerateRequest`
+    (which extends this type), the per-slot parameters of the engine, and the settings of the
+    rollout workers (hcjax.rl.workers), which copy them into each request.
+
+    temperature 0 is greedy; top_p 1 keeps the whole distribution. stop_tokens end a sample (the
+    stop token is kept). seed None lets the server pick one (the records carry the seed used; the
+    engine alone uses 0). token_budget: at most this many new tokens per sample in one call
+    (Kimi partial rollouts); a sample that hits it comes back with `partial=True`. priority: an
+    integer in [-8, 8]; among the server's waiting work, a lane of higher priority gets
+    2**priority times the slots of a priority-0 lane (fair queueing, never starvation).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 0.97
+    stop_tokens: tuple[int, ...] = ()
+    seed: int | None = None
+    token_budget: int | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_tokens", _token_ids("stop_tokens", self.stop_tokens))
+        _positive_int("max_tokens", self.max_tokens)
+        if self.token_budget is not None:
+            _positive_int("token_budget", self.token_budget)
+        _sampling_options(self.temperature, self.top_p)
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, _UINT32)
+        _integer("priority", self.priority, -_MAX_PRIORITY, _MAX_PRIORITY + 1)
+
+    def options(self) -> SamplingOptions:
+        """These options alone (a GenerateRequest's, without its prompt and ids)."""
+        return SamplingOptions(**_option_values(self))
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerateRequest:
-    """n samples of one prompt (a GRPO group), or the continuation of partial samples.
+def _option_values(options: SamplingOptions) -> dict[str, Any]:
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(SamplingOptions)}
 
-    token_budget: at most this many new tokens per sample in this call (partial rollouts); a
-    sample that hits it comes back with `partial=True`. seed None lets the server pick one (the
-    records carry the seed used). continue_from: partial records of this prompt to resume.
-    priority: an integer in [-8, 8]; among the server's waiting work, a lane of higher priority
-    gets 2**priority times the slots of a priority-0 lane (fair queueing, never starvation).
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateRequest(SamplingOptions):
+    """n samples of one prompt (a GRPO group), or the continuation of partial samples, drawn
+    with the request's `SamplingOptions` fields (a request is its options plus what it is for,
+    so every client passes them as keywords and the wire carries them flat).
+
+    continue_from: partial records of this prompt to resume. request_id / group_id: the caller's
+    names for the request and its group (the records carry group_id).
     """
 
     prompt: tuple[int, ...]
     n: int = 1
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 0.97
-    seed: int | None = None
-    stop_tokens: tuple[int, ...] = ()
-    token_budget: int | None = None
     request_id: str = ""
     group_id: str | int = 0
     continue_from: tuple[SampledRollout, ...] = ()
-    priority: int = 0
+
+    @classmethod
+    def of(cls, options: SamplingOptions, **fields: Any) -> GenerateRequest:
+        """A request for `fields` (prompt, n, seed, ids, ...) with `options`' sampling fields;
+        a field given in both is taken from `fields`."""
+        return cls(**{**_option_values(options), **fields})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", _token_ids("prompt", self.prompt))
-        object.__setattr__(self, "stop_tokens", _token_ids("stop_tokens", self.stop_tokens))
+        super().__post_init__()
         if not isinstance(self.continue_from, Sequence | np.ndarray):
             raise ValueError(f"continue_from={self.continue_from!r:.80} must be a sequence of "
                              "records")
@@ -120,17 +161,10 @@ class GenerateRequest:
         if not self.prompt:
             raise ValueError("prompt is empty; it must hold at least one token id")
         _positive_int("n", self.n)
-        _positive_int("max_tokens", self.max_tokens)
-        if self.token_budget is not None:
-            _positive_int("token_budget", self.token_budget)
-        _sampling_options(self.temperature, self.top_p)
-        if self.seed is not None:
-            _integer("seed", self.seed, 0, _UINT32)
         if not isinstance(self.request_id, str) or len(self.request_id) > _MAX_ID_CHARS:
             raise ValueError(f"request_id={self.request_id!r:.80} must be a string of at most "
                              f"{_MAX_ID_CHARS} characters")
         _group_id(self.group_id)
-        _integer("priority", self.priority, -_MAX_PRIORITY, _MAX_PRIORITY + 1)
         if self.continue_from:
             self._check_continuation()
 
@@ -194,6 +228,10 @@ class GenerateRequest:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able options (without continue_from, which travels as arrays)."""
         return {name: getattr(self, name) for name in _FIELDS}
+
+
+# The wire options of a request: every field but continue_from, which travels as arrays.
+_FIELDS = tuple(f.name for f in dataclasses.fields(GenerateRequest) if f.name != "continue_from")
 
 
 def request_from_dict(

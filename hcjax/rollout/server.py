@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from hcjax.finite import check_finite
-from hcjax.rollout.engine import Engine, SamplingParams, VersionedParams
-from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
+from hcjax.rollout.engine import Engine, VersionedParams
+from hcjax.rollout.request import GenerateRequest, SampledRollout, SamplingOptions, TokenEvent
 from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
 
 __all__ = ["QueueFull", "RequestHandle", "RolloutServer", "ServerStopped"]
@@ -163,7 +163,7 @@ class _Sample:
     prompt: np.ndarray
     prompt_routing: np.ndarray  # [L, P', k] experts of everything prefilled (prompt + resumed)
     prior: SampledRollout | None  # the partial record being continued, if any
-    sampling: SamplingParams
+    sampling: SamplingOptions
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     raw_logprobs: list = dataclasses.field(default_factory=list)
@@ -422,7 +422,7 @@ class RolloutServer:
     def _prefill_loop(self) -> None:
         while (handle := self._next_request()) is not None:
             req = handle.request
-            sampling = SamplingParams(
+            sampling = SamplingOptions(
                 temperature=float(req.temperature), top_p=float(req.top_p), seed=handle.seed,
                 max_tokens=req.max_tokens, stop_tokens=req.stop_tokens,
             )
