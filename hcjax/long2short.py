@@ -13,23 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["compare", "main"]
-
-
-def compare(results: dict[str, dict[str, float]], *, min_cut: float = 0.25,
-            max_drop: float = 0.02) -> dict[str, dict[str, Any]]:
-    """Each model against the first one: length_cut = 1 − len/len_ref, pass_at_1_delta =
-    pass − pass_ref, and passes = (length_cut >= min_cut and pass_at_1_delta >= −max_drop)."""
-    names = list(results)
-    ref = results[names[0]]
-    out = {}
-    for name in names:
-        r = results[name]
-        cut = 1.0 - r["mean_length"] / ref["mean_length"]
-        delta = r["pass_at_1"] - ref["pass_at_1"]
-        out[name] = {**r, "length_cut": cut, "pass_at_1_delta": delta,
-                     "passes": name != names[0] and cut >= min_cut and delta >= -max_drop}
-    return out
+__all__ = ["main"]
 
 
 EXAMPLES = """examples:
@@ -60,30 +44,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # After the flags, so --help stays fast; they register ClimbConfig (the suite and the token
     # budget), the task suites and ModelConfig before gin binds.
     from hcjax.display import Phases
-    from hcjax.model_io import load_model
+    from hcjax.distill.shortening import compare, evaluate_runs
     from hcjax.rl.climber import ClimbConfig
-    from hcjax.rl.pass_at_1 import ModelEvaluator
 
     config.bind(flags.gin_files, flags.gin_params)
     a = flags.extra
     climb = ClimbConfig()
     suite = climb.make_suite()
     problems = list(suite.heldout())[: a.eval_problems]
-    results = {}
-    # One engine for models of one config: its functions compile once.
-    evaluator = ModelEvaluator(max_tokens=a.max_new_tokens or climb.max_tokens)
-    phases = Phases("hcjax.long2short")
-    with phases.phase(f"evaluating on {len(problems)} held-out problems",
-                      total=len(a.checkpoint)) as phase:
-        for item in a.checkpoint:
-            name, _, directory = item.partition("=")
-            if not directory:
-                name, directory = os.path.basename(os.path.normpath(item)), item
-            phase.now(name)
-            model, _ = load_model(directory)
-            result = evaluator.evaluate(model, suite, problems)
-            results[name] = {k: result[k] for k in ("pass_at_1", "mean_length", "problems")}
-            phase.advance()
+    results = evaluate_runs(a.checkpoint, suite, problems,
+                            max_tokens=a.max_new_tokens or climb.max_tokens,
+                            phases=Phases("hcjax.long2short"))
     table = compare(results, min_cut=a.min_cut, max_drop=a.max_drop)
     for name, r in table.items():
         print(json.dumps({"model": name, **{k: round(v, 4) if isinstance(v, float) else v

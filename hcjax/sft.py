@@ -1,5 +1,5 @@
 """`python -m hcjax.sft`: SFT / pre-training / self-distillation of a language model. Flags → gin →
-`hcjax.distill.sft.run_sft` (the trainer) → the run's summary. A run resumes from its latest
+`hcjax.train.sft.run_sft` (the trainer) → the run's summary. A run resumes from its latest
 checkpoint in OUTPUT_DIR; this module holds no training code.
 """
 
@@ -42,14 +42,16 @@ def main(argv: Sequence[str] | None = None):
     # After the flags, so --help stays fast; the trainer's module imports every configurable it
     # reads (SFTConfig, run_sft, DataConfig and the task suites, ModelConfig, CheckpointConfig).
     from hcjax.display import resolve_format
-    from hcjax.distill.sft import run_sft
+    from hcjax.rl.pass_at_1 import evaluate_model
+    from hcjax.train.sft import run_sft
 
     config.bind(flags.gin_files, flags.gin_params)
     output_dir = flags.output_dir or os.path.join("runs", "sft")
     config.write_config(output_dir, flags)
     log_format = resolve_format(flags.extra.log_format)
     result = run_sft(output_dir, hf_checkpoint=flags.extra.hf_checkpoint,
-                     progress=log_format == "display", json_lines=log_format == "json")
+                     progress=log_format == "display", json_lines=log_format == "json",
+                     evaluate=evaluate_model)
     config.write_operative_config(output_dir)
     with open(os.path.join(output_dir, "summary.txt"), encoding="utf-8") as f:
         print(f.read())

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hcjax.consolidate import ConsolidateConfig, build_mix, mix_counts
+from hcjax.distill.consolidation import ConsolidateConfig, build_mix, mix_counts
 from hcjax.rl.store import rollout_to_json
 from hcjax.rollout.records import Rollout
 from tests.test_climb import REPO, TINY, climb, env

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from hcjax.data.packing import FirstFitBins, PackedBatchIterator, build_row
-from hcjax.data.pipeline import DataConfig, build_documents, make_batch_iterator, put_on_mesh
 from hcjax.sharding import MeshConfig, batch_sharding, make_mesh
+from hcjax.train.pipeline import DataConfig, build_documents, make_batch_iterator, put_on_mesh
 
 
 def _docs(lengths, seed=0):

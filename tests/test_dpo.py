@@ -20,11 +20,11 @@ from hcjax.distill.dpo import (
     run_dpo,
     select_pairs,
 )
-from hcjax.distill.sft import SFTConfig
 from hcjax.model_io import read_checkpoint, write_checkpoint
 from hcjax.rl.losses import dpo_loss
 from hcjax.rl.store import rollout_to_json
 from hcjax.rollout.records import Rollout
+from hcjax.train.sft import SFTConfig
 
 PC, PR = jnp.array([-1.0, -2.0]), jnp.array([-3.0, -1.0])
 RC, RR = jnp.array([-2.0, -2.0]), jnp.array([-2.0, -2.0])

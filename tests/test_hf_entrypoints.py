@@ -71,7 +71,7 @@ def test_hf_multi_turn_masks_each_assistant_turn(qwen3_tok):
 
 @needs_fixtures
 def test_hf_data_pipeline_documents(qwen3_tok):
-    from hcjax.data.pipeline import DataConfig, build_documents
+    from hcjax.train.pipeline import DataConfig, build_documents
 
     cfg = DataConfig(tokenizer=str(FIXTURES / "qwen3"), num_train_problems=8)
     doc = build_documents(cfg)[0]

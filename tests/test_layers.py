@@ -1,7 +1,9 @@
-"""Imports run down the layers only (STYLE.md): kernels → model → rollout / transfer / rewards /
-envs → tasks → rl → entry points. A module importing from a layer above it is a failure here.
-Imports inside functions count. Also: the sandbox is a leaf that rewards and envs share without
-importing each other in a circle, and those modules never import JAX."""
+"""Imports run down the layers only (STYLE.md): leaves → model, data → model I/O, transfer,
+rewards, envs → rollout, tasks → train → rl → distill → entry points → benchmarks. Every module
+of hcjax and pallas_kernels has a layer; none imports from a layer above its own, and no modules
+or layer entries import each other in a circle. Imports inside functions count. Also: kernels
+import no hcjax, transfer/ sees no model, the sandbox is a leaf that rewards and envs share, and
+those modules never import JAX."""
 
 import ast
 import subprocess
@@ -11,25 +13,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Lower numbers are lower layers; packages on one level may import each other.
+# Lower numbers are lower layers; entries on one level may import each other (never in a circle).
 LAYERS = {
-    "pallas_kernels": 0, "hcjax.sharding": 0, "hcjax.model": 1, "hcjax.data": 1,
-    # Leaves: the gRPC server and auth every service runs on, the NaN/Inf refusal of weights.
-    "hcjax.rpc": 0, "hcjax.finite": 0,
-    "hcjax.sandbox": 1,
-    "hcjax.rollout": 2, "hcjax.transfer": 2, "hcjax.rewards": 2, "hcjax.envs": 2,
-    # Models in and out of run folders and Hugging Face folders: every job reads models through
-    # it, the standalone server included.
-    "hcjax.model_io": 2,
-    "hcjax.tasks": 3, "hcjax.train": 3, "hcjax.rl": 4, "hcjax.distill": 4,
-    # The SFT input pipeline turns task suites' reference responses into packed batches: it
-    # reads hcjax.tasks, and only the trainers above read it.
-    "hcjax.data.pipeline": 4,
-    "hcjax.climb": 5, "hcjax.serve": 5, "hcjax.sft": 5, "hcjax.convert": 5, "hcjax.plan": 5,
-    "hcjax.consolidate": 5, "hcjax.long2short": 5, "hcjax.ray_placement": 5,
-    "hcjax.cluster": 5,  # the launchers' entry points: layouts, JobSet, readiness, storage
-    "hcjax.dpo": 5, "hcjax.merge": 5, "hcjax.rejection": 5,
-    "hcjax.bench": 6,
+    # Leaves: kernels, gin plumbing, meshes, progress display and metrics, profiling, host memory,
+    # the gRPC server and auth every service runs on, the NaN/Inf refusal of weights, the sandbox.
+    "pallas_kernels": 0, "hcjax.config": 0, "hcjax.sharding": 0, "hcjax.display": 0,
+    "hcjax.metrics": 0, "hcjax.profiling": 0, "hcjax.host_memory": 0, "hcjax.rpc": 0,
+    "hcjax.finite": 0, "hcjax.sandbox": 0,
+    "hcjax.model": 1, "hcjax.data": 1, "hcjax.checkpoint": 1,
+    # Models in and out of run folders and Hugging Face folders (every job reads models through
+    # it, the standalone server included); reshard plans and the weights service; graders; tools.
+    "hcjax.model_io": 2, "hcjax.transfer": 2, "hcjax.rewards": 2, "hcjax.envs": 2,
+    "hcjax.rollout": 3, "hcjax.tasks": 3,
+    # The one train step, the SFT trainer and its input pipeline (which reads task suites).
+    "hcjax.train": 4,
+    "hcjax.rl": 5,
+    "hcjax.distill": 6,
+    # Entry points (`python -m hcjax.X`) and what only they use.
+    "hcjax.climb": 7, "hcjax.serve": 7, "hcjax.sft": 7, "hcjax.convert": 7, "hcjax.plan": 7,
+    "hcjax.consolidate": 7, "hcjax.long2short": 7, "hcjax.dpo": 7, "hcjax.merge": 7,
+    "hcjax.rejection": 7, "hcjax.ray_placement": 7,
+    "hcjax.cluster": 7,  # the launchers' Python: layouts, JobSet, readiness, storage
+    "hcjax.bench": 8,
 }
 
 
@@ -38,6 +43,15 @@ def layer_of(module: str) -> str | None:
         if module == name or module.startswith(name + "."):
             return name
     return None
+
+
+def modules() -> dict[str, Path]:
+    """Every module of hcjax and pallas_kernels by dotted name (a package by its own name)."""
+    out = {}
+    for path in [*(REPO / "hcjax").rglob("*.py"), *(REPO / "pallas_kernels").rglob("*.py")]:
+        parts = path.relative_to(REPO).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -51,10 +65,15 @@ def imported_modules(path: Path) -> list[str]:
     return out
 
 
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in modules() if m != "hcjax" and layer_of(m) is None)
+    assert not missing, f"modules with no layer in LAYERS: {missing}"
+
+
 def test_no_module_imports_from_a_layer_above_it():
     upward = []
-    for path in [*(REPO / "hcjax").rglob("*.py"), *(REPO / "pallas_kernels").rglob("*.py")]:
-        me = layer_of(".".join(path.relative_to(REPO).with_suffix("").parts))
+    for name, path in modules().items():
+        me = layer_of(name)
         if me is None:
             continue
         for module in imported_modules(path):
@@ -64,11 +83,79 @@ def test_no_module_imports_from_a_layer_above_it():
     assert not upward, "\n".join(upward)
 
 
+def test_kernels_import_nothing_of_hcjax():
+    bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items()
+           if name.startswith("pallas_kernels")
+           for m in imported_modules(path) if m == "hcjax" or m.startswith("hcjax.")]
+    assert not bad, "\n".join(bad)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Which module imports which (an import of `a.b.name` counts as one of module `a.b` when
+    `name` is not a module itself)."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in known.items():
+        targets = set()
+        for module in imported_modules(path):
+            while module and module not in known:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                targets.add(module)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for node in list(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph = module_graph()
+    # A package's __init__ re-exporting its modules is not a circle with them.
+    graph = {m: {t for t in ts if not (m.startswith(t + ".") and (REPO / t.replace(".", "/")).is_dir())}
+             for m, ts in graph.items()}
+    assert not circles(graph), circles(graph)
+
+
+def test_no_layer_entries_import_each_other_in_a_circle():
+    graph = unit_graph()
+    assert not circles(graph), circles(graph)
+
+
 def unit_graph() -> dict[str, set[str]]:
     """Which LAYERS entry imports which other (any import in any of its modules)."""
     graph: dict[str, set[str]] = defaultdict(set)
-    for path in (REPO / "hcjax").rglob("*.py"):
-        me = layer_of(".".join(path.relative_to(REPO).with_suffix("").parts))
+    for name, path in modules().items():
+        me = layer_of(name)
         for module in imported_modules(path):
             target = layer_of(module)
             if me is not None and target is not None and target != me:

@@ -60,7 +60,7 @@ def test_rejection_sampling_smoke(tmp_path):
 
 
 def test_long2short_comparison_against_the_reference():
-    from hcjax.long2short import compare
+    from hcjax.distill.shortening import compare
 
     table = compare({"long": {"pass_at_1": 0.50, "mean_length": 20.0},
                      "short": {"pass_at_1": 0.49, "mean_length": 14.0},

@@ -10,8 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from hcjax.distill.sft import SFTConfig, make_sft_step, target_weights, token_nll
 from hcjax.model import ModelConfig, Transformer
+from hcjax.train.sft import SFTConfig, make_sft_step, target_weights, token_nll
 
 # One MoE layer keeps compile times small on 2 shared CPU cores.
 TINY = ModelConfig(
@@ -68,7 +68,7 @@ def test_bad_sft_config():
 
 
 def _batch(b=8, t=32, seed=0):
-    from hcjax.data.pipeline import DataConfig, make_batch_iterator
+    from hcjax.train.pipeline import DataConfig, make_batch_iterator
 
     it = make_batch_iterator(DataConfig(row_len=t, shuffle_seed=seed), batch_size=b)
     return {k: jnp.asarray(v) for k, v in next(it).items()}

@@ -179,7 +179,7 @@ def test_pinned_streams(kwargs, digest):
 def test_pinned_sft_documents():
     """The SFT pipeline's arithmetic documents (tokens and loss masks of the first 60, after its
     shuffle) are the ones the tiny base was pre-trained on."""
-    from hcjax.data.pipeline import DataConfig, build_documents
+    from hcjax.train.pipeline import DataConfig, build_documents
 
     docs = build_documents(DataConfig(num_train_problems=1000))
     h = hashlib.sha256()

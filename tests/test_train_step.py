@@ -1,7 +1,7 @@
 """The one train step (hcjax.train.step) that SFT, DPO and RL share, against what the three steps
 it replaced computed from the same inputs: tests/data/train_step_reference.json holds, for two
 steps of each case, every metric and a fingerprint of every parameter's change, written by
-hcjax.distill.sft.make_train_step, hcjax.distill.dpo.make_dpo_step and hcjax.rl.learner's step
+hcjax.train.sft.make_train_step, hcjax.distill.dpo.make_dpo_step and hcjax.rl.learner's step
 before they became one (`tests/data/make_train_step_reference.py` at commit 51c8e00; the inputs
 below are that script's). Also: the optimiser config both job configs derive, and micro-batched
 DPO equal to one pass."""
@@ -18,7 +18,6 @@ import pytest
 from flax import nnx
 
 from hcjax.distill.dpo import DPOConfig, PreferenceObjective, make_dpo_step, reference_logprobs
-from hcjax.distill.sft import SFTConfig, make_sft_step
 from hcjax.model import ModelConfig, Transformer
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.batch import pack_rollouts, to_device
@@ -27,6 +26,7 @@ from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.losses import LossConfig
 from hcjax.rollout.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
+from hcjax.train.sft import SFTConfig, make_sft_step
 from hcjax.train.step import OptimizerConfig, make_loss_and_grad, make_optimizer, model_forward
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "train_step_reference.json"

@@ -14,10 +14,10 @@ import optax
 from flax import nnx
 
 from hcjax import config
-from hcjax.data.pipeline import DataConfig, make_batch_iterator
 from hcjax.display import Phases
-from hcjax.distill.sft import SFTConfig, make_sft_step
 from hcjax.model import ModelConfig, Transformer
+from hcjax.train.pipeline import DataConfig, make_batch_iterator
+from hcjax.train.sft import SFTConfig, make_sft_step
 from hcjax.train.step import make_optimizer
 
 

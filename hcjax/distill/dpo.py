@@ -29,18 +29,18 @@ from flax import nnx
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer
 from hcjax.data.tokenizer import ByteTokenizer
-from hcjax.distill.sft import (
+from hcjax.metrics import MetricsWriter
+from hcjax.model import ModelConfig
+from hcjax.model_io import load_model, model_identity
+from hcjax.rl.losses import dpo_loss
+from hcjax.rl.store import read_groups
+from hcjax.train.sft import (
     MODEL_INPUTS,
     SFTConfig,
     make_run_step,
     target_weights,
     token_nll,
 )
-from hcjax.metrics import MetricsWriter
-from hcjax.model import ModelConfig
-from hcjax.model_io import load_model, model_identity
-from hcjax.rl.losses import dpo_loss
-from hcjax.rl.store import read_groups
 from hcjax.train.step import Objective, make_optimizer, model_forward
 
 __all__ = [
@@ -67,7 +67,7 @@ class DPOConfig:
     long_pairs / wrong_pairs (which rejections to use), max_pairs_per_group, and the store
     filter min_step_fraction (rollouts of learner steps >= this fraction of the last).
     row_len: tokens per encoded sequence (longer pairs are dropped).
-    optim: the optimisation settings, an hcjax.distill.sft.SFTConfig (num_steps, batch_size =
+    optim: the optimisation settings, an hcjax.train.sft.SFTConfig (num_steps, batch_size =
     pairs per step, LR schedule, weight decay, clipping, seed, init_checkpoint); None: SFTConfig()
     built under the gin scope `dpo` (so `dpo/SFTConfig.peak_lr = ...` binds it)."""
 

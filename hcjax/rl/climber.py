@@ -19,7 +19,6 @@ import gin
 import numpy as np
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
-from hcjax.distill.sft import run_sft
 from hcjax.finite import check_finite
 from hcjax.model import ModelConfig
 from hcjax.model_io import hf_source_meta, load_hf_model, load_model
@@ -41,6 +40,7 @@ from hcjax.rl.workers import (
 )
 from hcjax.rollout.request import SamplingOptions
 from hcjax.tasks import ArithmeticSuite, check_suite
+from hcjax.train.sft import run_sft
 
 __all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengths",
            "pretrain_base", "run_climb"]

@@ -28,13 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax import sharding as shd
 from hcjax.checkpoint import CheckpointConfig, Checkpointer
-from hcjax.data.pipeline import DataConfig, make_batch_iterator, put_on_mesh
 from hcjax.data.tokenizer import Tokenizer
 from hcjax.metrics import MetricsWriter, Progress, plot_curves, read_metrics, write_summary
 from hcjax.model import ModelConfig, create_sharded
 from hcjax.model_io import hf_source_meta, load_hf_model, model_identity, read_checkpoint
 from hcjax.profiling import StepTracer
-from hcjax.rl.pass_at_1 import evaluate_model
+from hcjax.train.pipeline import DataConfig, make_batch_iterator, put_on_mesh
 from hcjax.train.step import (
     Objective,
     OptimizerConfig,
@@ -412,12 +411,16 @@ def run_sft(
     eval_problems: int = 200,
     eval_max_new_tokens: int = 32,
     hf_checkpoint: str | None = None,
+    evaluate: Callable[..., dict] | None = None,
 ) -> TrainResult:
     """Train (or resume) a run in `output_dir`, then evaluate and write summary and loss curve.
 
     progress: the step bar on a terminal; json_lines: one JSON object per logged step on stdout.
     stop_after: run at most this many steps now (checkpointed), leaving the rest for a resume.
-    eval_problems: held-out problems of the arithmetic suite evaluated (greedy pass@1) at the end.
+    eval_problems: held-out problems of the arithmetic suite evaluated (greedy pass@1) at the end,
+    by `evaluate(model, suite, problems, tok=, max_tokens=) -> dict` (the job passes
+    `hcjax.rl.pass_at_1.evaluate_model`; the trainer does not know how models are evaluated);
+    None: no evaluation.
     hf_checkpoint: a Hugging Face folder to start from: its weights and config replace the fresh
     gin ModelConfig model (`model_cfg` must then be None), and its tokenizer, with its chat
     template, encodes the data and the evaluation (unless DataConfig.tokenizer names another).
@@ -460,13 +463,13 @@ def run_sft(
     finally:
         trainer.close()
     finished = result.steps >= cfg.num_steps  # a run stopped early is evaluated when resumed
-    if eval_problems and data_cfg.source == "arithmetic" and finished:
+    if evaluate is not None and eval_problems and data_cfg.source == "arithmetic" and finished:
         from hcjax.tasks.arithmetic import ArithmeticSuite
 
         suite = ArithmeticSuite()
         t = time.perf_counter()
-        result.eval = evaluate_model(trainer.model(), suite, suite.heldout()[:eval_problems],
-                                     tok=tok, max_tokens=eval_max_new_tokens)
+        result.eval = evaluate(trainer.model(), suite, suite.heldout()[:eval_problems],
+                               tok=tok, max_tokens=eval_max_new_tokens)
         result.eval["eval_wall_s"] = time.perf_counter() - t
         with open(os.path.join(output_dir, "eval.json"), "w", encoding="utf-8") as f:
             json.dump(result.eval, f, indent=1)
