@@ -27,8 +27,12 @@ if __name__ == "__main__":
     run_main(_main)
     raise SystemExit(0)
 
+import argparse  # noqa: E402
 import json  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
+
+from hcjax import config  # noqa: E402
+from hcjax.display import climb_summary_text, resolve_format, resume_hint  # noqa: E402
 
 __all__ = ["main"]
 
@@ -49,9 +53,7 @@ def _extra_args(parser) -> None:
     base.add_argument("--base_checkpoint", default=None,
                       help="run folder (or checkpoints/ folder) of an hcjax.sft base; default: "
                       "pre-train the tiny base into OUTPUT_DIR/base")
-    from hcjax.config import add_hf_checkpoint_flag
-
-    add_hf_checkpoint_flag(base)
+    config.add_hf_checkpoint_flag(base)
     parser.add_argument("--inference_address", action="append", default=[],
                         help="host:port of a `python -m hcjax.serve` process (repeatable; "
                         "overrides Placement.inference_addresses)")
@@ -66,8 +68,6 @@ def _extra_args(parser) -> None:
                         help="display: a live panel that redraws in place and a readable summary; "
                         "json: one JSON line per step and a JSON summary line on stdout; auto "
                         "(default): display on a terminal, json otherwise (pipes, CI)")
-    import argparse
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
 
@@ -75,7 +75,8 @@ def _extra_args(parser) -> None:
 def _climb_on_ray(flags, output_dir: str):
     """Placement.backend = "ray": the learner and the replicas as Ray actors
     (hcjax.ray_placement), which bind the same gin files and parameters."""
-    from hcjax.ray_placement import climb_on_ray  # imported by main before binding
+    # after the flags: --help stays fast (main imported it before binding)
+    from hcjax.ray_placement import climb_on_ray
 
     args = flags.extra
     for flag, value in (("--inference_address", args.inference_address),
@@ -89,23 +90,20 @@ def _climb_on_ray(flags, output_dir: str):
 
 
 def main(argv: Sequence[str] | None = None):
-    from hcjax import config
-
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
     args = flags.extra
     # After the flags, so --help stays fast: the climb in every placement (in-process, remote
     # replicas, Ray actors), so that every configurable it reads is registered when gin binds.
+    import jax
+
     import hcjax.ray_placement  # noqa: F401  (Placement.backend = "ray")
-    from hcjax.display import climb_summary_text, resolve_format, resume_hint
     from hcjax.rl.climber import Climb
     from hcjax.rl.placement import Placement
 
     config.bind(flags.gin_files, flags.gin_params)
     leader = True
     if args.coordinator_address:
-        import jax
-
         # A learner over several processes (hcjax.rl.multihost): every process builds the
         # learner on the mesh over all of them; process 0 drives, the others follow.
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)

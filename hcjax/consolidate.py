@@ -27,6 +27,7 @@ if __name__ == "__main__":
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
+from hcjax import config  # noqa: E402
 from hcjax.display import Phases  # noqa: E402
 
 __all__ = ["main"]
@@ -39,8 +40,6 @@ EXAMPLES = """examples:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from hcjax import config
-
     def extra(parser):
         parser.add_argument("--climb", action="append", required=True,
                             help="a specialist climb's output folder (repeatable, in the order "

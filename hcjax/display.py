@@ -18,6 +18,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
+from rich.console import Console
+from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
 __all__ = ["FORMATS", "PHASE_MODES", "ClimbDisplay", "ClimbState", "Phase", "Phases", "StepBar",
            "climb_summary_text", "duration", "eta_seconds", "render_climb", "render_phase",
            "resolve_format", "resume_command", "resume_hint", "serve_banner", "serve_status_line"]
@@ -159,8 +171,6 @@ class _Panel:
         self.state = state
 
     def __rich__(self):
-        from rich.text import Text
-
         first, *middle, last = render_climb(self.state)
         text = Text()
         text.append(first, style="bold")
@@ -193,16 +203,12 @@ class ClimbDisplay:
     @property
     def console(self):
         if self._console is None:
-            from rich.console import Console
-
             self._console = Console(file=sys.stdout, highlight=False)
         return self._console
 
     def start(self) -> None:
         """Start redrawing (display only); prints to stdout/stderr then scroll above it."""
         if self.live and self._live is None:
-            from rich.live import Live
-
             self._live = Live(_Panel(self.state), console=self.console, refresh_per_second=4,
                               redirect_stdout=True, redirect_stderr=True)
             self._live.start()
@@ -350,16 +356,6 @@ class StepBar:
 
     def __init__(self, total: int, initial: int = 0, description: str = "training",
                  console: Any = None) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
         self._progress = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("steps"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -475,8 +471,6 @@ class _PhaseLine:
         self.entry, self.phase = entry, phase
 
     def __rich__(self):
-        from rich.text import Text
-
         return Text(render_phase(self.entry, self.phase), no_wrap=True, overflow="ellipsis")
 
 
@@ -488,8 +482,6 @@ class _Above:
         self._console, self._real, self._buffer = console, real, ""
 
     def write(self, text: str) -> int:
-        from rich.text import Text
-
         *lines, self._buffer = (self._buffer + text).split("\n")
         for line in lines:
             self._console.print(Text(line), soft_wrap=True)
@@ -534,8 +526,6 @@ class Phases:
     @property
     def console(self):
         if self._console is None:
-            from rich.console import Console
-
             self._console = Console(file=self.stream, highlight=False)
         return self._console
 
@@ -590,8 +580,6 @@ class Phases:
 
     def _start_live(self, p: Phase) -> tuple[Any, TextIO | None]:
         """(the rich Live, the real stdout when it was replaced by `_Above`)."""
-        from rich.live import Live
-
         live = Live(_PhaseLine(self.entry, p), console=self.console, refresh_per_second=4,
                     transient=True, redirect_stdout=False, redirect_stderr=True)
         live.start()

@@ -13,6 +13,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from hcjax import config
+from hcjax.display import Phases
+
 __all__ = ["main"]
 
 
@@ -26,8 +29,6 @@ EXAMPLES = """examples:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`python -m hcjax.long2short --checkpoint long=runs/long --checkpoint merge=runs/l2s_merge
     ... [--gin_file F] [--output_dir OUT]`; the first checkpoint is the reference."""
-    from hcjax import config
-
     def extra(parser):
         parser.add_argument("--checkpoint", action="append", required=True,
                             help="NAME=DIR of any hcjax run (repeatable; the first is the "
@@ -43,7 +44,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                default_gin_files=["climb_tiny.gin"], extra_args=extra)
     # After the flags, so --help stays fast; they register ClimbConfig (the suite and the token
     # budget), the task suites and ModelConfig before gin binds.
-    from hcjax.display import Phases
     from hcjax.distill.shortening import compare, evaluate_runs
     from hcjax.rl.climber import ClimbConfig
 

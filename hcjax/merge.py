@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hcjax import config
+from hcjax.display import Phases
 
 __all__ = ["main"]
 
@@ -51,7 +52,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                extra_args=_extra_args)
     # After the flags, so --help stays fast; it registers what a merge reads from gin
     # (CheckpointConfig, and ModelConfig's kernel choices).
-    from hcjax.display import Phases
     from hcjax.distill.merge import merge_checkpoints
 
     config.bind(flags.gin_files, flags.gin_params)

@@ -12,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from tensorboardX import SummaryWriter
+
+from hcjax.display import StepBar
 
 
 def _scalar(v: Any) -> float:
@@ -30,8 +33,6 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             self._tb = SummaryWriter(os.path.join(output_dir, "tb"))
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -73,8 +74,6 @@ class Progress:
 
     def __init__(self, total_steps: int, initial: int = 0, disable: bool = False,
                  description: str = "training") -> None:
-        from hcjax.display import StepBar
-
         self._bar = None if disable else StepBar(total_steps, initial, description)
         self._last = time.perf_counter()
         self._tokens = 0
@@ -119,10 +118,11 @@ def plot_curves(
     title: str = "training loss",
 ) -> None:
     """Save a PNG of `keys` against step (matplotlib, Agg backend: no display needed)."""
+    # optional: matplotlib (0.25 s to import), loaded only when a plot is written
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
     fig, ax = plt.subplots(figsize=(6, 4))
     plotted = False

@@ -20,6 +20,7 @@ if __name__ == "__main__":
     run_main(_main)
     raise SystemExit(0)
 
+import argparse
 import dataclasses
 import json
 import math
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax import config as hcfg
@@ -130,10 +132,6 @@ def tpu_devices(topology: str, num_slices: int = 1) -> tuple[list, ChipSpec, int
         raise ValueError(
             f"topology={topology!r} is not '<chip>:<AxBxC>' with chip one of {sorted(CHIP_SPECS)}"
         )
-    try:
-        from jax.experimental import topologies
-    except ImportError as e:  # pragma: no cover - jax always ships it
-        raise RuntimeError(f"jax.experimental.topologies is unavailable: {e}") from e
     # Compile-only devices touch no chip, so several processes (a plan beside the test suite) may
     # load libtpu at once; without this the second one fails on libtpu's lockfile.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -901,8 +899,6 @@ EXAMPLES = """examples:
 
 
 def _extra_flags(parser) -> None:
-    import argparse
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
     parser.add_argument("--topology", default=None, help="learner TPU topology, e.g. v5p:8x8x16")

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 # The actors bind the climb's gin files before building anything: everything they run is
 # imported here, so each configurable is registered when they bind.
 from hcjax import config
@@ -56,6 +58,7 @@ def check_fits(bundles: Sequence[RayBundle], cluster: Mapping[str, float]) -> No
 def _actor_options(bundle: RayBundle, group: Any, index: int, **extra: Any) -> dict[str, Any]:
     """Ray actor options that take exactly the bundle's resources, in its process environment
     (the repository on PYTHONPATH: the actors import hcjax as the driver does)."""
+    # optional: ray, imported only when Placement.backend = "ray" runs
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     resources = dict(bundle.resources)
@@ -89,6 +92,7 @@ class RayInference:
 
     def start(self, options: Mapping[str, Any]) -> str:
         """Build, compile and serve; return host:port once it accepts requests."""
+        # optional: ray, imported only when Placement.backend = "ray" runs
         import ray
 
         ready, info, errors = threading.Event(), {}, []
@@ -130,6 +134,7 @@ class RayLearner:
 
     def coordinator_address(self) -> str:
         """A free host:port on this actor's node for jax.distributed's coordinator."""
+        # optional: ray, imported only when Placement.backend = "ray" runs
         import ray
 
         with socket.socket() as s:
@@ -141,8 +146,6 @@ class RayLearner:
             options: Mapping[str, Any]) -> dict[str, Any]:
         config.bind(self.gin_files, self.gin_params)
         if self.num_processes > 1:
-            import jax
-
             jax.distributed.initialize(coordinator, self.num_processes, self.process_id)
         self.climb = Climb(output_dir, inference_addresses=list(addresses), **options)
         result = self.climb.run()
@@ -210,6 +213,7 @@ class RayClimb:
         self.close()
 
     def _start(self) -> None:
+        # optional: ray, imported only when Placement.backend = "ray" runs
         import ray
         from ray.util.placement_group import placement_group
 
@@ -256,6 +260,7 @@ class RayClimb:
     def run(self) -> dict[str, Any]:
         """Run the learner actors to the end of the climb; the leader's summary, with the
         placement recorded as "ray" (also in summary.json)."""
+        # optional: ray, imported only when Placement.backend = "ray" runs
         import ray
 
         learner = ray.remote(RayLearner)
@@ -295,6 +300,7 @@ class RayClimb:
 
     # Stop ---------------------------------------------------------------------------------------
     def close(self) -> None:
+        # optional: ray, imported only when Placement.backend = "ray" runs
         import ray
 
         if not ray.is_initialized():
@@ -306,6 +312,7 @@ class RayClimb:
             ray.kill(actor)
         self.learners, self.replicas = [], []
         if self.group is not None:
+            # optional: ray, imported only when Placement.backend = "ray" runs
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.group)

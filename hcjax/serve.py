@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from hcjax import config as hcfg
+from hcjax.display import serve_banner
 
 __all__ = ["main"]
 
@@ -100,7 +101,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     # After the flags, so --help stays fast; it registers what a replica reads from gin
     # (ModelConfig, MeshConfig, Engine and RolloutServer sizes).
-    from hcjax.display import serve_banner
     from hcjax.model import ModelConfig
     from hcjax.rollout.standalone import ServeOptions, serve
 

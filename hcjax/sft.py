@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 
 from hcjax import config
+from hcjax.display import resolve_format
 from hcjax.host_memory import keep_freed_memory
 
 __all__ = ["main"]
@@ -41,7 +42,6 @@ def main(argv: Sequence[str] | None = None):
     )
     # After the flags, so --help stays fast; the trainer's module imports every configurable it
     # reads (SFTConfig, run_sft, DataConfig and the task suites, ModelConfig, CheckpointConfig).
-    from hcjax.display import resolve_format
     from hcjax.rl.pass_at_1 import evaluate_model
     from hcjax.train.sft import run_sft
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import gin
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -200,8 +201,6 @@ def optimizer_state_on_mesh(tx, params, mesh: Mesh):
     """`tx.init(params)` born on the mesh: moments sharded like their parameters, every other
     leaf (counts, schedules) replicated. Left to itself, jit puts outputs that never read their
     inputs' values (zero moments, counts) on one default device."""
-    import optax
-
     replicated = NamedSharding(mesh, PartitionSpec())
     shardings = optax.tree_map_params(
         tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,

@@ -26,6 +26,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from hcjax.display import Phases
+from hcjax.rpc.auth import open_channel
+
 REPO = Path(__file__).resolve().parents[2]
 
 # A model and task small enough that a climb step takes well under a second on a shared CPU core:
@@ -316,6 +321,7 @@ def _failures(watch: ClimbWatch, t: float, after: bool) -> int:
 
 
 def _health(address: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout.service import RolloutClient
 
     try:
@@ -326,6 +332,7 @@ def _health(address: str, timeout: float = 2.0) -> dict[str, Any] | None:
 
 
 def _replica_metrics(address: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout.service import RolloutClient
 
     try:
@@ -336,6 +343,7 @@ def _replica_metrics(address: str, timeout: float = 2.0) -> dict[str, Any] | Non
 
 
 def _weights_version(address: str, timeout: float = 2.0) -> int | None:
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.transfer.weights_service import weights_status
 
     try:
@@ -346,6 +354,7 @@ def _weights_version(address: str, timeout: float = 2.0) -> int | None:
 
 def _good_request(address: str, timeout: float = 60.0) -> dict[str, Any]:
     """One authenticated greedy request; its outcome and the weight versions that produced it."""
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout import GenerateRequest
     from hcjax.rollout.service import RolloutClient
 
@@ -525,8 +534,7 @@ class Chaos:
     def bad_rpcs(self) -> dict[str, Any]:
         """Malformed and unauthenticated RPCs to replica a during the climb; after each, one good
         authenticated request."""
-        import grpc
-
+        # after the flags: --help stays fast (this loads JAX)
         from hcjax.rollout import GenerateRequest
         from hcjax.rollout.service import _request_to_bytes
         from hcjax.rollout.wire import encode
@@ -605,9 +613,7 @@ class Chaos:
         version the learner is frozen (SIGSTOP); if the other replica still lacks it a second
         later (its pull waits on the frozen learner) the learner is killed, else resumed and the
         next push tried. Then the same command is restarted."""
-        import grpc
-
-        from hcjax.rpc.auth import open_channel
+        # after the flags: --help stays fast (this loads JAX)
         from hcjax.transfer.weights_service import WEIGHTS_SERVICE
 
         channels = {r.address: open_channel(r.address) for r in self.replicas}
@@ -783,6 +789,7 @@ class Chaos:
     def finish(self) -> dict[str, Any]:
         """Ctrl-C the climb (it ends as a finished climb does: final evaluation, summary) and
         account for every accepted group the store holds."""
+        # after the flags: --help stays fast (this loads JAX)
         from hcjax.rl.store import read_groups
 
         self._after(time.monotonic(), self.s.final_steps)
@@ -830,8 +837,6 @@ class Chaos:
 
 
 def run(settings: Settings, work: Path, scenarios: Sequence[str]) -> dict[str, Any]:
-    from hcjax.display import Phases
-
     phases = Phases("hcjax.bench.chaos")
     chaos = Chaos(work, settings, phases)
     faults: dict[str, Any] = {}

@@ -16,6 +16,9 @@ import json  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
+from hcjax import config  # noqa: E402
+from hcjax.display import Phases  # noqa: E402
+
 
 def _mode_figures(summary: dict) -> dict:
     reached = summary.get("reached_gain_at_wall")
@@ -44,10 +47,6 @@ The last line on stdout is one JSON object; progress goes to stderr.
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    from hcjax import config
-    from hcjax.display import Phases
-    from hcjax.rl.climber import pretrain_base, run_climb
-
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES)
@@ -57,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="held-out pass@1 gain over the base that counts as reached")
     parser.add_argument("--modes", default="on_policy,async")
     args = parser.parse_args(argv)
+    # After the flags, so --help stays fast; it registers what the climb reads before gin binds.
+    from hcjax.rl.climber import pretrain_base, run_climb
+
     gin_files = args.gin_file or ["climb_tiny.gin"]
     config.bind(gin_files, args.gin_param)
     out = args.output_dir or tempfile.mkdtemp(prefix="bench_climb_")

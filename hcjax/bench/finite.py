@@ -26,6 +26,7 @@ def _best(fn, repeats: int) -> float:
 
 
 def host(mb: int, repeats: int) -> dict:
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.finite import check_finite_array
     from hcjax.model.safetensors_io import SafetensorsCheckpoint, array_specs, write_safetensors
 
@@ -42,6 +43,7 @@ def host(mb: int, repeats: int) -> dict:
 
 
 def device(size: str, repeats: int) -> dict:
+    # after the flags: --help stays fast (this loads JAX)
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -15,16 +15,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing as mp
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import numpy as np
+
+from hcjax import config as hcfg
+from hcjax.rpc.auth import Security
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER_SIZES = ["--max_prefill_length", "32"]  # as hcjax.cluster.jobset and launch/*.sh
@@ -125,10 +131,11 @@ def _start_server(slots: int, gin_params: Sequence[str], log_path: Path,
 def _learner_params(gin_params: Sequence[str]):
     """The learner's parameters of the served model (same gin model), on this process's first
     device; two versions to alternate between."""
+    # In the pusher's process, after its XLA_FLAGS and JAX_PLATFORMS are set (JAX reads them when
+    # it starts), and after the flags: --help stays fast.
     import jax
     from flax import nnx
 
-    from hcjax import config as hcfg
     from hcjax.model import ModelConfig, create_sharded
     from hcjax.rollout.testing import perturbed
     from hcjax.sharding import MeshConfig, make_mesh
@@ -143,11 +150,9 @@ def _learner_params(gin_params: Sequence[str]):
 def _flood_host(source: str, port: int, streams: int, stop, out) -> None:
     """One flooding client host (its own process): `streams` concurrent streams of n=16 x
     32-token requests from `source`, each asked again 50 ms after a refusal."""
-    import grpc
-
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout import GenerateRequest
     from hcjax.rollout.service import RolloutClient
-    from hcjax.rpc.auth import Security
 
     proxy = SourceProxy(source, ("127.0.0.1", port))
     heavy = GenerateRequest(prompt=PROMPT, n=16, max_tokens=32, temperature=1.0)
@@ -185,10 +190,8 @@ def _flood_host(source: str, port: int, streams: int, stop, out) -> None:
 
 def _health_prober(address: str, stop, out) -> None:
     """The learner's Health probe (its own process, like the learner): every 50 ms."""
-    import grpc
-
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout.service import RolloutClient
-    from hcjax.rpc.auth import Security
 
     latencies, errors = [], []
     with RolloutClient(address, Security()) as client:
@@ -207,6 +210,7 @@ def _pusher(address: str, gin_params: list, every: float, stop, out) -> None:
     """A learner (its own process) pushing a new weights version every `every` s."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # after the environment above: JAX reads it when it starts; --help stays fast
     from hcjax.transfer.weights_service import WeightPublisher
 
     versions = _learner_params(gin_params)
@@ -232,13 +236,9 @@ def run_size(slots: int, *, light_requests: int, flood_streams: int, flood_hosts
              out_dir: Path, serve_args: Sequence[str] = (), log=print) -> dict:
     """One server size: the light client alone, then under the flood (see the module doc).
     Every client host, the prober and the learner run in processes of their own."""
-    import multiprocessing as mp
-
-    import grpc
-
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout import GenerateRequest
     from hcjax.rollout.service import RolloutClient
-    from hcjax.rpc.auth import Security
 
     ctx = mp.get_context("spawn")
     security = Security()
@@ -373,7 +373,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="gin binding for the served model (and the learner's copy)")
     parser.add_argument("--output_dir", default=None, help="server logs (default: a temp dir)")
     args = parser.parse_args(argv)
-    import tempfile
 
     out_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="hcjax-serve-load-"))
     out_dir.mkdir(parents=True, exist_ok=True)

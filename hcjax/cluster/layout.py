@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
+
+from hcjax.cluster.storage import gcs_mount
 
 __all__ = ["Process", "SliceShape", "slurm_processes", "tpu_processes", "tpu_slice"]
 
@@ -103,8 +106,6 @@ def install_step(accelerator: str, venv: str = VENV) -> str:
 def storage_steps(output_dir: str, python: str) -> tuple[str, list[str]]:
     """(the path processes use, the steps that mount and check it): gs://B/P is mounted with
     gcsfuse at /mnt/gcs/B; every output folder is checked to be shared and writable."""
-    from hcjax.cluster.storage import gcs_mount
-
     path, bucket = gcs_mount(output_dir)
     steps = []
     if bucket:
@@ -266,8 +267,6 @@ def _slices(spec: str) -> dict[str, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import os
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("platform", choices=("tpu", "slurm", "install"))
     parser.add_argument("--accelerator", default="cuda12", help="install: jax extra")

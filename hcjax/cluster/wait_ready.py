@@ -17,6 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--any", action="store_true", help="return once one is ready")
     parser.add_argument("--max_backoff", type=float, default=10.0)
     args = parser.parse_args(argv)
+    # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout.service import wait_ready
 
     try:

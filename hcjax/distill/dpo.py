@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer
+from hcjax.data.template import encode_conversation
 from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.metrics import MetricsWriter
 from hcjax.model import ModelConfig
@@ -202,8 +203,6 @@ def encode_pairs(pairs: Sequence[PreferencePair], tok: Any, row_len: int
     """Padded rows for P pairs: rows [0, P) the chosen conversations, rows [P, 2P) the rejected
     ones ({"tokens", "positions", "segment_ids", "loss_mask"} int32 [2P', row_len]); pairs with
     a conversation longer than row_len are dropped. Returns (arrays, number dropped)."""
-    from hcjax.data.template import encode_conversation
-
     chosen, rejected, dropped = [], [], 0
     for p in pairs:
         c = encode_conversation([*p.prompt, {"role": "assistant", "content": p.chosen}], tok)

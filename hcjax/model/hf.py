@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -609,8 +610,6 @@ HF_SIDE_FILES = (
 
 def copy_side_files(src: str, dst: str, skip: Sequence[str] = ()) -> list[str]:
     """Copy the HF folder's config and tokenizer files (not the weights) from `src` to `dst`."""
-    import shutil
-
     os.makedirs(dst, exist_ok=True)
     copied = []
     for name in HF_SIDE_FILES:

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import jax
 import numpy as np
+from flax import nnx
 
 from hcjax import config as hcfg
 from hcjax.model.config import ModelConfig
@@ -86,8 +87,6 @@ def summarize(cfg: ModelConfig) -> dict:
 
 
 def nnx_flat(state):
-    from flax import nnx
-
     leaves = jax.tree_util.tree_flatten_with_path(
         state, is_leaf=lambda v: isinstance(v, nnx.Variable)
     )[0]

@@ -16,20 +16,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import gin
+import jax
 import numpy as np
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer, jsonable
+from hcjax.data.template import stop_ids
+from hcjax.data.tokenizer import ByteTokenizer, load_tokenizer
+from hcjax.display import ClimbDisplay, resolve_format
 from hcjax.finite import check_finite
+from hcjax.metrics import MetricsWriter
 from hcjax.model import ModelConfig
 from hcjax.model_io import hf_source_meta, load_hf_model, load_model
+from hcjax.profiling import StepTracer
 from hcjax.rewards.spec import RewardSpec
+from hcjax.rewards.types import Grade
 from hcjax.rl.controller import Controller, ControllerConfig, StepReport
 from hcjax.rl.curriculum import EarlyExit, LengthCurriculum
+from hcjax.rl.inference import LocalInference, RemoteInference
 from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.multihost import DistributedLearner
 from hcjax.rl.pass_at_1 import PassAt1, greedy
 from hcjax.rl.placement import Placement
-from hcjax.rl.sources import SourceConfig, TaskBuilder
+from hcjax.rl.report import entropy_within, mean_metric, step_record, write_report
+from hcjax.rl.sources import SourceConfig, TaskBuilder, longest_prompt, make_source
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
 from hcjax.rl.workers import (
     GroupResult,
@@ -149,8 +158,6 @@ def pretrain_base(output_dir: str, progress: bool = False) -> str:
 def _shaping_for(rewards: Mapping[str, Any], max_tokens: Any, step: Any, decode: Any):
     """suite -> the group shaping callable of its RewardSpec (None when it has none): the
     graded rollouts of a kept group -> the same with the spec's composed rewards (RECIPE §3)."""
-    from hcjax.rewards.types import Grade
-
     def for_suite(suite: Any):
         spec = rewards.get(getattr(suite, "name", ""))
         if spec is None:
@@ -195,8 +202,6 @@ def engine_lengths(cfg: ClimbConfig, suite: Any, tok: Any, max_seq_len: int) -> 
     seen in a scan of the suite (a later problem may tokenize a little longer; a longer one is an
     error naming it); the prefill holds the longest prompt, or for suites with tools (whose later
     turns carry the earlier ones) all of the model's context but one turn's response."""
-    from hcjax.rl.sources import longest_prompt
-
     longest = longest_prompt(suite, tok)
     max_prompt_len = cfg.max_prompt_len or max(32, longest + longest // 4)
     if cfg.max_prefill_length is not None:
@@ -224,8 +229,6 @@ class Climb:
                  hf_checkpoint: str | None = None, inference_addresses: Sequence[str] = (),
                  mode: str | None = None, progress: bool = True,
                  stop_at_gain: float | None = None, log_format: str = "auto") -> None:
-        import jax
-
         if hf_checkpoint is not None and base_checkpoint is not None:
             raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
                              f"{base_checkpoint!r}: the climb starts from one base, give one")
@@ -242,8 +245,6 @@ class Climb:
         # temperature, when the controller moves it, here after each step (None: fixed).
         self.entropy = self.learner_cfg.entropy
         self.temperature = self.entropy.initial_temperature(cfg.temperature)
-        from hcjax.display import ClimbDisplay, resolve_format
-
         self.display = ClimbDisplay(resolve_format(log_format) if progress else "off",
                                     num_steps=cfg.num_steps, max_minutes=cfg.max_minutes,
                                     entropy_target=self.entropy.target)
@@ -273,8 +274,6 @@ class Climb:
         self.placement = placement.resolve(jax.devices())
 
         self.tok = self._tokenizer(hf_checkpoint)
-        from hcjax.data.template import stop_ids
-
         self.stops = tuple(stop_ids(self.tok))
         self.step_now = 0
         shaping = _shaping_for(cfg.rewards, lambda: self.rollout_worker.sampling.max_tokens,
@@ -334,8 +333,6 @@ class Climb:
                                             partials=self.partials)
         worker = ProblemWorker(self.rollout_worker, cfg.early_exit(), advantage=cfg.advantage,
                                stats=self.stats)
-        from hcjax.rl.sources import make_source
-
         self.source = make_source(self.builder, SourceConfig())
         self.store = RolloutStore(os.path.join(self.output_dir, "rollouts"),
                                   decode=self.tok.decode)
@@ -360,13 +357,9 @@ class Climb:
 
     @staticmethod
     def _tokenizer(hf_checkpoint: str | None):
-        from hcjax.data.tokenizer import ByteTokenizer, load_tokenizer
-
         return ByteTokenizer() if hf_checkpoint is None else load_tokenizer(hf_checkpoint)
 
     def _inference(self, model):
-        from hcjax.rl.inference import LocalInference, RemoteInference
-
         params = self._params
         if self.placement.remote:
             return RemoteInference(self.placement.inference_addresses, params)
@@ -455,8 +448,6 @@ class Climb:
         return result
 
     def _on_step(self, report: StepReport) -> bool:
-        from hcjax.rl.report import step_record
-
         now = time.perf_counter()
         record = step_record(report, self.entropy.target, self.stats,
                              self.controller.counters, now - self.last_step_time,
@@ -540,9 +531,6 @@ class Climb:
                 signal.signal(signal.SIGINT, previous)
 
     def _climb(self) -> ClimbResult:
-        from hcjax.metrics import MetricsWriter
-        from hcjax.profiling import StepTracer
-
         cfg = self.cfg
         try:
             self._restore()
@@ -594,8 +582,6 @@ class Climb:
         self.inference.close()
 
     def _finish(self, final: dict[str, Any]) -> ClimbResult:
-        from hcjax.rl.report import entropy_within, mean_metric, write_report
-
         history = self.history
         metrics = os.path.join(self.output_dir, "metrics.jsonl")
         target = self.entropy.target
@@ -645,8 +631,6 @@ class Climb:
     def _follow(self) -> ClimbResult:
         """A follower learner process (jax.process_index() > 0): run the leader's learner
         commands (train, gather, save, restore) until it stops; see hcjax.rl.multihost."""
-        import jax
-
         try:
             steps = self.dist.follow(self.ckpt)
         finally:

@@ -9,6 +9,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hcjax.model import shard_state
+from hcjax.rollout import Engine, RolloutServer
+from hcjax.rollout.router import Router
+from hcjax.rollout.service import wait_ready
+from hcjax.transfer import LocalTransfer, VersionedWeights, make_plan
+from hcjax.transfer.weights_service import WeightPublisher
+
 __all__ = ["LocalInference", "RemoteInference"]
 
 
@@ -20,14 +31,6 @@ class LocalInference:
     def __init__(self, model: Any, meshes: Sequence[Any], params: Callable[[], Any], *,
                  max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
                  max_queue: int = 4096) -> None:
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
-        from hcjax.model import shard_state
-        from hcjax.rollout import Engine, RolloutServer
-        from hcjax.transfer import LocalTransfer, VersionedWeights, make_plan
-
         self._params = params
         self._lock = threading.Lock()
         graphdef, state = nnx.split(model)
@@ -92,10 +95,6 @@ class RemoteInference:
         always gets the current params at once. health_timeout: a replica that does not answer
         Health this fast before a push is left out of it (see `publish`), and one that stops
         answering during a push is dropped from it (the publisher probes every 5 s)."""
-        from hcjax.rollout.router import Router
-        from hcjax.rollout.service import wait_ready
-        from hcjax.transfer.weights_service import WeightPublisher
-
         addresses = list(addresses)
         wait_ready(addresses, timeout=ready_timeout, require="any")
         self.publisher: WeightPublisher | None = None

@@ -23,6 +23,7 @@ from typing import Any
 import gin
 import jax
 import numpy as np
+from jax._src import distributed  # no public accessor; Orbax and JAX use the same field
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -63,8 +64,6 @@ class Command:
 
 def _kv_client():
     """The jax.distributed client (the key-value store also used by Orbax and multihost_utils)."""
-    from jax._src import distributed  # no public accessor; Orbax and JAX use the same field
-
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError(

@@ -8,12 +8,12 @@ import os
 
 import numpy as np
 
+from hcjax.metrics import read_metrics
+
 __all__ = ["entropy_within", "mean_metric", "step_record", "write_report"]
 
 
 def mean_metric(path: str, key: str) -> float:
-    from hcjax.metrics import read_metrics
-
     _, ys = _series(read_metrics(path), key)
     return float(np.mean(ys)) if ys else float("nan")
 
@@ -23,8 +23,6 @@ def entropy_within(path: str, target: float, warmup_fraction: float = 0.25,
     """Fraction of steps after warm-up (the first quarter) whose Ĥ is within ±25% of H*; with
     `smooth` > 1, Ĥ is first averaged over the last `smooth` steps (one step's estimate comes from
     a few hundred tokens and is noisy by itself)."""
-    from hcjax.metrics import read_metrics
-
     _, ys = _series(read_metrics(path), "entropy")
     if smooth > 1 and ys:
         csum = np.cumsum([0.0, *ys])
@@ -45,12 +43,11 @@ def _series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]
 def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
     """report.md with PNG plots of the climb (reward, pass@1, entropy, k, lengths, staleness,
     train-inference log-prob gap) from metrics.jsonl and the summary."""
+    # optional: matplotlib (0.25 s to import), loaded only when a plot is written
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from hcjax.metrics import read_metrics
+    import matplotlib.pyplot as plt  # after the Agg backend is chosen
 
     records = read_metrics(os.path.join(output_dir, "metrics.jsonl"))
     evals = summary.get("evals", [])

@@ -14,6 +14,7 @@ import gin
 import numpy as np
 
 from hcjax.data.template import messages_prompt_ids
+from hcjax.envs.react import Budget
 from hcjax.rewards.types import Grade
 from hcjax.rl.curriculum import PRIORITY_RULES, PrioritizedSampler
 from hcjax.rl.workers import GroupResult, Task
@@ -100,8 +101,6 @@ class TaskBuilder:
         owner = self.component(problem)
         budget = getattr(owner, "budget", None) or self.budget
         if tools is not None and self.max_context is not None:
-            from hcjax.envs.react import Budget
-
             budget = budget or Budget()
             budget = dataclasses.replace(budget,
                                          max_context=min(budget.max_context, self.max_context))

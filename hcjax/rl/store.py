@@ -5,6 +5,7 @@ run or to build a self-distillation set (RECIPE §3). No JAX here; grain reads t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -269,6 +270,7 @@ def read_groups(path: str, *, accepted_only: bool = False, start: int = 0) -> li
 
 def grain_dataset(path: str):
     """The store's groups as a grain MapDataset of dicts (one per group, JSON fields)."""
+    # grain (0.2 s) only for this reader: `python -m hcjax.rl.store --help` stays fast
     import grain
 
     return grain.MapDataset.source(list(_lines(path)))
@@ -354,8 +356,6 @@ def write_distillation_set(
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m hcjax.rl.store RUN_OR_STORE_DIR OUT.jsonl [options]`: write the self-distillation
     set of a climb for `python -m hcjax.sft` (DataConfig.source="chat_jsonl")."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("store", help="a climb's output folder, its rollouts/ folder or the file")
     parser.add_argument("out", help="chat JSONL file to write")
@@ -374,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = os.path.join(path, "rollouts")
     base: list[list[dict[str, str]]] = []
     if args.base_fraction > 0:
-        from hcjax.tasks.arithmetic import ArithmeticSuite  # keeps --help fast (no task suites)
+        from hcjax.tasks.arithmetic import ArithmeticSuite  # after the flags: --help stays fast
 
         suite = ArithmeticSuite()
         base = [p.conversation() for p in map(suite.train_problem, range(100_000, 105_000))]

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hcjax.envs import react
 from hcjax.rewards.types import Grade
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.curriculum import EarlyExit
@@ -234,8 +235,6 @@ class RolloutWorker:
         """One multi-turn ReAct episode (hcjax.envs.react): each model turn is one request on
         the whole sequence so far; tool observations enter with loss mask 0, no log-prob, version
         -1. The record's routing is the last turn's (it covers every earlier token)."""
-        from hcjax.envs import react
-
         turns: list[SampledRollout] = []
 
         class _Failed(Exception):

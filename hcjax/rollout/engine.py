@@ -25,6 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hcjax.data.tokenizer import load_tokenizer
+from hcjax.model import init_cache
 from hcjax.rollout import prefix_cache as pc
 from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.sampling import sample, sampling_keys
@@ -265,8 +267,6 @@ class Engine:
     ) -> None:
         cfg = getattr(model, "config", None)
         if init_cache_fn is None:
-            from hcjax.model import init_cache
-
             init_cache_fn = lambda b, n: init_cache(cfg, b, n)
         if max_target_length is None:
             max_target_length = cfg.max_seq_len
@@ -392,8 +392,6 @@ class Engine:
 
     def build_tokenizer(self, metadata: Any) -> JetStreamTokenizer:
         """A JetStream tokenizer over hcjax.data's tokenizer at `metadata.path`."""
-        from hcjax.data.tokenizer import load_tokenizer
-
         path = getattr(metadata, "path", None)
         if not path:
             raise ValueError(f"tokenizer metadata {metadata!r} has no path")
@@ -802,6 +800,7 @@ def register_with_jetstream() -> bool:
     ResultTokens (its orchestrator tells results from requests with isinstance). Returns False
     when jetstream (or an import of it, e.g. seqio) is missing; hcjax works without it."""
     try:
+        # optional: jetstream (requirements-jetstream.txt); hcjax runs without it
         from jetstream.engine import engine_api
     except ImportError:
         return False

@@ -192,7 +192,8 @@ def file_format(path: str, format: str = "auto") -> str:
 
 
 def _read_parquet(path: str) -> list[tuple[str, dict[str, Any]]]:
-    import pyarrow  # only Parquet datasets need it
+    # optional: pyarrow, only Parquet datasets need it
+    import pyarrow
     import pyarrow.parquet
 
     if not os.path.isfile(path):

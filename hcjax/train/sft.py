@@ -28,11 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax import sharding as shd
 from hcjax.checkpoint import CheckpointConfig, Checkpointer
-from hcjax.data.tokenizer import Tokenizer
+from hcjax.data.tokenizer import Tokenizer, load_tokenizer
 from hcjax.metrics import MetricsWriter, Progress, plot_curves, read_metrics, write_summary
 from hcjax.model import ModelConfig, create_sharded
 from hcjax.model_io import hf_source_meta, load_hf_model, model_identity, read_checkpoint
 from hcjax.profiling import StepTracer
+from hcjax.tasks.arithmetic import ArithmeticSuite
 from hcjax.train.pipeline import DataConfig, make_batch_iterator, put_on_mesh
 from hcjax.train.step import (
     Objective,
@@ -425,8 +426,6 @@ def run_sft(
     gin ModelConfig model (`model_cfg` must then be None), and its tokenizer, with its chat
     template, encodes the data and the evaluation (unless DataConfig.tokenizer names another).
     """
-    from hcjax.data.tokenizer import load_tokenizer
-
     cfg = SFTConfig()
     data_cfg = DataConfig()
     mesh = shd.make_mesh(mesh_cfg or shd.MeshConfig())
@@ -464,8 +463,6 @@ def run_sft(
         trainer.close()
     finished = result.steps >= cfg.num_steps  # a run stopped early is evaluated when resumed
     if evaluate is not None and eval_problems and data_cfg.source == "arithmetic" and finished:
-        from hcjax.tasks.arithmetic import ArithmeticSuite
-
         suite = ArithmeticSuite()
         t = time.perf_counter()
         result.eval = evaluate(trainer.model(), suite, suite.heldout()[:eval_problems],

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.experimental import transfer as jax_transfer
 
 from hcjax.transfer.local import (
     ExecutionResult,
@@ -118,11 +119,9 @@ class JaxTransferBackend:
     """
 
     def __init__(self, address: str = "127.0.0.1:0", transport_address: str | None = None):
-        from jax.experimental import transfer
-
         client = jax.local_devices()[0].client
         transport = transport_address or address.rsplit(":", 1)[0] + ":0"
-        self._server = transfer.start_transfer_server(client, address, [transport])
+        self._server = jax_transfer.start_transfer_server(client, address, [transport])
         self._connections: dict[str, Any] = {}
         self._lock = threading.Lock()
 
