@@ -3,9 +3,11 @@ rewards, envs → rollout, tasks → train → rl → distill → entry points �
 of hcjax and pallas_kernels has a layer; none imports from a layer above its own, and no modules
 or layer entries import each other in a circle. Imports inside functions count. Also: kernels
 import no hcjax, transfer/ sees no model, the sandbox is a leaf that rewards and envs share, and
-those modules never import JAX."""
+those modules never import JAX. An import inside a function says why on its line or the line
+above (after the flags, so --help stays fast; an optional dependency; before JAX starts)."""
 
 import ast
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -197,3 +199,98 @@ def test_rewards_envs_the_sandbox_and_the_curriculum_import_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=REPO)
     assert out.stdout.strip() == "False", modules
+
+
+# A pragma is not a reason: a noqa code alone says nothing about why the import waits.
+_PRAGMA = re.compile(r"noqa(:\s*[A-Z]+[0-9]+(\s*,\s*[A-Z]+[0-9]+)*)?|type:\s*ignore\S*")
+
+
+def _says_why(line: str, whole_line: bool) -> bool:
+    """Whether `line` carries a comment beyond pragmas (`whole_line`: the line is only a comment)."""
+    if whole_line and not line.lstrip().startswith("#"):
+        return False
+    _, hash_, comment = line.partition("#")
+    return bool(hash_) and bool(_PRAGMA.sub("", comment).strip(" #"))
+
+
+def unexplained_function_imports(tree: ast.Module, lines: list[str]) -> list[int]:
+    """Lines of the imports inside functions (at any depth) that give no reason: neither the
+    statement's lines nor the comment line just above it say why. Imports that follow one
+    another in one block share the first one's reason. `if __name__ == "__main__":` blocks at
+    module level are exempt (they import run_main and the module's own main)."""
+    missing = []
+
+    def explained(node: ast.stmt) -> bool:
+        own = any(_says_why(lines[i - 1], False) for i in range(node.lineno, node.end_lineno + 1))
+        return own or (node.lineno > 1 and _says_why(lines[node.lineno - 2], True))
+
+    def visit(statements: list, in_function: bool) -> None:
+        shared = False  # the previous statement of this block was an import with a reason
+        for node in statements:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                if in_function:
+                    shared = shared or explained(node)
+                    if not shared:
+                        missing.append(node.lineno)
+                continue
+            shared = False
+            inner = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for field in ("body", "orelse", "finalbody"):
+                visit(getattr(node, field, None) or [], inner)
+            for handler in getattr(node, "handlers", None) or []:
+                visit(handler.body, inner)
+            for case in getattr(node, "cases", None) or []:
+                visit(case.body, inner)
+
+    def is_main_block(node: ast.stmt) -> bool:
+        return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+    visit([n for n in tree.body if not is_main_block(n)], False)
+    return missing
+
+
+def test_every_import_inside_a_function_says_why():
+    """An import waits inside a function only to keep an entry point's --help fast (after the
+    flags), to keep an optional dependency optional, or because it must run before JAX starts
+    (or on a host without the requirements); its line or the line above says which. Anything
+    else is imported at the top of the module."""
+    bad = []
+    for path in sorted((REPO / "hcjax").rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for lineno in unexplained_function_imports(ast.parse(text), lines):
+            bad.append(f"{path.relative_to(REPO)}:{lineno}: {lines[lineno - 1].strip()}")
+    assert not bad, ("imports inside functions with no comment saying why (move them to the top "
+                     "of the module, or say which reason keeps them here):\n" + "\n".join(bad))
+
+
+def test_the_function_import_check_reads_reasons_groups_and_pragmas():
+    """The check above on a hand-written module: a reason on the line or above it, one shared by
+    the imports that follow it, a pragma that is no reason, nested functions and main blocks."""
+    source = """import os
+
+def f():
+    import json  # optional: json
+    import re
+
+    x = 1
+    import sys
+
+def g():
+    # after the flags: --help stays fast
+    from a import b
+
+    from c import d
+    import e  # noqa: F401
+    if True:
+        def h():
+            import zlib
+    y = 2  # a comment on code
+    import gzip
+
+if __name__ == "__main__":
+    import io
+"""
+    lines = source.splitlines()
+    assert unexplained_function_imports(ast.parse(source), lines) == [8, 18, 20]
