@@ -40,8 +40,11 @@ def parse_serve(command: str) -> config.Flags:
 
 
 def check_sizes(ns, max_prefill_length=32, max_concurrent_decodes=128, max_target_length=None):
-    assert (ns.max_prefill_length, ns.max_concurrent_decodes, ns.max_target_length) == (
-        max_prefill_length, max_concurrent_decodes, max_target_length)
+    """The engine sizes a serve command line gives (a flag it leaves out is absent: serve then
+    takes ServeOptions' default)."""
+    sizes = tuple(getattr(ns, name, None) for name in
+                  ("max_prefill_length", "max_concurrent_decodes", "max_target_length"))
+    assert sizes == (max_prefill_length, max_concurrent_decodes, max_target_length)
 
 
 def test_local_dry_run_starts_servers_then_the_learner():
