@@ -23,6 +23,7 @@ from hcjax.rl.batch import pack_rollouts, to_device
 from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.store import rollout_from_json, rollout_to_json
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, generate, wire
+from hcjax.rollout.request import SamplingOptions
 from hcjax.sharding import MeshConfig, make_mesh
 from hcjax.transfer import LocalTransfer, make_plan
 from tests.hf_fixtures import FAMILIES, fixture, golden
@@ -88,8 +89,8 @@ def sampled_rollouts(family: str) -> tuple:
     (one per packed row of SEQ_LEN). All run to max_tokens; we treat them as complete."""
     ids = golden(family, "input_ids")
     prompts = [ids[0, :10], ids[1, :10], ids[0, 12:22]]  # the prefill bucket `served` compiled
-    recs = generate(None, [p.tolist() for p in prompts], n=2, max_tokens=9, temperature=0.8,
-                    top_p=0.7, seed=3, engine=engine(family))
+    options = SamplingOptions(max_tokens=9, temperature=0.8, top_p=0.7, seed=3)
+    recs = generate(None, [p.tolist() for p in prompts], options, n=2, engine=engine(family))
     recs = [dataclasses.replace(r, finish_reason="stop", reward=float(i % 3))
             for i, r in enumerate(recs)]
     return tuple(assign_advantages(recs))

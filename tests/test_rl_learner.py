@@ -45,11 +45,12 @@ def sampled(model):
     """Rollouts from the real rollout engine (continuous batching: 6 samples on 4 slots, cached
     decode), graded with made-up rewards. All run to max_tokens; we treat them as complete."""
     from hcjax.rollout import Engine, generate
+    from hcjax.rollout.request import SamplingOptions
 
     engine = Engine(model, max_concurrent_decodes=4, max_prefill_length=8, max_target_length=32)
     prompts = np.asarray(jax.random.randint(jax.random.key(7), (3, 5), 1, CFG.vocab_size))
-    recs = generate(None, prompts.tolist(), n=2, max_tokens=9, temperature=0.8, top_p=0.7,
-                    seed=3, engine=engine)
+    options = SamplingOptions(max_tokens=9, temperature=0.8, top_p=0.7, seed=3)
+    recs = generate(None, prompts.tolist(), options, n=2, engine=engine)
     assert {r.finish_reason for r in recs} == {"length"}
     return assign_advantages([dataclasses.replace(r, finish_reason="stop", reward=float(i % 3))
                               for i, r in enumerate(recs)])

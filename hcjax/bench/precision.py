@@ -28,6 +28,7 @@ from hcjax.rl.batch import LearnerBatch, pack_rollouts
 from hcjax.rl.learner import token_logprobs
 from hcjax.rl.losses import LossConfig
 from hcjax.rollout import Engine, generate
+from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.testing import perturbed
 
 # (sampler compute dtype, learner compute dtype): RECIPE §3 runs both in bf16; bf16 inference
@@ -124,8 +125,9 @@ def sample_rollouts(model: Transformer, *, prompts: int, prompt_len: int, sample
                     max_target_length=cfg.max_seq_len)
     rng = np.random.default_rng(seed)
     prompt_ids = rng.integers(1, cfg.vocab_size, (prompts, prompt_len)).tolist()
-    recs = generate(None, prompt_ids, n=samples, max_tokens=max_tokens, temperature=temperature,
-                    top_p=top_p, seed=seed, engine=engine)
+    options = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              seed=seed)
+    recs = generate(None, prompt_ids, options, n=samples, engine=engine)
     # Only the log-probs matter here; an advantage is what packing asks of every rollout.
     return [dataclasses.replace(r, reward=0.0, advantage=0.0) for r in recs]
 
