@@ -22,7 +22,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests
-	$(VENV)/bin/python -m pytest -q -n 2 tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=40 tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests
