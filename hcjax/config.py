@@ -27,6 +27,7 @@ __all__ = [
     "add_hf_checkpoint_flag",
     "hf_checkpoint_folder",
     "bind",
+    "cpu_xla_flags",
     "parse_flags",
     "project_configurables",
     "run_main",
@@ -107,6 +108,16 @@ def force_cpu_devices(default: int = 2) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def cpu_xla_flags(devices: int, inherited: str | None = None) -> str:
+    """XLA_FLAGS for a child process with `devices` host (CPU) devices: the parent's other XLA
+    flags (`inherited`, by default this process's XLA_FLAGS: dumps, optimisation level) are kept,
+    its device count is replaced."""
+    inherited = os.environ.get("XLA_FLAGS", "") if inherited is None else inherited
+    kept = [f for f in inherited.split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
 
 
 # What a configuration or input mistake raises: a value or binding that is wrong (ValueError,

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hcjax.config import cpu_xla_flags
 from hcjax.model import ModelConfig
 from hcjax.model_io import load_model
 from hcjax.profiling import trace_files
@@ -63,7 +64,7 @@ def command(out_dir, steps, *extra):
 
 def env():
     e = dict(os.environ)
-    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    e["XLA_FLAGS"] = cpu_xla_flags(2)
     e["JAX_PLATFORMS"] = "cpu"
     return e
 

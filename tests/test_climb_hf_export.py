@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hcjax.config import cpu_xla_flags
 from hcjax.data import template
 from hcjax.data.byte_hf import write_byte_tokenizer
 from hcjax.data.hf_tokenizer import HFTokenizer
@@ -125,7 +126,7 @@ TINY_CLIMB = [
 
 def _env() -> dict:
     e = dict(os.environ)
-    e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    e["XLA_FLAGS"] = cpu_xla_flags(2)
     e["JAX_PLATFORMS"] = "cpu"
     return e
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from hcjax.config import cpu_xla_flags
 from hcjax.data.template import prompt_ids
 from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.rewards.spec import RewardSpec
@@ -193,7 +194,7 @@ def test_placement_resolves_and_names_bad_bindings():
 
 
 def test_climb_with_an_impossible_mesh_fails_before_compiling(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(2),
                JAX_PLATFORMS="cpu")
     t0 = time.time()
     proc = subprocess.run(

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hcjax.config import cpu_xla_flags
 from hcjax.rpc.auth import Security
 from hcjax.rpc.server import RpcServer
 from hcjax.transfer.weights_service import (
@@ -173,7 +174,7 @@ def tiny_params():
 
 def climb_env(devices):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = cpu_xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env

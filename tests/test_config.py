@@ -251,3 +251,10 @@ def test_a_cpu_start_prints_no_libtpu_lines():
                           capture_output=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "TPU" not in done.stderr and "E0000" not in done.stderr, done.stderr[-2000:]
+
+
+def test_cpu_xla_flags_keep_the_parents_flags_and_replace_its_device_count():
+    parent = "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 --xla_foo=1"
+    assert hcfg.cpu_xla_flags(2, parent) == (
+        "--xla_dump_to=/tmp/d --xla_foo=1 --xla_force_host_platform_device_count=2")
+    assert hcfg.cpu_xla_flags(1, "") == "--xla_force_host_platform_device_count=1"

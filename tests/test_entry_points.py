@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hcjax.config import run_main
+from hcjax.config import cpu_xla_flags, run_main
 from hcjax.model.safetensors_io import SafetensorsCheckpoint, array_specs, write_safetensors
 from tests.hf_fixtures import fixture
 from tests.test_finite import poison
@@ -123,7 +123,7 @@ def test_python_m_entry_points_print_one_error_line(tmp_path):
     """The real processes: `serve --hf_checkpoint` on a truncated file, `convert` on NaN
     weights: one error line each, exit status 2."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=cpu_xla_flags(1))
     for argv, says in [(["hcjax.serve", "--hf_checkpoint", _truncated(tmp_path)], "truncated"),
                        (["hcjax.convert", "--from_hf", _nan(tmp_path), "--output_dir",
                          str(tmp_path / "out")], "non-finite values")]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hcjax.config import hf_checkpoint_folder
+from hcjax.config import cpu_xla_flags, hf_checkpoint_folder
 from hcjax.data.problem import TaskProblem
 from hcjax.data.template import (
     encode_conversation,
@@ -153,7 +153,7 @@ def test_hf_checkpoint_flag_errors(tmp_path, capsys):
 
 def _env(devices: int) -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+                XLA_FLAGS=cpu_xla_flags(devices))
 
 
 @needs_fixtures

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer
+from hcjax.config import cpu_xla_flags
 from hcjax.model import create_sharded
 from hcjax.model_io import load_model, model_identity
 from hcjax.rl.batch import pack_rollouts, to_device
@@ -176,7 +177,7 @@ def _free_port() -> int:
 
 def _launch(scenario: str, out_dir: str, devices_per_process: int = 2) -> list[subprocess.Popen]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+               XLA_FLAGS=cpu_xla_flags(devices_per_process))
     coordinator = f"127.0.0.1:{_free_port()}"
     procs = []
     for pid in range(2):

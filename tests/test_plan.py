@@ -38,9 +38,11 @@ def test_libtpu_leaves_the_test_backend_on_cpu():
     assert all(d.platform == "cpu" for d in jax.devices())
 
 
+@pytest.mark.slow
 def test_tiny_plan_compiles_both_steps_and_fits(tmp_path):
     result = plan_lib.main([
-        "--gin_file", "tiny_cpu.gin", "--gin_param", "MeshConfig.fsdp = 2",
+        "--gin_file", "tiny_cpu.gin", "--gin_param", "ModelConfig.num_layers = 2",
+        "--gin_param", "MeshConfig.fsdp = 2",
         "--gin_param", "MeshConfig.tensor = 2", "--topology", "v5p:2x2x1",
         "--global_batch_tokens", "2048", "--seq_len", "256", "--decode_batch", "8",
         "--kv_len", "256", "--output_dir", str(tmp_path),
@@ -63,10 +65,11 @@ def test_tiny_plan_compiles_both_steps_and_fits(tmp_path):
 
 
 def test_oversized_batch_does_not_fit_and_says_by_how_much():
-    model = dataclasses.replace(_tiny(), num_layers=2)  # two layers compile faster than six
-    # A v5e chip holds 15.75 GiB; 16M tokens of tiny-model logits and activations do not fit.
-    pc = dataclasses.replace(SMALL, topology="v5e:2x2", global_batch_tokens=1 << 24,
-                             seq_len=256, decode=False)
+    # A v5e chip holds 15.75 GiB; the logits of 2048 tokens over a 4M-token vocabulary (34 GB)
+    # do not fit. A huge vocabulary rather than a huge batch: libtpu gives up on it in seconds,
+    # where 16M tokens of activations kept it searching for rematerialisations for minutes.
+    model = dataclasses.replace(_tiny(), num_layers=2, vocab_size=1 << 22)
+    pc = dataclasses.replace(SMALL, topology="v5e:2x2", seq_len=256, decode=False)
     step = plan_lib.plan(pc, model)["train_step"]
     # Far over HBM libtpu may not finish the compile at all; the record then carries XLA's
     # out-of-memory figure instead of a full memory analysis.
@@ -125,6 +128,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert out["reduce-scatter"] == {"count": 1, "bytes": 32}  # the operand, the larger side
 
 
+@pytest.mark.slow
 def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model():
     """With impl "auto" the kernels are chosen for the mesh's platform (TPU here, on a CPU host),
     run on local shards under shard_map, and compile through Mosaic (not interpret mode)."""
@@ -139,11 +143,15 @@ def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model():
     assert jax.default_backend() == "cpu"  # nothing changed the host's platform
 
 
+@pytest.mark.slow
 def test_decode_step_gathers_no_whole_weight():
     """The default inference layout (tensor x expert, no FSDP) never all-gathers a whole weight
     in a decode step; an FSDP inference mesh does, and the check sees it."""
-    model = dataclasses.replace(_tiny(), num_layers=7, scan_layers=True,  # a period + 1 tail
-                                expert_parallel="all_to_all")
+    # A period of the layer pattern (2 here) under the scan + 1 unrolled tail: gathers inside
+    # the loop body and outside it are both seen.
+    model = dataclasses.replace(_tiny(), num_layers=3, attention_pattern=("local", "global"),
+                                scan_layers=True, expert_parallel="all_to_all")
+    assert model.layer_period == 2
     pc = dataclasses.replace(SMALL, topology="v5p:2x2x2", train=False)
     good = plan_lib.plan(pc, model, mesh_cfg=MeshConfig(fsdp=-1, tensor=2, expert=2))
     step = good["decode_step"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hcjax import config
+from hcjax.config import cpu_xla_flags
 from hcjax.ray_placement import check_fits
 from hcjax.rl.placement import Placement, RayPlacement
 from hcjax.sharding import MeshConfig
@@ -149,7 +150,7 @@ def test_tiny_climb_on_ray_trains_evaluates_and_publishes(tmp_path):
               # that every step trains (as in test_climb_multiprocess).
               "LearnerConfig.mask_truncated = False"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_USAGE_STATS_ENABLED="0",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=cpu_xla_flags(2))
     proc = subprocess.run(
         [sys.executable, "-m", "hcjax.climb", "--output_dir", str(out), "--mode", "on_policy",
          *[arg for p in params for arg in ("--gin_param", p)]],

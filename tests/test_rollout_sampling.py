@@ -207,6 +207,7 @@ def test_top_indices_through_groups_equal_lax_top_k():
                 np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_signed_zeros_tie_at_the_top_on_every_path():
     """-0.0 and +0.0 are one value in the kept-set order (the reference's sort), so a tie between
     them goes to the lower id, whichever path ranks them: `lax.top_k` alone orders +0.0 first."""
@@ -298,6 +299,7 @@ def test_candidate_sampler_equals_full_sort_reference(v, candidates, sort_up_to)
             assert np.all(np.asarray(r.n_kept)[:flat_rows] > candidates[0])
 
 
+@pytest.mark.slow
 def test_each_level_gives_the_same_row_result():
     """A row's draw does not depend on the candidate sizes, i.e. on which level (first
     candidates, wider, threshold search) decided it, nor on the other rows of its batch."""

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from hcjax.config import cpu_xla_flags
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 from hcjax.rollout.router import Router
 from hcjax.rollout.service import RolloutClient, serve_grpc
@@ -166,7 +167,7 @@ def _bad_n_request():
 
 def _start_replica(tmp_path, name):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               XLA_FLAGS=cpu_xla_flags(1),
                PYTHONPATH=str(REPO))
     params = [
         "ModelConfig.vocab_size = 64", "ModelConfig.d_model = 32", "ModelConfig.num_layers = 4",

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from hcjax import config as hcfg
+from hcjax.config import cpu_xla_flags
 from hcjax.rollout.standalone import ServeOptions, serve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,7 +109,7 @@ def test_weights_service_installs_the_learners_version_on_the_gin_mesh():
 
 def _env(devices):
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+                XLA_FLAGS=cpu_xla_flags(devices))
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from hcjax.config import cpu_xla_flags
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 from hcjax.rollout.request import request_from_dict
 from hcjax.rollout.service import (
@@ -537,7 +538,7 @@ def test_standalone_server_survives_hostile_clients(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=cpu_xla_flags(1))
     env.pop("HCJAX_TOKEN", None)
     params = ["ModelConfig.vocab_size = 64", "ModelConfig.d_model = 32",
               "ModelConfig.num_layers = 2", "ModelConfig.num_heads = 4",

@@ -219,7 +219,12 @@ def _assert_matches_reference(name: str, metrics: list[dict], params: dict) -> N
                                        err_msg=f"{name} step {step + 1} {key}")
     assert sorted(params) == sorted(want["params"])
     for path, fp in want["params"].items():
-        np.testing.assert_allclose(params[path], fp, rtol=1e-5, atol=1e-8, err_msg=f"{name} {path}")
+        # Σd and Σd·r cancel: their rounding is relative to the size of the change, |d| (fp[2]),
+        # not to their own value. Tests compile at LLVM -O0, whose roundings differ in the 7th
+        # digit from the -O2 build that wrote the reference, and two Adam steps (g/√v) magnify
+        # that to about 3e-5 |d|; a different step moves them by O(|d|).
+        np.testing.assert_allclose(params[path], fp, rtol=1e-5, atol=1e-4 * fp[2] + 1e-8,
+                                   err_msg=f"{name} {path}")
 
 
 @pytest.mark.parametrize("name", [*SFT_CASES, "dpo", *GRPO_CASES])

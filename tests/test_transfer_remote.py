@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from hcjax.config import cpu_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"a_embed": (16, 8), "b_qkv": (8, 24), "c_mlp": (8, 16), "d_norm": (8,)}
 LEARNER_SPECS = {
@@ -157,7 +159,7 @@ def run_replica(name):
 def _spawn(*args):
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS=cpu_xla_flags(8),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
     )

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from hcjax.config import cpu_xla_flags
 from hcjax.display import Phases
 from hcjax.rpc.auth import open_channel
 
@@ -98,7 +99,7 @@ def _gin(bindings: Sequence[str]) -> list[str]:
 
 def _env(devices: int, token: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = cpu_xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["HCJAX_TOKEN"] = token

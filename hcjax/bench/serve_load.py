@@ -115,7 +115,7 @@ def _start_server(slots: int, gin_params: Sequence[str], log_path: Path,
     for p in gin_params:
         cmd += ["--gin_param", p]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=hcfg.cpu_xla_flags(1))
     env.pop("HCJAX_TOKEN", None)
     env.pop("HCJAX_TOKEN_FILE", None)
     log = open(log_path, "w")
@@ -208,7 +208,7 @@ def _health_prober(address: str, stop, out) -> None:
 
 def _pusher(address: str, gin_params: list, every: float, stop, out) -> None:
     """A learner (its own process) pushing a new weights version every `every` s."""
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["XLA_FLAGS"] = hcfg.cpu_xla_flags(1)
     os.environ["JAX_PLATFORMS"] = "cpu"
     # after the environment above: JAX reads it when it starts; --help stays fast
     from hcjax.transfer.weights_service import WeightPublisher
