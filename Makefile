@@ -1,6 +1,7 @@
 # One command per job, each doing its own set-up on a fresh machine:
 #   make run    -- the main job
-#   make test   -- the test suite (what .ci/run calls), on two pytest-xdist workers;
+#   make test   -- the test suite (what .ci/run calls), on two pytest-xdist workers (each takes
+#                  a contiguous half of the tests, an idle one steals from the other);
 #                  PYTEST_ARGS="-n 0" runs it in one process
 PY ?= python3
 VENV := .venv
@@ -22,7 +23,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests
-	$(VENV)/bin/python -m pytest -q -n 2 --durations=40 tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=40 tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests

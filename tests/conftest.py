@@ -43,15 +43,6 @@ def _fresh_gin_config():
     gin.clear_config()
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """Modules holding slow tests run first, each module's tests together and in order (their
-    module-scoped fixtures are built once per worker): xdist hands the first quarter of the run
-    out alternately, so the two workers share the long tests from the start instead of one of
-    them ending the run on a long test while the other waits."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items[:] = sorted(items, key=lambda item: item.path not in slow)
-
-
 # A weights push whose receiver was killed (the fault tests do that on purpose) leaves a sender
 # thread blocked inside a transfer pull that never returns; at interpreter exit such a thread
 # aborts the process (or, with executor threads, hangs it). After the session has reported, exit
