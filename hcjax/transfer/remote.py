@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import transfer as jax_transfer
 
+from hcjax.transfer import delta as delta_codec
 from hcjax.transfer.local import (
     ExecutionResult,
     SourceShards,
@@ -140,17 +141,34 @@ class JaxTransferBackend:
         return connection.pull(uuid, list(specs))
 
 
-def transfer_uuid(version: int, src_process: int, dst_process: int, chunk: int, ack: bool) -> int:
-    """One id per (version, sender, receiver, chunk, data-or-ack); fits in 63 bits."""
+# Transfer modes (two bits of every id): the plain device-to-device path, and the checked path's
+# delta and full pushes (hcjax.transfer.delta payloads with a CRC-32 per entry). A checked full
+# push that retries a failed delta of the same version gets ids of its own.
+PLAIN, CHECKED_DELTA, CHECKED_FULL = 0, 1, 2
+
+
+def transfer_uuid(version: int, src_process: int, dst_process: int, chunk: int, ack: bool,
+                  mode: int = PLAIN) -> int:
+    """One id per (version, mode, sender, receiver, chunk, data-or-ack); fits in 63 bits."""
     limit = 1 << _PROCESS_BITS
     if not (0 <= src_process < limit and 0 <= dst_process < limit):
         raise ValueError(f"process indices ({src_process}, {dst_process}) must be in [0, {limit})")
     if not 0 <= chunk < 1 << _CHUNK_BITS:
         raise ValueError(f"chunk={chunk} is out of range; raise max_bytes_per_pull")
-    if not 0 <= version < 1 << (62 - 2 * _PROCESS_BITS - _CHUNK_BITS):
+    if not 0 <= version < 1 << (60 - 2 * _PROCESS_BITS - _CHUNK_BITS):
         raise ValueError(f"version={version} is out of range for a transfer id")
-    uuid = (version << _PROCESS_BITS | src_process) << _PROCESS_BITS | dst_process
+    if mode not in (PLAIN, CHECKED_DELTA, CHECKED_FULL):
+        raise ValueError(f"mode={mode} is not a transfer mode")
+    uuid = ((version << 2 | mode) << _PROCESS_BITS | src_process) << _PROCESS_BITS | dst_process
     return (uuid << _CHUNK_BITS | chunk) << 1 | int(ack)
+
+
+class ChecksumMismatch(TransferError):
+    """An entry's bytes after applying a delta do not match the sender's checksum."""
+
+
+class BaseMismatch(TransferError):
+    """A delta was sent against a base version the receiver does not hold."""
 
 
 def chunk_entries(entries: Sequence[TransferEntry], max_bytes: int) -> list[list[TransferEntry]]:
@@ -227,6 +245,12 @@ class PlanSender:
         if missing:
             raise ValueError(f"no address for receiver processes {missing}")
         self.bytes_sent = 0
+        # The checked path (`send_checked`): the wire slices of the last version sent, on the
+        # host, per receiver and chunk: the base the next delta is encoded against.
+        self.base: dict[int, list[list[np.ndarray]]] = {}
+        self.base_version: int | None = None
+        self.tamper: Callable[[int, bytes], bytes] | None = None  # tests: corrupt a payload
+        self.last_push: dict[str, Any] = {}
 
     def send(self, source: Any, version: int) -> int:
         """Serve `version` of `source` to every receiver; returns when all chunks are acked."""
@@ -261,11 +285,77 @@ class PlanSender:
         self.bytes_sent += sent
         return sent
 
-    def _wait_ack(self, version: int, dst: int, chunk: int, device: Any) -> None:
+    def send_checked(self, source: Any, version: int, base: int | None = None,
+                     encoding: str = "sparse") -> int:
+        """Serve `version` by the checked path: per chunk a header (payload bytes and CRC-32 per
+        entry) and one uint8 payload of `hcjax.transfer.delta` encodings, against version `base`
+        (the version this sender sent last, which the receiver must hold) or, with base=None,
+        whole (a full push). Returns the payload bytes sent; `last_push` has the counts."""
+        if base is not None and base != self.base_version:
+            raise ValueError(f"delta against version {base}, but this sender's base is "
+                             f"{self.base_version}")
+        mode = CHECKED_FULL if base is None else CHECKED_DELTA
+        leaves = source_leaves(self.plan, source)
+        shard_of = SourceShards(leaves)
+        ack_device = jax.local_devices()[0]
+        new_base: dict[int, list[list[np.ndarray]]] = {}
+        counts: dict[int, tuple[int, int, int]] = {}
+
+        def serve(dst: int) -> int:
+            sent, changed, elements, unacked = 0, 0, 0, deque()
+            kept = new_base.setdefault(dst, [])
+            for c, chunk in enumerate(self.chunks[dst]):
+                if len(unacked) >= self.window:
+                    self._wait_ack(version, dst, unacked.popleft(), ack_device, mode)
+                pieces = []
+                for e in chunk:
+                    route = self.plan.routes[(e.src_leaf, e.dst_leaf)]
+                    try:
+                        data, box = shard_of(e.src_leaf, e.src_device)
+                        pieces.append(slice_source(e, route, data, box))
+                    except Exception as err:
+                        raise TransferError(f"version {version}: entry {e} failed: {err}") from err
+                host = [np.asarray(p) for p in jax.device_get(pieces)]
+                kept.append(host)
+                payloads = []
+                for i, x in enumerate(host):
+                    old = None if base is None else self.base[dst][c][i]
+                    payload, n = delta_codec.encode(old, x, encoding)
+                    changed, elements = changed + n, elements + x.size
+                    if self.tamper is not None:
+                        payload = self.tamper(c, payload)
+                    payloads.append(payload)
+                header = np.array([[len(p), delta_codec.checksum(x)]
+                                   for p, x in zip(payloads, host, strict=True)], np.uint32)
+                body = np.frombuffer(b"".join(payloads), np.uint8)
+                self.backend.offer(transfer_uuid(version, self.process_index, dst, 2 * c, False,
+                                                 mode), [jax.device_put(header, ack_device)])
+                self.backend.offer(transfer_uuid(version, self.process_index, dst, 2 * c + 1,
+                                                 False, mode), [jax.device_put(body, ack_device)])
+                unacked.append(c)
+                sent += header.nbytes + body.nbytes
+            while unacked:
+                self._wait_ack(version, dst, unacked.popleft(), ack_device, mode)
+            counts[dst] = (sent, changed, elements)
+            return sent
+
+        results = _in_daemon_threads(serve, sorted(self.chunks), "plan-send-checked")
+        sent = sum(results.values())
+        self.bytes_sent += sent
+        self.base, self.base_version = new_base, version
+        changed = sum(c[1] for c in counts.values())
+        elements = sum(c[2] for c in counts.values())
+        self.last_push = {"version": version, "base": base, "wire_bytes": sent,
+                          "changed_elements": changed, "elements": elements,
+                          "changed_fraction": changed / max(1, elements)}
+        return sent
+
+    def _wait_ack(self, version: int, dst: int, chunk: int, device: Any,
+                  mode: int = PLAIN) -> None:
         spec = jax.ShapeDtypeStruct(
             _ACK.shape, _ACK.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
         )
-        uuid = transfer_uuid(version, self.process_index, dst, chunk, True)
+        uuid = transfer_uuid(version, self.process_index, dst, chunk, True, mode)
         self.backend.pull(self.peers[dst], uuid, [spec])[0].block_until_ready()
 
 
@@ -309,41 +399,111 @@ class PlanReceiver:
             self.expected[(e.dst_leaf, e.dst_device)] += 1
         self.bytes_received = 0
         self.chunks_pulled = 0  # over all versions, failed ones included
+        # The checked path: the slices of the installed version (`commit_base`), per sender and
+        # chunk, on the host; a delta is applied to them.
+        self.base: dict[int, list[list[np.ndarray]]] = {}
+        self.base_version: int | None = None
+        self._pending: tuple[int, dict[int, list[list[np.ndarray]]]] | None = None
 
-    def receive(self, version: int) -> ExecutionResult:
-        """Pull `version` from every sender; returns this process's destination leaves."""
+    def receive(self, version: int, mode: int = PLAIN, base: int | None = None) -> ExecutionResult:
+        """Pull `version` from every sender; returns this process's destination leaves.
+
+        mode=PLAIN: the slices travel as they are. CHECKED_DELTA / CHECKED_FULL: the sender's
+        `send_checked` encodings, applied to the slices of version `base` this receiver holds
+        (raises BaseMismatch before pulling anything if it holds another) and checked against
+        the sender's CRC-32 per entry (raises ChecksumMismatch naming the entry: nothing of the
+        version is returned). The decoded slices become the pending base, which `commit_base`
+        makes this receiver's base once the version is installed."""
+        if mode == CHECKED_DELTA and (base is None or base != self.base_version):
+            raise BaseMismatch(f"version {version} is a delta against version {base}, but this "
+                               f"receiver holds base version {self.base_version}")
+        if mode == CHECKED_FULL:
+            base = None
         devices = {d.id: d for d in jax.local_devices()}
         ack = {d: jax.device_put(_ACK, d) for d in devices.values()}
         arrived: dict[tuple[str, int], list[tuple[TransferEntry, jax.Array]]] = defaultdict(list)
         shards: dict[str, dict[int, jax.Array]] = defaultdict(dict)
         lock = threading.Lock()
+        pending: dict[int, list[list[np.ndarray]]] = {}
+        corrupt: list[ChecksumMismatch] = []
+
+        def pull_checked(src: int, c: int, chunk: list[TransferEntry]) -> tuple[list, int]:
+            device = devices[chunk[0].dst_device]
+            one = jax.sharding.SingleDeviceSharding(device)
+            try:
+                header = np.asarray(self.backend.pull(
+                    self.peers[src], transfer_uuid(version, src, self.process_index, 2 * c, False,
+                                                   mode),
+                    [jax.ShapeDtypeStruct((len(chunk), 2), np.uint32, sharding=one)])[0])
+                body = np.asarray(self.backend.pull(
+                    self.peers[src], transfer_uuid(version, src, self.process_index, 2 * c + 1,
+                                                   False, mode),
+                    [jax.ShapeDtypeStruct((int(header[:, 0].astype(np.int64).sum()),), np.uint8,
+                                          sharding=one)])[0])
+            except Exception as err:
+                raise TransferError(
+                    f"pull of version {version} chunk {c} from process {src} failed: {err}"
+                ) from err
+            host, offset = [], 0
+            for i, (e, (size, crc)) in enumerate(zip(chunk, header, strict=True)):
+                payload = body[offset:offset + int(size)]
+                offset += int(size)
+                old = None if base is None else self.base[src][c][i]
+                try:
+                    x = delta_codec.decode(old, payload, tuple(
+                        s.stop - s.start for s in e.src_index), np.dtype(e.wire_dtype))
+                except Exception as err:
+                    raise ChecksumMismatch(f"version {version}: entry {e} did not decode: "
+                                           f"{err}") from err
+                if delta_codec.checksum(x) != int(crc):
+                    raise ChecksumMismatch(
+                        f"version {version}: entry {e} has CRC-32 {delta_codec.checksum(x)} "
+                        f"after {'the delta' if base is not None else 'the transfer'}, the "
+                        f"sender's is {int(crc)}")
+                host.append(x)
+            with lock:
+                pending.setdefault(src, []).append(host)
+            pieces = [jax.device_put(x, devices[e.dst_device]) for x, e in zip(host, chunk,
+                                                                                strict=True)]
+            return pieces, header.nbytes + body.nbytes
 
         def pull_from(src: int) -> int:
             received = 0
             for c, chunk in enumerate(self.chunks[src]):
-                specs = [
-                    jax.ShapeDtypeStruct(
-                        tuple(s.stop - s.start for s in e.src_index),
-                        np.dtype(e.wire_dtype),
-                        sharding=jax.sharding.SingleDeviceSharding(devices[e.dst_device]),
-                    )
-                    for e in chunk
-                ]
-                uuid = transfer_uuid(version, src, self.process_index, c, False)
-                try:
-                    pieces = self.backend.pull(self.peers[src], uuid, specs)
-                except Exception as err:
-                    raise TransferError(
-                        f"pull of version {version} chunk {c} from process {src} failed: {err}"
-                    ) from err
+                if mode != PLAIN:
+                    try:
+                        pieces, moved = pull_checked(src, c, chunk)
+                    except ChecksumMismatch as err:  # pull and ack the rest: the sender ends
+                        corrupt.append(err)
+                        pieces, moved = None, 0
+                else:
+                    specs = [
+                        jax.ShapeDtypeStruct(
+                            tuple(s.stop - s.start for s in e.src_index),
+                            np.dtype(e.wire_dtype),
+                            sharding=jax.sharding.SingleDeviceSharding(devices[e.dst_device]),
+                        )
+                        for e in chunk
+                    ]
+                    uuid = transfer_uuid(version, src, self.process_index, c, False)
+                    try:
+                        pieces = self.backend.pull(self.peers[src], uuid, specs)
+                    except Exception as err:
+                        raise TransferError(
+                            f"pull of version {version} chunk {c} from process {src} failed: "
+                            f"{err}"
+                        ) from err
+                    moved = sum(e.nbytes for e in chunk)
                 jax.block_until_ready(pieces)
                 with lock:
                     self.chunks_pulled += 1
                 self.backend.offer(
-                    transfer_uuid(version, src, self.process_index, c, True),
+                    transfer_uuid(version, src, self.process_index, c, True, mode),
                     [ack[devices[chunk[0].dst_device]]],
                 )
-                received += sum(e.nbytes for e in chunk)
+                received += moved
+                if pieces is None or corrupt:
+                    continue
                 for e, piece in zip(chunk, pieces, strict=True):
                     key = (e.dst_leaf, e.dst_device)
                     with lock:
@@ -353,6 +513,8 @@ class PlanReceiver:
             return received
 
         received = sum(_in_daemon_threads(pull_from, sorted(self.chunks), "plan-pull").values())
+        if corrupt:
+            raise corrupt[0]
         self.bytes_received += received
 
         out = {}
@@ -366,7 +528,23 @@ class PlanReceiver:
             (sum(e.nbytes for e in chunk) for chunks in self.chunks.values() for chunk in chunks),
             default=0,
         )
+        if mode != PLAIN:
+            self._pending = (version, pending)
         return ExecutionResult(jax.block_until_ready(out), received, largest_chunk)
+
+    def commit_base(self, version: int) -> None:
+        """Make the slices of `version` (received by the checked path, now installed) the base
+        the next delta applies to. Without them (a plain push, or a failed one) the base is
+        dropped: the next checked push must be full."""
+        if self._pending is not None and self._pending[0] == version:
+            self.base, self.base_version = self._pending[1], version
+        else:
+            self.base, self.base_version = {}, None
+        self._pending = None
+
+    def drop_pending(self) -> None:
+        """Forget the slices of a version that was not installed (the base stays)."""
+        self._pending = None
 
     def _assemble(self, key, group, shards, devices) -> None:
         path, dst_id = key

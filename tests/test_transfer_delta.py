@@ -1,0 +1,150 @@
+"""Delta sync: encodings round trip bit for bit; the checked push path applies deltas, checks a
+CRC-32 per entry, refuses a base it does not hold, and installs nothing of a corrupted version."""
+
+import threading
+
+import numpy as np
+import pytest
+
+
+def _pair(old_scale=1e-2, frac=0.01, seed=0, dtype="bfloat16"):
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    base = (rng.standard_normal((64, 96)) * old_scale).astype(getattr(ml_dtypes, dtype)
+                                                              if dtype == "bfloat16" else dtype)
+    new = base.copy()
+    flat = new.reshape(-1)
+    idx = rng.choice(flat.size, int(frac * flat.size), replace=False)
+    flat[idx] = (rng.standard_normal(len(idx)) * old_scale).astype(base.dtype)
+    return base, new
+
+
+@pytest.mark.parametrize("encoding", ["raw", "sparse", "sparse_z", "xor_z", "bitmap"])
+@pytest.mark.parametrize("frac", [0.0, 0.01, 0.7])
+def test_every_encoding_round_trips_bit_for_bit(encoding, frac):
+    from hcjax.transfer import delta
+
+    for dtype in ("bfloat16", "float32", "int8"):
+        base, new = _pair(frac=frac, dtype=dtype)
+        if dtype == "float32":  # NaN payloads and signed zeros survive (bit patterns)
+            new.reshape(-1)[:2] = [np.float32("nan"), -0.0]
+        payload, changed = delta.encode(base, new, encoding)
+        out = delta.decode(base, payload)
+        assert out.dtype == new.dtype and out.shape == new.shape
+        np.testing.assert_array_equal(out.view(np.uint8), new.view(np.uint8))
+        unsigned = np.dtype(f"u{new.dtype.itemsize}")
+        assert changed == int(np.count_nonzero(base.view(unsigned) != new.view(unsigned)))
+        assert len(payload) <= new.nbytes + 1  # never larger than raw (plus the code byte)
+        assert delta.checksum(out) == delta.checksum(new)
+
+
+def test_sparse_delta_is_small_and_a_raw_payload_needs_no_base():
+    from hcjax.transfer import delta
+
+    base, new = _pair(frac=0.01)
+    payload, changed = delta.encode(base, new, "sparse")
+    assert changed == int(np.count_nonzero(base.view(np.uint16) != new.view(np.uint16)))
+    assert len(payload) == 1 + 8 + 6 * changed  # code, count, uint32 index + bf16 per change
+    raw, _ = delta.encode(None, new)
+    np.testing.assert_array_equal(delta.decode(None, raw, new.shape, new.dtype).view(np.uint16),
+                                  new.view(np.uint16))
+    with pytest.raises(ValueError, match="needs a base version"):
+        delta.decode(None, payload, new.shape, new.dtype)
+    with pytest.raises(ValueError, match="encoding='gzip'"):
+        delta.encode(base, new, "gzip")
+
+
+def _one_process_pair(max_bytes=256):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from hcjax.transfer import Cast, JaxTransferBackend, PlanReceiver, PlanSender, make_plan
+
+    devices = np.array(jax.devices())
+    learner = Mesh(devices[:4].reshape(2, 2), ("fsdp", "tensor"))
+    inference = Mesh(devices[4:], ("tensor",))
+    dst = {"w": NamedSharding(inference, P("tensor", None)), "n": NamedSharding(inference, P())}
+
+    def source(w, n):
+        return {"w": jax.device_put(w, NamedSharding(learner, P("fsdp", "tensor"))),
+                "n": jax.device_put(n, NamedSharding(learner, P()))}
+
+    plan = make_plan(source(np.zeros((8, 16), np.float32), np.zeros(8, np.float32)), dst,
+                     {"w": Cast(jnp.bfloat16)}).with_processes(0, 1)
+    a, b = JaxTransferBackend(), JaxTransferBackend()
+    sender = PlanSender(plan, 0, a, {1: b.address}, max_bytes_per_pull=max_bytes)
+    receiver = PlanReceiver(plan, 1, b, {0: a.address}, max_bytes_per_pull=max_bytes)
+    return source, sender, receiver
+
+
+def _push(sender, receiver, src, version, base):
+    from hcjax.transfer.remote import CHECKED_DELTA, CHECKED_FULL
+
+    errors = []
+
+    def send():
+        try:
+            sender.send_checked(src, version, base)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    try:
+        out = receiver.receive(version, CHECKED_FULL if base is None else CHECKED_DELTA, base)
+    finally:
+        thread.join(timeout=30)
+    assert not errors, errors
+    return out
+
+
+def test_checked_pushes_full_then_delta_exact_and_smaller():
+    import ml_dtypes
+
+    source, sender, receiver = _one_process_pair()
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 16)).astype(np.float32)
+    n = np.ones(8, np.float32)
+    out = _push(sender, receiver, source(w, n), 1, None)
+    receiver.commit_base(1)
+    full_bytes = sender.last_push["wire_bytes"]
+    assert sender.last_push["changed_fraction"] == 1.0
+    w2 = w.copy()
+    w2[3, 5] += 1.0  # one weight changes
+    out = _push(sender, receiver, source(w2, n), 2, 1)
+    receiver.commit_base(2)
+    np.testing.assert_array_equal(np.asarray(out.leaves["w"]).view(np.uint16),
+                                  w2.astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(out.leaves["n"]), n)
+    assert sender.last_push["changed_elements"] == 1
+    assert sender.last_push["wire_bytes"] < full_bytes / 2
+    # a receiver that holds another base refuses before pulling anything
+    from hcjax.transfer.remote import CHECKED_DELTA, BaseMismatch
+
+    with pytest.raises(BaseMismatch, match="holds base version 2"):
+        receiver.receive(3, CHECKED_DELTA, 1)
+    with pytest.raises(ValueError, match="this sender's base is 2"):
+        sender.send_checked(source(w2, n), 3, 1)
+
+
+def test_a_corrupted_delta_fails_its_checksum_and_keeps_the_base():
+    from hcjax.transfer.remote import ChecksumMismatch
+
+    source, sender, receiver = _one_process_pair()
+    w = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    n = np.ones(8, np.float32)
+    _push(sender, receiver, source(w, n), 1, None)
+    receiver.commit_base(1)
+
+    def flip(chunk, payload):  # the last byte of every payload: a value of the delta
+        return payload[:-1] + bytes([payload[-1] ^ 0x40])
+
+    sender.tamper = flip
+    with pytest.raises(ChecksumMismatch, match="CRC-32|did not decode"):
+        _push(sender, receiver, source(w + 1e-1, n), 2, 1)
+    assert sender.last_push["version"] == 2  # the receiver pulled and acked every chunk
+    receiver.drop_pending()
+    assert receiver.base_version == 1
