@@ -48,6 +48,7 @@ from hcjax.rl.learner import LearnerConfig, LearnerState, make_learner_step
 from hcjax.rollout.engine import Engine
 from hcjax.sharding import MeshConfig, make_mesh
 from hcjax.train.step import make_optimizer
+from hcjax.transfer import network
 
 __all__ = ["CHIP_SPECS", "ChipSpec", "PlanConfig", "collectives", "plan", "tpu_devices"]
 
@@ -838,7 +839,31 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
         result["transfer"] = {"bytes": nbytes, "estimated_s":
                               nbytes / len(inf_devices) / inf_spec.ici_bytes_per_s}
     result["compile_seconds"] = round(time.perf_counter() - t0, 2)
+    result["weight_sync"] = _weight_sync(pc, model_cfg, mesh_cfg, result)
     return result
+
+
+def _weight_sync(pc: PlanConfig, model_cfg: ModelConfig, mesh_cfg: MeshConfig, result) -> dict:
+    """Full and delta weight-push estimates over the path between the meshes (ICI, DCN or GPU
+    fabric; hcjax.transfer.network), from the parameter shapes alone: no compile."""
+    dtype = jnp.dtype(pc.serve_dtype or jnp.float32)
+    if "transfer" in result:
+        nbytes = result["transfer"]["bytes"]
+    else:
+        model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+        nbytes = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+                     ) * dtype.itemsize
+    inf_topology = pc.inference_topology or pc.topology
+    inf_mesh = pc.inference_mesh or inference_mesh_config(mesh_cfg)
+    _, inf_chips = network.chips_of(inf_topology, pc.inference_num_slices)
+    replicas = (inf_mesh.data if inf_mesh.data > 0 else
+                max(1, inf_chips // max(1, inf_mesh.fsdp * inf_mesh.tensor * inf_mesh.expert)))
+    chip = inf_topology.split(":")[0]
+    return network.sync_estimate(
+        nbytes, pc.topology, pc.inference_topology, inference_replicas=replicas,
+        ici_bytes_per_s=CHIP_SPECS[chip].ici_bytes_per_s if chip in CHIP_SPECS else None,
+        learner_slices=pc.num_slices, inference_slices=pc.inference_num_slices,
+        value_bytes=dtype.itemsize)
 
 
 # Report ------------------------------------------------------------------------------------------
@@ -887,6 +912,8 @@ def summary_table(result: dict) -> str:
     if "transfer" in result:
         t = result["transfer"]
         lines.append(f"\ntransfer: {_gb(t['bytes'])} of weights, ~{t['estimated_s']:.3f} s")
+    if "weight_sync" in result:
+        lines += ["", *network.summary_lines(result["weight_sync"])]
     lines.append(f"compile seconds: {result['compile_seconds']}")
     return "\n".join(lines)
 

@@ -121,13 +121,16 @@ def test_checked_pushes_full_then_delta_exact_and_smaller():
     np.testing.assert_array_equal(np.asarray(out.leaves["n"]), n)
     assert sender.last_push["changed_elements"] == 1
     assert sender.last_push["wire_bytes"] < full_bytes / 2
-    # a receiver that holds another base refuses before pulling anything
-    from hcjax.transfer.remote import CHECKED_DELTA, BaseMismatch
-
-    with pytest.raises(BaseMismatch, match="holds base version 2"):
-        receiver.receive(3, CHECKED_DELTA, 1)
     with pytest.raises(ValueError, match="this sender's base is 2"):
         sender.send_checked(source(w2, n), 3, 1)
+    # a receiver that holds another base refuses the delta (and still lets the sender end)
+    from hcjax.transfer.remote import BaseMismatch
+
+    receiver.commit_base(7)  # nothing pending for version 7: the base is dropped
+    assert receiver.base_version is None
+    with pytest.raises(BaseMismatch, match="holds base version None"):
+        _push(sender, receiver, source(w2, n), 3, 2)
+    assert sender.last_push["version"] == 3
 
 
 def test_a_corrupted_delta_fails_its_checksum_and_keeps_the_base():
@@ -148,3 +151,84 @@ def test_a_corrupted_delta_fails_its_checksum_and_keeps_the_base():
     assert sender.last_push["version"] == 2  # the receiver pulled and acked every chunk
     receiver.drop_pending()
     assert receiver.base_version == 1
+
+
+def test_the_publisher_sends_deltas_and_falls_back_to_full_pushes():
+    """Through the gRPC weights service in one process: full, then deltas; a corrupted delta and
+    a replica that lost its base each get the same version whole, and no replica ever serves a
+    version whose checksums failed; a full push on request and after `full_every` deltas."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hcjax.rpc.auth import Security
+    from hcjax.rpc.server import RpcServer
+    from hcjax.transfer.weights_service import (
+        WeightPublisher,
+        WeightsServicer,
+        param_digests,
+        weights_status,
+    )
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))  # noqa: E731
+    installed = []
+
+    class Server:
+        version = 0
+
+        def update_weights(self, tree, version, rollback=False):
+            installed.append((version, param_digests(tree)))
+
+    grpc_server = RpcServer(Security())
+    rng = np.random.default_rng(0)
+    host = {"w": rng.standard_normal((64, 64)).astype(np.float32),
+            "b": rng.standard_normal(64).astype(np.float32)}
+    servicer = WeightsServicer(Server(), {k: put(np.zeros_like(v)) for k, v in host.items()})
+    grpc_server.add_generic_rpc_handlers((servicer.handler(grpc_server.blocking_pool),))
+    address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
+    grpc_server.start()
+    state = {"tree": {k: put(v) for k, v in host.items()}}
+    try:
+        publisher = WeightPublisher(lambda: state["tree"], [address], timeout=60, sync="delta",
+                                    full_every=3, max_bytes_per_pull=4096)
+
+        def push(version, change=True):
+            if change:
+                host["w"][version % 64, version % 7] += 1.0
+                state["tree"] = {k: put(v) for k, v in host.items()}
+            publisher(version)
+            assert installed[-1] == (version, param_digests(state["tree"]))
+            assert weights_status(address)["version"] == version
+            return publisher.history[-1]
+
+        first = push(1)
+        assert (first["fulls"], first["deltas"]) == (1, 0)
+        second = push(2)
+        assert (second["deltas"], second["changed_fraction"]) == (1, 1 / (64 * 64 + 64))
+        assert second["wire_bytes"] * 50 < first["wire_bytes"]
+        # a corrupted delta: refused (DATA_LOSS), then the same version whole
+        publisher.replicas[0].sender.tamper = (  # deltas only, not raw (full) payloads
+            lambda c, p: p if p[0] == 0 else p[:-1] + bytes([p[-1] ^ 1]))
+        before = len(installed)
+        third = push(3)
+        publisher.replicas[0].sender.tamper = None
+        assert list(third["fallbacks"].values())[0].startswith("DATA_LOSS")
+        assert (third["fulls"], len(installed)) == (1, before + 1)  # nothing half-applied
+        # the replica lost its base: refused (FAILED_PRECONDITION), then whole
+        servicer.receiver.commit_base(-1)
+        fourth = push(4)
+        assert list(fourth["fallbacks"].values())[0].startswith("FAILED_PRECONDITION")
+        assert [push(v)["deltas"] for v in (5, 6, 7, 8)] == [1, 1, 1, 0]  # full_every=3
+        publisher.request_full()
+        assert push(9, change=False)["fulls"] == 1
+        assert push(10, change=False)["changed_fraction"] == 0.0
+        publisher.close()
+    finally:
+        grpc_server.stop(None)
+
+
+def test_the_publisher_checks_its_sync_settings():
+    with pytest.raises(ValueError, match="sync='fast'"):
+        from hcjax.transfer.weights_service import WeightPublisher
+
+        WeightPublisher(lambda: {}, ["127.0.0.1:1"], sync="fast")

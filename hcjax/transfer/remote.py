@@ -410,13 +410,10 @@ class PlanReceiver:
 
         mode=PLAIN: the slices travel as they are. CHECKED_DELTA / CHECKED_FULL: the sender's
         `send_checked` encodings, applied to the slices of version `base` this receiver holds
-        (raises BaseMismatch before pulling anything if it holds another) and checked against
-        the sender's CRC-32 per entry (raises ChecksumMismatch naming the entry: nothing of the
-        version is returned). The decoded slices become the pending base, which `commit_base`
+        (raises BaseMismatch if it holds another) and checked against the sender's CRC-32 per
+        entry (raises ChecksumMismatch naming the entry). Either way every chunk is still pulled
+        and acknowledged, so that the sender ends, and nothing of the version is returned. The decoded slices become the pending base, which `commit_base`
         makes this receiver's base once the version is installed."""
-        if mode == CHECKED_DELTA and (base is None or base != self.base_version):
-            raise BaseMismatch(f"version {version} is a delta against version {base}, but this "
-                               f"receiver holds base version {self.base_version}")
         if mode == CHECKED_FULL:
             base = None
         devices = {d.id: d for d in jax.local_devices()}
@@ -425,7 +422,7 @@ class PlanReceiver:
         shards: dict[str, dict[int, jax.Array]] = defaultdict(dict)
         lock = threading.Lock()
         pending: dict[int, list[list[np.ndarray]]] = {}
-        corrupt: list[ChecksumMismatch] = []
+        corrupt: list[TransferError] = []
 
         def pull_checked(src: int, c: int, chunk: list[TransferEntry]) -> tuple[list, int]:
             device = devices[chunk[0].dst_device]
@@ -444,6 +441,9 @@ class PlanReceiver:
                 raise TransferError(
                     f"pull of version {version} chunk {c} from process {src} failed: {err}"
                 ) from err
+            if mode == CHECKED_DELTA and (base is None or base != self.base_version):
+                raise BaseMismatch(f"version {version} is a delta against version {base}, but "
+                                   f"this receiver holds base version {self.base_version}")
             host, offset = [], 0
             for i, (e, (size, crc)) in enumerate(zip(chunk, header, strict=True)):
                 payload = body[offset:offset + int(size)]
@@ -473,8 +473,8 @@ class PlanReceiver:
                 if mode != PLAIN:
                     try:
                         pieces, moved = pull_checked(src, c, chunk)
-                    except ChecksumMismatch as err:  # pull and ack the rest: the sender ends
-                        corrupt.append(err)
+                    except (ChecksumMismatch, BaseMismatch) as err:  # pull and ack the rest,
+                        corrupt.append(err)  # so that the sender ends
                         pieces, moved = None, 0
                 else:
                     specs = [

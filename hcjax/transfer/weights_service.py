@@ -13,6 +13,14 @@ Protocol, per inference process (replica k, transfer process index p_k; the lear
              installs the tree atomically and answers with the bytes it received.
   Status     (debug) versions served, bytes per version and optionally a digest per leaf.
 
+Delta sync (`WeightPublisher(sync="delta")`): every push goes by the checked path
+(hcjax.transfer.remote.PlanSender.send_checked): a full push (every slice whole) when the replica
+holds no version the learner still has the slices of, on request (`request_full`) and after
+`full_every` deltas in a row; otherwise only what changed since the version the replica holds,
+with a CRC-32 per entry checked after applying. A delta the replica cannot apply (checksum
+failure: DATA_LOSS; base mismatch: FAILED_PRECONDITION) is followed at once by a full push of the
+same version; the replica serves its previous version meanwhile and never a failed one.
+
 Both sides build the same plan from the two layouts. Processes run separate JAX runtimes, so the
 plan's device ids are each side's own ids: the other side's mesh is stood in for by local devices
 with the same ids (every process needs at least as many devices as the other side's mesh uses).
@@ -41,8 +49,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hcjax.finite import NonFiniteWeights
 from hcjax.rpc.auth import open_channel
 from hcjax.rpc.server import blocking
+from hcjax.transfer.delta import ENCODINGS
 from hcjax.transfer.local import TransferError
-from hcjax.transfer.remote import JaxTransferBackend, PlanReceiver, PlanSender, UntrustedPeer
+from hcjax.transfer.remote import (
+    CHECKED_DELTA,
+    CHECKED_FULL,
+    PLAIN,
+    BaseMismatch,
+    ChecksumMismatch,
+    JaxTransferBackend,
+    PlanReceiver,
+    PlanSender,
+    UntrustedPeer,
+)
 from hcjax.transfer.reshard_plan import TransferPlan, assign_processes, make_plan, path_str
 from hcjax.transfer.versioned import VersionedWeights
 
@@ -216,6 +235,16 @@ def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def _code(err: BaseException) -> Any:
+    code = getattr(err, "code", None)
+    return code() if callable(code) else None
+
+
+def _delta_refused(err: BaseException) -> bool:
+    """A replica's answer to a delta it could not apply (checksum failure or another base)."""
+    return _code(err) in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.FAILED_PRECONDITION)
+
+
 def _rpc(channel, method: str, timeout: float) -> Callable[[dict], dict]:
     call = channel.unary_unary(f"/{WEIGHTS_SERVICE}/{method}")
 
@@ -293,7 +322,19 @@ class WeightPublisher:
         params_lock: Any = None,
         unresponsive: Callable[[list[str]], Sequence[str]] | None = None,
         probe_every: float = 5.0,
+        sync: str = "full",
+        full_every: int = 0,
+        encoding: str = "sparse",
     ) -> None:
+        if sync not in ("full", "delta"):
+            raise ValueError(f"sync={sync!r} must be 'full' or 'delta'")
+        if full_every < 0:
+            raise ValueError(f"full_every={full_every} must be >= 0 (0: no forced full pushes)")
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding={encoding!r} is not one of {ENCODINGS}")
+        self.sync, self.full_every, self.encoding = sync, full_every, encoding
+        self._full_requested = False
+        self._deltas_in_row: dict[str, int] = {}  # address -> deltas since its last full push
         if not addresses:
             raise ValueError("addresses=[]: weight sync needs at least one inference process")
         if timeout <= 0:
@@ -389,6 +430,32 @@ class WeightPublisher:
         if self.on_dead is not None:
             self.on_dead(address)
 
+    def request_full(self) -> None:
+        """Make the next push a full one to every replica (delta sync)."""
+        self._full_requested = True
+
+    def _base_for(self, replica: _Replica) -> int | None:
+        """The version a delta to `replica` is encoded against, or None for a full push."""
+        if self.sync != "delta" or self._full_requested:
+            return None
+        base = replica.sender.base_version
+        if base is None or self.installed.get(replica.address) != base:
+            return None
+        if self.full_every and self._deltas_in_row.get(replica.address, 0) >= self.full_every:
+            return None
+        return base
+
+    def _start(self, replica: _Replica, version: int, params: Any, base: int | None):
+        """Start sending `version` to `replica` and its Pull: (sent, pulled, call) futures."""
+        if self.sync != "delta":
+            return (_in_daemon_thread(replica.sender.send, params, version),
+                    *_start_call(replica.pull, {"version": version}, self.timeout))
+        sent = _in_daemon_thread(replica.sender.send_checked, params, version, base,
+                                 self.encoding)
+        request = {"version": version, "mode": "delta" if base is not None else "full",
+                   "base": base}
+        return (sent, *_start_call(replica.pull, request, self.timeout))
+
     def __call__(self, version: int) -> None:
         """Serve `version` to every live replica while each pulls it; returns once every replica
         installed it or was dropped. Raises RuntimeError if none installed it."""
@@ -408,9 +475,11 @@ class WeightPublisher:
 
     def _push(self, replicas: list[_Replica], version: int, params: Any) -> None:
         t0 = time.perf_counter()
-        waiting = {r.address: (r, _in_daemon_thread(r.sender.send, params, version),
-                               *_start_call(r.pull, {"version": version}, self.timeout))
+        bases = {r.address: self._base_for(r) for r in replicas}
+        self._full_requested = False
+        waiting = {r.address: (r, *self._start(r, version, params, bases[r.address]))
                    for r in replicas}
+        fallbacks: dict[str, str] = {}  # address -> why its delta was followed by a full push
         deadline = time.monotonic() + self.timeout
         next_probe = time.monotonic() + self.probe_every
         failed: dict[str, str] = {}
@@ -437,13 +506,22 @@ class WeightPublisher:
             for address, (replica, sent, pulled, _) in list(waiting.items()):
                 errors = [f.exception() for f in (sent, pulled)
                           if f.done() and f.exception() is not None]
-                if errors:
+                if (errors and bases[address] is not None and address not in fallbacks
+                        and _delta_refused(errors[0])):
+                    # the delta could not be applied there: the same version, whole, now
+                    fallbacks[address] = _why(errors[0])
+                    log.warning("weights version %d: the delta to %s was refused (%s); sending "
+                                "it whole", version, address, fallbacks[address])
+                    bases[address] = None
+                    waiting[address] = (replica, *self._start(replica, version, params, None))
+                elif errors:
                     drop(address, _why(errors[0]))
                 elif sent.done() and pulled.done():
                     waiting.pop(address)
-                    if (got := pulled.result())["bytes"] != replica.expected_bytes:
-                        failed[address] = (f"received {got['bytes']} B, the plan sends "
-                                           f"{replica.expected_bytes} B")
+                    want = replica.expected_bytes if self.sync != "delta" else sent.result()
+                    if (got := pulled.result())["bytes"] != want:
+                        failed[address] = (f"received {got['bytes']} B, the learner sent "
+                                           f"{want} B")
         # A replica that refused NaN/Inf weights keeps serving its version and stays in weight
         # sync: the fault is the learner's, which must stop (raised below).
         refused = {a: failed.pop(a) for a in list(failed) if _NON_FINITE in failed[a]}
@@ -456,14 +534,27 @@ class WeightPublisher:
             if replica.address not in failed and replica.address not in refused:
                 self.installed[replica.address] = int(version)
                 self._pending.discard(replica.address)
+                self._deltas_in_row[replica.address] = (
+                    0 if bases[replica.address] is None
+                    else self._deltas_in_row.get(replica.address, 0) + 1)
         if refused:
             raise NonFiniteWeights(f"weights version {version} was refused: {refused}")
         if len(failed) == len(replicas):
             raise RuntimeError(f"weights version {version} reached no replica: {failed}")
-        self.history.append({"version": int(version), "seconds": time.perf_counter() - t0,
-                             "bytes": sum(r.expected_bytes for r in replicas
-                                          if r.address not in failed),
-                             "replicas": len(replicas) - len(failed)})
+        record = {"version": int(version), "seconds": time.perf_counter() - t0,
+                  "bytes": sum(r.expected_bytes for r in replicas if r.address not in failed),
+                  "replicas": len(replicas) - len(failed), "sync": self.sync}
+        if self.sync == "delta":
+            ok = [r for r in replicas if r.address not in failed]
+            record.update({
+                "wire_bytes": sum(r.sender.last_push.get("wire_bytes", 0) for r in ok),
+                "deltas": sum(bases[r.address] is not None for r in ok),
+                "fulls": sum(bases[r.address] is None for r in ok),
+                "fallbacks": fallbacks,
+                "changed_fraction": max((r.sender.last_push.get("changed_fraction", 0.0)
+                                         for r in ok if bases[r.address] is not None),
+                                        default=None)})
+        self.history.append(record)
 
     def caught_up(self, address: str) -> bool:
         """Whether `address` takes part in weight sync and holds the last published version."""
@@ -586,7 +677,12 @@ class WeightsServicer:
                            "plan_fingerprint": plan_fingerprint(plan)}).encode()
 
     def pull(self, data: bytes, context) -> bytes:
-        version = int(json.loads(data)["version"])
+        request = json.loads(data)
+        version = int(request["version"])
+        mode = {None: PLAIN, "full": CHECKED_FULL, "delta": CHECKED_DELTA}.get(request.get("mode"))
+        if mode is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode={request.get('mode')!r}")
+        base = request.get("base")
         with self._lock:
             receiver = self.receiver
             if receiver is None:
@@ -595,7 +691,7 @@ class WeightsServicer:
             received = {}
 
             def build():
-                result = self._receive(receiver, version, context)
+                result = self._receive(receiver, version, context, mode, base)
                 received["bytes"] = result.bytes_moved
                 tree = jax.tree.unflatten(self.treedef, [result.leaves[p] for p in self.paths])
                 if self._new_session and version < getattr(self.server, "version", version):
@@ -607,20 +703,27 @@ class WeightsServicer:
             try:
                 self.weights.update(build, version)
             except Exception as err:  # the previous version keeps serving
+                receiver.drop_pending()
                 if isinstance(err.__cause__, NonFiniteWeights):  # the learner's fault, not ours
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"refused: {err.__cause__}")
+                if isinstance(err.__cause__, ChecksumMismatch):
+                    context.abort(grpc.StatusCode.DATA_LOSS, str(err))
+                if isinstance(err.__cause__, BaseMismatch):
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
                 context.abort(grpc.StatusCode.INTERNAL, str(err))
+            receiver.commit_base(version)
             self._new_session = False
             self.served.append({"version": version, "bytes": received["bytes"]})
         return json.dumps({"version": version, "bytes": received["bytes"]}).encode()
 
-    def _receive(self, receiver: PlanReceiver, version: int, context) -> Any:
+    def _receive(self, receiver: PlanReceiver, version: int, context, mode: int = PLAIN,
+                 base: int | None = None) -> Any:
         """receiver.receive(version), given up when the learner cancels the Pull or its deadline
         passes (it dropped this replica from the push): the version's remaining chunks will never
         be offered. The receiver is then retired (its pulls may stay blocked; a daemon thread
         holds them), so the next version needs a new Handshake, which readmission does."""
-        pulling = _in_daemon_thread(receiver.receive, version)
+        pulling = _in_daemon_thread(receiver.receive, version, mode, base)
         while True:
             try:
                 return pulling.result(timeout=0.2)
