@@ -558,3 +558,28 @@ def test_generation_busy_time_is_readable_while_the_run_goes_on():
     assert len(seen) == 4 and seen[0] > 0 and seen == sorted(seen)
     assert ctl.generation_busy_now() == ctl.generation_busy_seconds > 0
     assert 0 < ctl.utilisation()["rollout_utilisation"] <= 1
+
+
+def test_the_learner_s_time_blocked_by_each_push_is_reported():
+    import time
+
+    cfg = ControllerConfig(groups_per_batch=2, sync_every=2, max_staleness=4, num_workers=2,
+                           max_inflight=4)
+    reports = []
+    ctl, _, pushed = make(cfg, FakeServer())
+    publish = ctl.publish
+
+    def slow(version):
+        time.sleep(0.05)
+        publish(version)
+
+    ctl.publish = slow
+    ctl.on_step = lambda report: reports.append(report.metrics) and False
+    ctl.run(4)
+    blocked = [m["publish_blocked_s"] for m in reports if "publish_blocked_s" in m]
+    assert len(blocked) == len(pushed) == ctl.pushes >= 1 and min(blocked) >= 0.05
+    assert all(m["learner_step_s"] >= 0 for m in reports)
+    u = ctl.utilisation()
+    assert u["publish_blocked_s_mean"] == pytest.approx(sum(blocked) / len(blocked))
+    assert u["publish_blocked_over_step"] == pytest.approx(
+        u["publish_blocked_s_mean"] / (ctl.learner_seconds / ctl.steps_timed))

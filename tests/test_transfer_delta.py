@@ -232,3 +232,21 @@ def test_the_publisher_checks_its_sync_settings():
         from hcjax.transfer.weights_service import WeightPublisher
 
         WeightPublisher(lambda: {}, ["127.0.0.1:1"], sync="fast")
+
+
+def test_bench_sync_reports_delta_and_full_pushes_between_two_processes():
+    """`python -m hcjax.bench.sync` on a small model, one step at lr 1e-6: every push after the
+    first is a delta, checked, smaller than the full push; the replica ends on the learner's
+    bytes; every encoding is measured."""
+    from hcjax.bench import sync
+
+    result = sync.main(["--d_model", "32", "--layers", "1", "--vocab", "256", "--steps", "1",
+                        "--lrs", "1e-6", "--batch", "2", "--seq", "16"])
+    row = result["settings"]["1e-06"]
+    assert row["every_push_delta"] and row["final_digests_match"]
+    assert row["checksum_fallbacks"] == 0 and row["checked_pushes"] == 3
+    assert 0 < row["changed_fraction_per_push"][0] < 0.5
+    assert row["delta_wire_bytes_median"] < row["full_wire_bytes"]
+    assert row["full_wire_bytes"] > result["served_bytes"]  # whole, plus headers and codes
+    assert set(result["encodings"]) >= {"learning_rate", "sparse", "sparse_z", "xor_z"}
+    assert result["plain_full_push_s_median"] > 0

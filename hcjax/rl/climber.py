@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import threading
@@ -50,6 +51,9 @@ from hcjax.rl.workers import (
 from hcjax.rollout.request import SamplingOptions
 from hcjax.tasks import ArithmeticSuite, check_suite
 from hcjax.train.sft import run_sft
+from hcjax.transfer.weights_service import Unreached
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengths",
            "pretrain_base", "run_climb"]
@@ -233,6 +237,7 @@ class Climb:
             raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
                              f"{base_checkpoint!r}: the climb starts from one base, give one")
         self.t_start = time.perf_counter()
+        self.unreached_pushes = 0  # weight pushes no replica installed (kept; see _publish)
         self.output_dir = os.path.abspath(output_dir)
         os.makedirs(self.output_dir, exist_ok=True)
         self.progress, self.stop_at_gain = progress, stop_at_gain
@@ -384,7 +389,11 @@ class Climb:
         check_finite(self._params(), f"the learner's parameters for weights version {version} "
                      "(the last train step made them non-finite; its metrics are in "
                      f"{os.path.join(self.output_dir, 'metrics.jsonl')})")
-        self.inference.publish(version)
+        try:
+            self.inference.publish(version)
+        except Unreached as err:  # kept: a replica readmitted later receives it
+            self.unreached_pushes += 1
+            log.warning("%s; the climb goes on, replicas get it when readmitted", err)
 
     # State ------------------------------------------------------------------------------------
     def _climb_wall(self) -> float:
@@ -621,6 +630,7 @@ class Climb:
             "evals": evals,
             "reached_gain_at_wall": history.get("reached_gain_at_wall"),
             "staleness_hist": history.get("staleness_hist", {}),
+            "unreached_pushes": self.unreached_pushes,
             **self.controller.utilisation(),
         }
         with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:

@@ -161,7 +161,9 @@ class Controller:
         self._lock = threading.Lock()
         # Time accounting for utilisation: generation busy = at least one group in flight.
         self.learner_seconds = 0.0
-        self.publish_seconds = 0.0
+        self.publish_seconds = 0.0  # the learner blocked by weight pushes (after its steps)
+        self.pushes = 0
+        self.steps_timed = 0
         self.generation_busy_seconds = 0.0  # closed busy intervals
         self._busy_since: float | None = None  # start of the open one, if any
         self.wall_seconds = 0.0
@@ -235,11 +237,16 @@ class Controller:
         metrics = dict(self.learner.train(rollouts))
         t1 = time.perf_counter()
         self.learner_seconds += t1 - t0
+        self.steps_timed += 1
+        metrics["learner_step_s"] = t1 - t0
         self.step += 1
         if self.step % self.cfg.push_every == 0:
             self.version += 1
             self.publish(self.version)
-            self.publish_seconds += time.perf_counter() - t1
+            blocked = time.perf_counter() - t1
+            self.publish_seconds += blocked
+            self.pushes += 1
+            metrics["publish_blocked_s"] = blocked
         report = StepReport(self.step, self.version, metrics, groups, ages)
         stop = self.on_step(report) if self.on_step is not None else False
         return bool(stop)
@@ -323,8 +330,13 @@ class Controller:
     def utilisation(self) -> dict[str, float]:
         """Fractions of wall time the learner stepped and generation had work in flight."""
         wall = max(self.wall_seconds, 1e-9)
+        push_mean = self.publish_seconds / max(1, self.pushes)
+        step_mean = self.learner_seconds / max(1, self.steps_timed)
         return {
             "learner_utilisation": self.learner_seconds / wall,
             "rollout_utilisation": self.generation_busy_seconds / wall,
             "publish_seconds": self.publish_seconds,
+            # per push, the seconds the learner waited for it, and that over a learner step
+            "publish_blocked_s_mean": push_mean,
+            "publish_blocked_over_step": push_mean / step_mean if self.steps_timed else 0.0,
         }

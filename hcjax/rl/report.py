@@ -186,7 +186,8 @@ def step_record(report, entropy_target: float, stats, counters, step_seconds: fl
     }
     # The learner's own diagnostics (clip fractions, ratio statistics, support misses, LB).
     for key in ("clip_low_frac", "clip_high_frac", "clip_outer_frac", "ratio_mean", "ratio_max",
-                "support_miss_frac", "load_balance_loss", "policy_loss"):
+                "support_miss_frac", "load_balance_loss", "policy_loss",
+                "learner_step_s", "publish_blocked_s"):
         if key in m:
             record[key] = m[key]
     return record

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import gin
 import grpc
 import jax
 import numpy as np
@@ -67,6 +68,8 @@ from hcjax.transfer.versioned import VersionedWeights
 
 __all__ = [
     "WEIGHTS_SERVICE",
+    "Unreached",
+    "WeightSyncConfig",
     "WeightPublisher",
     "WeightsServicer",
     "build_plan",
@@ -86,6 +89,27 @@ _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 _NON_FINITE = "INVALID_ARGUMENT: refused: "  # a replica's answer to a push of NaN/Inf weights
 
 log = logging.getLogger(__name__)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class WeightSyncConfig:
+    """How a WeightPublisher pushes when its arguments do not say (gin: the multi-process climb).
+
+    sync: "full" (every version whole, device to device, unchecked) or "delta" (the checked path:
+    only what changed since the replica's version, a CRC-32 per entry; see the module doc).
+    full_every: with delta sync, a full push after this many deltas in a row (0: never forced).
+    encoding: the delta encoding (hcjax.transfer.delta.ENCODINGS).
+    """
+
+    sync: str = "full"
+    full_every: int = 16
+    encoding: str = "sparse"
+
+
+class Unreached(RuntimeError):
+    """A push that no replica installed. The publisher keeps it as the current version: a
+    replica readmitted later (`readmit`) receives it."""
 
 
 # Layouts: what each side tells the other about its parameters -----------------------------------
@@ -322,10 +346,14 @@ class WeightPublisher:
         params_lock: Any = None,
         unresponsive: Callable[[list[str]], Sequence[str]] | None = None,
         probe_every: float = 5.0,
-        sync: str = "full",
-        full_every: int = 0,
-        encoding: str = "sparse",
+        sync: str | None = None,
+        full_every: int | None = None,
+        encoding: str | None = None,
     ) -> None:
+        defaults = WeightSyncConfig()
+        sync = defaults.sync if sync is None else sync
+        full_every = defaults.full_every if full_every is None else full_every
+        encoding = defaults.encoding if encoding is None else encoding
         if sync not in ("full", "delta"):
             raise ValueError(f"sync={sync!r} must be 'full' or 'delta'")
         if full_every < 0:
@@ -468,7 +496,7 @@ class WeightPublisher:
                     self.dead[replica.address] = f"down at version {version}"
             if not self.replicas:
                 self.current_version = int(version)  # a readmitted replica gets this one
-                raise RuntimeError(f"weights version {version} reached no replica: every one "
+                raise Unreached(f"weights version {version} reached no replica: every one "
                                    f"failed before: {self.dead}")
             self._push(list(self.replicas), int(version), self.params())
             self.current_version = int(version)
@@ -540,7 +568,7 @@ class WeightPublisher:
         if refused:
             raise NonFiniteWeights(f"weights version {version} was refused: {refused}")
         if len(failed) == len(replicas):
-            raise RuntimeError(f"weights version {version} reached no replica: {failed}")
+            raise Unreached(f"weights version {version} reached no replica: {failed}")
         record = {"version": int(version), "seconds": time.perf_counter() - t0,
                   "bytes": sum(r.expected_bytes for r in replicas if r.address not in failed),
                   "replicas": len(replicas) - len(failed), "sync": self.sync}
