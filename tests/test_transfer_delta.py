@@ -234,6 +234,7 @@ def test_the_publisher_checks_its_sync_settings():
         WeightPublisher(lambda: {}, ["127.0.0.1:1"], sync="fast")
 
 
+@pytest.mark.slow  # ~20 s: a second process, two model compiles
 def test_bench_sync_reports_delta_and_full_pushes_between_two_processes():
     """`python -m hcjax.bench.sync` on a small model, one step at lr 1e-6: every push after the
     first is a delta, checked, smaller than the full push; the replica ends on the learner's

@@ -139,6 +139,7 @@ def _learner_params(gin_params: Sequence[str]):
     from hcjax.model import ModelConfig, create_sharded
     from hcjax.rollout.testing import perturbed
     from hcjax.sharding import MeshConfig, make_mesh
+    from hcjax.transfer import weights_service  # noqa: F401 - its WeightSyncConfig, before bind
 
     hcfg.bind(["tiny_cpu.gin"], list(gin_params))
     mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))

@@ -23,13 +23,29 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from hcjax import config as hcfg
+from hcjax.model import ModelConfig, Transformer
+from hcjax.rpc.auth import Security
+from hcjax.rpc.server import RpcServer
+from hcjax.transfer import delta
+from hcjax.transfer.weights_service import (
+    WeightPublisher,
+    WeightsServicer,
+    param_digests,
+    weights_status,
+)
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def _model_config(args):
-    from hcjax.model import ModelConfig
 
     return ModelConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                        num_heads=8, num_kv_heads=8, head_dim=args.d_model // 8,
@@ -38,13 +54,7 @@ def _model_config(args):
 
 def _served_template(cfg):
     """The served tree's layout: bf16 zeros on a one-device mesh."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from hcjax.model import Transformer
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
     shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
@@ -56,9 +66,6 @@ def _served_template(cfg):
 
 def replica_main(args) -> None:
     """The weights-service process: prints its address, serves until stdin closes."""
-    from hcjax.rpc.auth import Security
-    from hcjax.rpc.server import RpcServer
-    from hcjax.transfer.weights_service import WeightsServicer
 
     template, _ = _served_template(_model_config(args))
 
@@ -80,10 +87,7 @@ def replica_main(args) -> None:
 
 def _encodings(base: dict, new: dict) -> dict:
     """Every delta encoding over one step's change of the served tree (host arrays)."""
-    import jax
-    import numpy as np
 
-    from hcjax.transfer import delta
 
     pairs = list(zip(jax.tree.leaves(base), jax.tree.leaves(new), strict=True))
     raw = sum(n.nbytes for _, n in pairs)
@@ -102,8 +106,6 @@ def _encodings(base: dict, new: dict) -> dict:
 
 
 def _train_step(loss_fn, opt):
-    import jax
-    import optax
 
     @jax.jit
     def step(p, s):
@@ -119,17 +121,7 @@ def _getter(holder: dict):
 
 
 def run(args) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
 
-    from hcjax.model import Transformer
-    from hcjax.transfer.weights_service import (
-        WeightPublisher,
-        param_digests,
-        weights_status,
-    )
 
     cfg = _model_config(args)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
