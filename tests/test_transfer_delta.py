@@ -204,7 +204,7 @@ def test_the_publisher_sends_deltas_and_falls_back_to_full_pushes():
         first = push(1)
         assert (first["fulls"], first["deltas"]) == (1, 0)
         second = push(2)
-        assert (second["deltas"], second["changed_fraction"]) == (1, 1 / (64 * 64 + 64))
+        assert (second["deltas"], second["changed_fraction"]) == (1, 1 / (64 * 64 + 64)), second
         assert second["wire_bytes"] * 50 < first["wire_bytes"]
         # a corrupted delta: refused (DATA_LOSS), then the same version whole
         publisher.replicas[0].sender.tamper = (  # deltas only, not raw (full) payloads
@@ -251,3 +251,43 @@ def test_bench_sync_reports_delta_and_full_pushes_between_two_processes():
     assert row["full_wire_bytes"] > result["served_bytes"]  # whole, plus headers and codes
     assert set(result["encodings"]) >= {"learning_rate", "sparse", "sparse_z", "xor_z"}
     assert result["plain_full_push_s_median"] > 0
+
+
+@pytest.mark.slow  # ~35 s: starts hcjax.serve and compiles its engine
+def test_a_serving_replica_installs_deltas_and_generates_with_them(monkeypatch):
+    """Delta sync into `hcjax.serve` (on a thread): the first version whole, then a version that
+    differs in one element per tensor arrives as a delta, is the learner's tree bit for bit and
+    is what the next generation runs on."""
+    import jax
+
+    from hcjax import config as hcfg
+    from hcjax.rollout import GenerateRequest
+    from hcjax.rollout.service import RolloutClient
+    from hcjax.rollout.standalone import ServeOptions
+    from hcjax.rpc.auth import Security
+    from hcjax.transfer.weights_service import WeightPublisher, param_digests, weights_status
+    from tests.test_health import MODEL
+    from tests.test_serve import InProcess, learner_versions
+
+    for var in ("HCJAX_TOKEN", "HCJAX_TOKEN_FILE", "HCJAX_TLS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    hcfg.bind([], MODEL)
+    (v1,) = learner_versions(1)
+    v2 = jax.tree.map(lambda x: x.at[(0,) * x.ndim].add(0.5), v1)
+    current = {"tree": v1}
+    with InProcess(ServeOptions(warmup=False)) as address:
+        publisher = WeightPublisher(lambda: current["tree"], [address], timeout=60,
+                                    sync="delta")
+        publisher(1)
+        current["tree"] = v2
+        publisher(2)
+        first, second = publisher.history
+        assert (first["fulls"], second["deltas"]) == (1, 1)
+        assert second["wire_bytes"] * 10 < first["wire_bytes"]
+        status = weights_status(address, digests=True)
+        assert status["version"] == 2 and status["digests"] == param_digests(v2)
+        with RolloutClient(address, Security()) as client:
+            records = client.generate(GenerateRequest(prompt=[1, 2], max_tokens=2,
+                                                      temperature=0.0, seed=0), timeout=60)
+        assert records[0].versions.tolist() == [2, 2]
+        publisher.close()

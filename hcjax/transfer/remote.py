@@ -315,7 +315,9 @@ class PlanSender:
                         pieces.append(slice_source(e, route, data, box))
                     except Exception as err:
                         raise TransferError(f"version {version}: entry {e} failed: {err}") from err
-                host = [np.asarray(p) for p in jax.device_get(pieces)]
+                # Copies: on CPU a device_get may alias the device buffer, which the learner's
+                # next step may donate and overwrite, and these are the next delta's base.
+                host = [np.array(p, copy=True) for p in jax.device_get(pieces)]
                 kept.append(host)
                 payloads = []
                 for i, x in enumerate(host):

@@ -731,7 +731,8 @@ class WeightsServicer:
             try:
                 self.weights.update(build, version)
             except Exception as err:  # the previous version keeps serving
-                receiver.drop_pending()
+                if mode != PLAIN:  # a session's pushes are all plain or all checked
+                    receiver.drop_pending()
                 if isinstance(err.__cause__, NonFiniteWeights):  # the learner's fault, not ours
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"refused: {err.__cause__}")
@@ -740,7 +741,8 @@ class WeightsServicer:
                 if isinstance(err.__cause__, BaseMismatch):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
                 context.abort(grpc.StatusCode.INTERNAL, str(err))
-            receiver.commit_base(version)
+            if mode != PLAIN:
+                receiver.commit_base(version)
             self._new_session = False
             self.served.append({"version": version, "bytes": received["bytes"]})
         return json.dumps({"version": version, "bytes": received["bytes"]}).encode()
@@ -751,7 +753,8 @@ class WeightsServicer:
         passes (it dropped this replica from the push): the version's remaining chunks will never
         be offered. The receiver is then retired (its pulls may stay blocked; a daemon thread
         holds them), so the next version needs a new Handshake, which readmission does."""
-        pulling = _in_daemon_thread(receiver.receive, version, mode, base)
+        args = (version,) if mode == PLAIN else (version, mode, base)
+        pulling = _in_daemon_thread(receiver.receive, *args)
         while True:
             try:
                 return pulling.result(timeout=0.2)
