@@ -859,11 +859,14 @@ def _weight_sync(pc: PlanConfig, model_cfg: ModelConfig, mesh_cfg: MeshConfig, r
     replicas = (inf_mesh.data if inf_mesh.data > 0 else
                 max(1, inf_chips // max(1, inf_mesh.fsdp * inf_mesh.tensor * inf_mesh.expert)))
     chip = inf_topology.split(":")[0]
-    return network.sync_estimate(
-        nbytes, pc.topology, pc.inference_topology, inference_replicas=replicas,
-        ici_bytes_per_s=CHIP_SPECS[chip].ici_bytes_per_s if chip in CHIP_SPECS else None,
-        learner_slices=pc.num_slices, inference_slices=pc.inference_num_slices,
-        value_bytes=dtype.itemsize)
+    try:
+        return network.sync_estimate(
+            nbytes, pc.topology, pc.inference_topology, inference_replicas=replicas,
+            ici_bytes_per_s=CHIP_SPECS[chip].ici_bytes_per_s if chip in CHIP_SPECS else None,
+            learner_slices=pc.num_slices, inference_slices=pc.inference_num_slices,
+            value_bytes=dtype.itemsize)
+    except ValueError as err:  # a link without a figure: the rest of the plan stands
+        return {"error": str(err), "bytes": nbytes}
 
 
 # Report ------------------------------------------------------------------------------------------

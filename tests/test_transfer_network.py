@@ -42,6 +42,8 @@ def test_missing_figures_and_bad_settings_are_named():
     cfg = network.SyncPathConfig(dcn_bytes_per_s_per_chip=1e10)
     est = network.sync_estimate(1e9, "v6e:16x16", "v6e:8x8", cfg=cfg)
     assert est["full"]["estimated_s"] == pytest.approx(1e9 / (64 * 1e10))
+    assert network.summary_lines({"error": "no DCN figure"}) == [
+        "weight sync: no estimate (no DCN figure)"]
     with pytest.raises(ValueError, match="changed_fraction=2"):
         network.SyncPathConfig(changed_fraction=2)
     with pytest.raises(ValueError, match="topology='tpu'"):

@@ -185,6 +185,8 @@ def sync_estimate(nbytes: float, learner_topology: str, inference_topology: str 
 
 def summary_lines(est: dict) -> list[str]:
     """The estimate for hcjax.plan's summary."""
+    if "error" in est:
+        return [f"weight sync: no estimate ({est['error']})"]
     full, delta = est["full"], est["delta"]
     lines = [
         f"weight sync over {est['path'].upper()} (estimate, bandwidth bound): full "

@@ -250,6 +250,7 @@ class PlanSender:
         self.base: dict[int, list[list[np.ndarray]]] = {}
         self.base_version: int | None = None
         self.tamper: Callable[[int, bytes], bytes] | None = None  # tests: corrupt a payload
+        self._started = 0
         self.last_push: dict[str, Any] = {}
 
     def send(self, source: Any, version: int) -> int:
@@ -295,6 +296,8 @@ class PlanSender:
             raise ValueError(f"delta against version {base}, but this sender's base is "
                              f"{self.base_version}")
         mode = CHECKED_FULL if base is None else CHECKED_DELTA
+        self._started += 1
+        started = self._started  # a send started after this one (a retry) commits, not this one
         leaves = source_leaves(self.plan, source)
         shard_of = SourceShards(leaves)
         ack_device = jax.local_devices()[0]
@@ -344,6 +347,8 @@ class PlanSender:
         results = _in_daemon_threads(serve, sorted(self.chunks), "plan-send-checked")
         sent = sum(results.values())
         self.bytes_sent += sent
+        if started != self._started:
+            return sent
         self.base, self.base_version = new_base, version
         changed = sum(c[1] for c in counts.values())
         elements = sum(c[2] for c in counts.values())
