@@ -291,3 +291,35 @@ def test_a_serving_replica_installs_deltas_and_generates_with_them(monkeypatch):
                                                       temperature=0.0, seed=0), timeout=60)
         assert records[0].versions.tolist() == [2, 2]
         publisher.close()
+
+
+def test_the_climb_goes_on_when_a_push_reaches_no_replica():
+    """A push no replica installed (Unreached) is counted and kept, not fatal: the publisher
+    holds it as the current version and a readmitted replica receives it. Other errors still
+    stop the climb."""
+    import types
+
+    import jax.numpy as jnp
+
+    from hcjax.rl.climber import Climb
+    from hcjax.transfer.weights_service import Unreached
+
+    calls = []
+
+    class Inference:
+        def __init__(self, error):
+            self.error = error
+
+        def publish(self, version):
+            calls.append(version)
+            raise self.error
+
+    climb = types.SimpleNamespace(_params=lambda: {"w": jnp.ones(2)}, output_dir="/tmp",
+                                  unreached_pushes=0,
+                                  inference=Inference(Unreached("weights version 3 reached "
+                                                                "no replica")))
+    Climb._publish(climb, 3)
+    assert calls == [3] and climb.unreached_pushes == 1
+    climb.inference = Inference(ValueError("layout"))
+    with pytest.raises(ValueError, match="layout"):
+        Climb._publish(climb, 4)
