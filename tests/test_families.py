@@ -231,6 +231,32 @@ def test_learner_replays_sampler_logprobs_and_trains(family):
     assert bool(unchanged) == (family == "deepseek_v3")
 
 
+def test_learner_moves_deepseek_correction_bias_by_the_replayed_load():
+    """router_bias_rate u: after the step each MoE layer's bias is b + u·sign(mean - load), the
+    load counted by hand from the batch's routing record (what replay fed the forward)."""
+    model, cfg = loaded("deepseek_v3")
+    mesh = make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    learner = Learner(model, LearnerConfig(seq_len=SEQ_LEN, learning_rate=0.0,
+                                           router_bias_rate=0.01), mesh)
+    batch = learner.pack(sampled_rollouts("deepseek_v3"))
+    bias = lambda params: np.stack([np.asarray(params["blocks"][i]["ffn"]["correction_bias"][...])
+                                    for i in cfg.moe_layers])
+    before = bias(jax.device_get(learner.state.params))
+    m = learner.step(batch)
+    valid = batch.segment_ids[0] > 0  # [b, T]
+    load = np.zeros((cfg.num_moe_layers, cfg.num_experts))
+    for layer in range(cfg.num_moe_layers):
+        np.add.at(load[layer], batch.routing[0, layer][valid].reshape(-1), 1.0)
+    expected = before + 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
+    np.testing.assert_allclose(bias(jax.device_get(learner.state.params)), expected, rtol=1e-6)
+    assert np.any(expected != before)
+    ratio = load.max(-1) / load.mean(-1)
+    np.testing.assert_allclose(m["router_load_imbalance_max"], ratio.max(), rtol=1e-5)
+    with pytest.raises(ValueError, match="router_bias_rate=0.01"):
+        Learner(loaded("qwen3_moe")[0], LearnerConfig(seq_len=SEQ_LEN, router_bias_rate=0.01),
+                mesh)
+
+
 def _off_policy(rollouts) -> list:
     """The rollouts as if sampled by an older policy, some tokens masked, advantages shifted:
     on-policy, with equal lengths and group-centred advantages, the GRPO loss is 0 up to
