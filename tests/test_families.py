@@ -21,6 +21,7 @@ from hcjax.model import hf, param_shardings, shard_state
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.batch import pack_rollouts, to_device
 from hcjax.rl.learner import Learner, LearnerConfig
+from hcjax.rl.mismatch import MismatchConfig, check, format_table, measure_mismatch
 from hcjax.rl.store import rollout_from_json, rollout_to_json
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, generate, wire
 from hcjax.rollout.request import SamplingOptions
@@ -199,7 +200,7 @@ def test_learner_replays_sampler_logprobs_and_trains(family):
     """Same weights, fp32, routing and top-p support replayed: the learner's log-probs of the
     sampled tokens are the sampler's (a record misaligned by one position would replay other
     experts and show here), so every ratio is 1; then one AdamW step moves every parameter that
-    has a gradient."""
+    has a gradient; then the mismatch gate."""
     model, cfg = loaded(family)
     rollouts = sampled_rollouts(family)
     assert np.mean([np.mean(r.n_kept < cfg.vocab_size) for r in rollouts]) > 0.9
@@ -229,6 +230,30 @@ def test_learner_replays_sampler_logprobs_and_trains(family):
     # routing replay it is not even read); DeepSeek-V3 moves it by a load rule, not by SGD.
     assert all("correction_bias" in p for p in unchanged), unchanged
     assert bool(unchanged) == (family == "deepseek_v3")
+
+    # The mismatch gate (hcjax.rl.mismatch) on this learner (its compiled step reused): 3 more
+    # GRPO steps (the issue's 20 cost too much CI time; the gate bounds per-token figures, which
+    # more steps only average) with the engine as the sampler of the learner's weights. fp32
+    # with replay stays under BOUNDS; without replay the gap is at least that of the lost top-p
+    # support (-log of the nucleus mass).
+    gate = MismatchConfig(steps=3, prompts=3, samples=2, prompt_len=10, max_tokens=9,
+                          temperature=0.8, top_p=0.7)
+    table = [dict(row, family=family)
+             for row in measure_mismatch(model, gate, engine=engine(family), learner=learner)]
+    print("\n" + format_table(table))
+    assert check(table) == [], format_table(table)
+    rows = {row["replay"]: row for row in table}
+    assert rows[True]["tokens"] == rows[False]["tokens"] == 3 * 3 * 2 * 9
+    assert rows[False]["mean_abs_dlogp"] > 1e3 * rows[True]["mean_abs_dlogp"], table
+
+
+def test_mismatch_check_names_the_bound_it_breaks():
+    row = {"family": "x", "sampler_dtype": "float32", "learner_dtype": "float32", "replay": True,
+           "tokens": 4, "mean_abs_dlogp": 2e-5, "max_abs_dlogp": 1e-4, "kl": float("nan")}
+    bad = check([row, dict(row, replay=False, mean_abs_dlogp=1.0),
+                 dict(row, sampler_dtype="bfloat16", kl=1.0)])
+    assert len(bad) == 2 and "mean_abs_dlogp=2e-05 > 1e-05" in bad[0] and "kl=nan" in bad[1], bad
+    assert check([dict(row, mean_abs_dlogp=1e-7, kl=0.0)]) == []
 
 
 def test_learner_moves_deepseek_correction_bias_by_the_replayed_load():
