@@ -411,3 +411,23 @@ def test_engine_on_inference_mesh_serves_transferred_weights(family):
         rec = srv.generate(GenerateRequest(prompt=prompt, max_tokens=8, temperature=0.0),
                            timeout=300)[0]
     assert rec.response_ids.tolist() == golden(family, "greedy")[0].tolist()
+
+
+@pytest.mark.slow  # about 15 s: a fresh engine, learner step and log-prob forward compile
+def test_climb_check_mismatch_prints_the_gate_and_fails_past_its_bounds(capsys, monkeypatch):
+    from hcjax import climb
+    from hcjax.rl import mismatch
+
+    out = climb.main(["--hf_checkpoint", fixture("llama3"), "--check_mismatch",
+                      "--mismatch_steps", "1", "--output_dir", "/nonexistent/unused"])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert out["check_mismatch"] == "pass" and len(out["rows"]) == 2
+    assert printed[0].split()[:4] == ["family", "sampler", "learner", "replay"]
+    assert json.loads(printed[-1])["check_mismatch"] == "pass"
+    bad = dict(out["rows"][0], mean_abs_dlogp=1.0)
+    assert bad["replay"] and bad["sampler_dtype"] == "float32"
+    monkeypatch.setattr(mismatch, "measure_mismatch", lambda *a, **k: [bad])
+    with pytest.raises(SystemExit) as e:
+        climb.main(["--hf_checkpoint", fixture("llama3"), "--check_mismatch"])
+    assert e.value.code == 1
+    assert "mean_abs_dlogp=1 > 1e-05" in capsys.readouterr().err
