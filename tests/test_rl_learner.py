@@ -283,9 +283,13 @@ def test_gin_selects_loss_and_controller_by_name():
         gin.parse_config([
             "LossConfig.name = 'gspo'", "LossConfig.gspo_eps_high = 0.01",
             "EntropyController.target = 0.5", "LearnerConfig.micro_batches = 4",
+            "LossConfig.correction = 'seq_mis'", "LossConfig.is_seq_form = 'geometric'",
+            "LearnerConfig.router_bias_rate = 0.001",
         ])
         cfg = LearnerConfig()
         assert cfg.loss.name == "gspo" and cfg.loss.gspo_eps_high == 0.01
+        assert cfg.loss.correction == "seq_mis" and cfg.loss.is_seq_form == "geometric"
+        assert cfg.router_bias_rate == 0.001
         assert cfg.entropy.target == 0.5 and cfg.micro_batches == 4
     finally:
         gin.clear_config()
