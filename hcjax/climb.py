@@ -42,6 +42,7 @@ EXAMPLES = """examples:
   python -m hcjax.climb --hf_checkpoint DIR --gin_file climb_gsm8k.gin --output_dir runs/gsm8k
   python -m hcjax.climb --log_format json | tee climb.jsonl   # JSON lines, not the live panel
   python -m hcjax.climb --gin_file climb_ray_tiny.gin    # learner + replica as Ray actors
+  python -m hcjax.climb --hf_checkpoint DIR --check_mismatch   # sampler/learner gate, then exit
 
 Ctrl-C stops after the current step and writes the checkpoint, summary and report; the same
 command resumes from OUTPUT_DIR. Ctrl-C twice exits at once.
@@ -68,8 +69,45 @@ def _extra_args(parser) -> None:
                         help="display: a live panel that redraws in place and a readable summary; "
                         "json: one JSON line per step and a JSON summary line on stdout; auto "
                         "(default): display on a terminal, json otherwise (pipes, CI)")
+    parser.add_argument("--check_mismatch", action="store_true",
+                        help="do not climb: run the sampler/learner mismatch gate "
+                        "(hcjax.rl.mismatch) on the checkpoint, print its table and exit "
+                        "non-zero when fp32 with replay exceeds its bounds")
+    parser.add_argument("--mismatch_steps", type=int, default=3,
+                        help="GRPO steps of the --check_mismatch gate (default 3)")
+    parser.add_argument("--mismatch_bf16", action="store_true",
+                        help="--check_mismatch also samples in bf16 (rows reported, not gated)")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
+
+
+def _check_mismatch(args) -> dict:
+    """--check_mismatch: the gate of hcjax.rl.mismatch on the checkpoint the climb would start
+    from; prints the table, then one JSON line; SystemExit(1) past the bounds."""
+    # after the flags and gin: --help stays fast, and the model reads the bound ModelConfig
+    from hcjax.model_io import load_hf_model, load_model
+    from hcjax.rl import mismatch
+
+    if args.hf_checkpoint:
+        model, _ = load_hf_model(args.hf_checkpoint)
+    elif args.base_checkpoint:
+        model, _ = load_model(args.base_checkpoint)
+    else:
+        raise ValueError("--check_mismatch needs --hf_checkpoint or --base_checkpoint (the "
+                         "checkpoint to check)")
+    dtypes = ("float32", "bfloat16") if args.mismatch_bf16 else ("float32",)
+    gate = mismatch.MismatchConfig(steps=args.mismatch_steps, sampler_dtypes=dtypes)
+    table = mismatch.measure_mismatch(model, gate)
+    violations = mismatch.check(table)
+    print(mismatch.format_table(table), flush=True)
+    out = {"check_mismatch": "fail" if violations else "pass", "bounds": mismatch.BOUNDS,
+           "violations": violations, "rows": table}
+    print(json.dumps(out), flush=True)
+    if violations:
+        print("hcjax.climb --check_mismatch: " + "; ".join(violations), file=sys.stderr,
+              flush=True)
+        raise SystemExit(1)
+    return out
 
 
 def _climb_on_ray(flags, output_dir: str):
@@ -102,6 +140,8 @@ def main(argv: Sequence[str] | None = None):
     from hcjax.rl.placement import Placement
 
     config.bind(flags.gin_files, flags.gin_params)
+    if args.check_mismatch:
+        return _check_mismatch(args)
     leader = True
     if args.coordinator_address:
         # A learner over several processes (hcjax.rl.multihost): every process builds the

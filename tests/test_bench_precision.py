@@ -58,6 +58,25 @@ def test_precision_reduced():
         assert log_top_p - 1e-3 <= row["mean_dlogp"] < 0.0, row
         assert row["max_abs_dlogp"] <= -log_top_p + 1e-3, row
 
+    # The rollout-correction table: bf16 sampler against an fp32 and a bf16 learner, replay x
+    # TIS. |Δ| is the replay rows' (TIS leaves it alone); TIS leaves uncorrected only what lies
+    # beyond its cap, and without TIS the loss sees all of |Δ|.
+    cells = {(c["sampler_dtype"], c["learner_dtype"], c["replay"], c["tis"]): c
+             for c in out["corrections"]}
+    pairs = [("bfloat16", "float32"), ("bfloat16", "bfloat16")]
+    assert set(cells) == {(*p, r, t) for p in pairs for r in (True, False) for t in (True, False)}
+    cap = out["tis_cap"]
+    for (s, lrn, replay, tis), c in cells.items():
+        row = rows[(s, lrn, replay, replay)]  # replay = routing and top-p replay together
+        assert c["mean_abs_dlogp"] == row["mean_abs_dlogp"], (c, row)
+        if tis:
+            assert c["uncorrected_abs_dlogp"] <= c["mean_abs_dlogp"] + 1e-6, c
+            # Only a ratio above C is truncated: then some |Δ| exceeds log C.
+            assert c["clip_frac"] == 0.0 or row["max_abs_dlogp"] > math.log(cap), (c, row)
+        else:
+            assert c["uncorrected_abs_dlogp"] == c["mean_abs_dlogp"]
+            assert c["clip_frac"] == row["frac_outside_clip"], (c, row)
+
 
 def test_help_ends_with_examples(capsys):
     from hcjax.bench.precision import main

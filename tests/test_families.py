@@ -21,6 +21,7 @@ from hcjax.model import hf, param_shardings, shard_state
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.batch import pack_rollouts, to_device
 from hcjax.rl.learner import Learner, LearnerConfig
+from hcjax.rl.mismatch import MismatchConfig, check, format_table, measure_mismatch
 from hcjax.rl.store import rollout_from_json, rollout_to_json
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, generate, wire
 from hcjax.rollout.request import SamplingOptions
@@ -199,7 +200,7 @@ def test_learner_replays_sampler_logprobs_and_trains(family):
     """Same weights, fp32, routing and top-p support replayed: the learner's log-probs of the
     sampled tokens are the sampler's (a record misaligned by one position would replay other
     experts and show here), so every ratio is 1; then one AdamW step moves every parameter that
-    has a gradient."""
+    has a gradient; then the mismatch gate."""
     model, cfg = loaded(family)
     rollouts = sampled_rollouts(family)
     assert np.mean([np.mean(r.n_kept < cfg.vocab_size) for r in rollouts]) > 0.9
@@ -229,6 +230,56 @@ def test_learner_replays_sampler_logprobs_and_trains(family):
     # routing replay it is not even read); DeepSeek-V3 moves it by a load rule, not by SGD.
     assert all("correction_bias" in p for p in unchanged), unchanged
     assert bool(unchanged) == (family == "deepseek_v3")
+
+    # The mismatch gate (hcjax.rl.mismatch) on this learner (its compiled step reused): 3 more
+    # GRPO steps (the issue's 20 cost too much CI time; the gate bounds per-token figures, which
+    # more steps only average) with the engine as the sampler of the learner's weights. fp32
+    # with replay stays under BOUNDS; without replay the gap is at least that of the lost top-p
+    # support (-log of the nucleus mass).
+    gate = MismatchConfig(steps=3, prompts=3, samples=2, prompt_len=10, max_tokens=9,
+                          temperature=0.8, top_p=0.7)
+    table = [dict(row, family=family)
+             for row in measure_mismatch(model, gate, engine=engine(family), learner=learner)]
+    print("\n" + format_table(table))
+    assert check(table) == [], format_table(table)
+    rows = {row["replay"]: row for row in table}
+    assert rows[True]["tokens"] == rows[False]["tokens"] == 3 * 3 * 2 * 9
+    assert rows[False]["mean_abs_dlogp"] > 1e3 * rows[True]["mean_abs_dlogp"], table
+
+
+def test_mismatch_check_names_the_bound_it_breaks():
+    row = {"family": "x", "sampler_dtype": "float32", "learner_dtype": "float32", "replay": True,
+           "tokens": 4, "mean_abs_dlogp": 2e-5, "max_abs_dlogp": 1e-4, "kl": float("nan")}
+    bad = check([row, dict(row, replay=False, mean_abs_dlogp=1.0),
+                 dict(row, sampler_dtype="bfloat16", kl=1.0)])
+    assert len(bad) == 2 and "mean_abs_dlogp=2e-05 > 1e-05" in bad[0] and "kl=nan" in bad[1], bad
+    assert check([dict(row, mean_abs_dlogp=1e-7, kl=0.0)]) == []
+
+
+def test_learner_moves_deepseek_correction_bias_by_the_replayed_load():
+    """router_bias_rate u: after the step each MoE layer's bias is b + u·sign(mean - load), the
+    load counted by hand from the batch's routing record (what replay fed the forward)."""
+    model, cfg = loaded("deepseek_v3")
+    mesh = make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    learner = Learner(model, LearnerConfig(seq_len=SEQ_LEN, learning_rate=0.0,
+                                           router_bias_rate=0.01), mesh)
+    batch = learner.pack(sampled_rollouts("deepseek_v3"))
+    bias = lambda params: np.stack([np.asarray(params["blocks"][i]["ffn"]["correction_bias"][...])
+                                    for i in cfg.moe_layers])
+    before = bias(jax.device_get(learner.state.params))
+    m = learner.step(batch)
+    valid = batch.segment_ids[0] > 0  # [b, T]
+    load = np.zeros((cfg.num_moe_layers, cfg.num_experts))
+    for layer in range(cfg.num_moe_layers):
+        np.add.at(load[layer], batch.routing[0, layer][valid].reshape(-1), 1.0)
+    expected = before + 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
+    np.testing.assert_allclose(bias(jax.device_get(learner.state.params)), expected, rtol=1e-6)
+    assert np.any(expected != before)
+    ratio = load.max(-1) / load.mean(-1)
+    np.testing.assert_allclose(m["router_load_imbalance_max"], ratio.max(), rtol=1e-5)
+    with pytest.raises(ValueError, match="router_bias_rate=0.01"):
+        Learner(loaded("qwen3_moe")[0], LearnerConfig(seq_len=SEQ_LEN, router_bias_rate=0.01),
+                mesh)
 
 
 def _off_policy(rollouts) -> list:
@@ -360,3 +411,23 @@ def test_engine_on_inference_mesh_serves_transferred_weights(family):
         rec = srv.generate(GenerateRequest(prompt=prompt, max_tokens=8, temperature=0.0),
                            timeout=300)[0]
     assert rec.response_ids.tolist() == golden(family, "greedy")[0].tolist()
+
+
+@pytest.mark.slow  # about 15 s: a fresh engine, learner step and log-prob forward compile
+def test_climb_check_mismatch_prints_the_gate_and_fails_past_its_bounds(capsys, monkeypatch):
+    from hcjax import climb
+    from hcjax.rl import mismatch
+
+    out = climb.main(["--hf_checkpoint", fixture("llama3"), "--check_mismatch",
+                      "--mismatch_steps", "1", "--output_dir", "/nonexistent/unused"])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert out["check_mismatch"] == "pass" and len(out["rows"]) == 2
+    assert printed[0].split()[:4] == ["family", "sampler", "learner", "replay"]
+    assert json.loads(printed[-1])["check_mismatch"] == "pass"
+    bad = dict(out["rows"][0], mean_abs_dlogp=1.0)
+    assert bad["replay"] and bad["sampler_dtype"] == "float32"
+    monkeypatch.setattr(mismatch, "measure_mismatch", lambda *a, **k: [bad])
+    with pytest.raises(SystemExit) as e:
+        climb.main(["--hf_checkpoint", fixture("llama3"), "--check_mismatch"])
+    assert e.value.code == 1
+    assert "mean_abs_dlogp=1 > 1e-05" in capsys.readouterr().err

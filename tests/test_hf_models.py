@@ -3,6 +3,7 @@ logits within 1e-4 of transformers', greedy decoding through the KV cache, save 
 trips (single file and sharded with an index), sharded loading onto a mesh, FP8-block and MXFP4
 dequantisation on load, the converter CLI both ways, and the errors raised before any compute."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -280,3 +281,51 @@ def nnx_state_keys(model) -> set:
     from flax import nnx
 
     return set(nnx.state(model).keys())
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_correction_bias_update_by_hand_and_saved(tmp_path, scan_layers):
+    # DeepSeek-V3's load rule b_e += u·sign(mean load − load_e), per MoE layer, in the unrolled
+    # and the scanned layout; hf.save writes the moved bias and hf.load reads it back.
+    from flax import nnx
+
+    from hcjax.model import update_correction_bias
+
+    src = fixture("deepseek_v3")  # MoE layers 1 and 2 (scanned: one period of one layer, n = 2)
+    model, cfg = hf.load(src, scan_layers=scan_layers)
+    graphdef, params = nnx.split(model, nnx.Param)
+    before = hf_biases(src)
+    load = jnp.array([[0, 1, 2, 3, 4, 5, 6, 7], [4, 4, 9, 4, 4, 4, 4, -1]], jnp.float32)
+    # means 3.5 and 4: layer 1 moves +u on experts 0-3, -u on 4-7; layer 2 -u on expert 2 (9),
+    # +u on expert 7 (-1), and the experts at the mean stay.
+    delta = np.array([[1, 1, 1, 1, -1, -1, -1, -1], [0, 0, -1, 0, 0, 0, 0, 1]], np.float32)
+    new = update_correction_bias(params, load, cfg, 0.125)
+    out = str(tmp_path / "moved")
+    hf.save(nnx.merge(graphdef, new), out, hf_config=hf.read_hf_config(src))
+    after = hf_biases(out)
+    for row, layer in enumerate(cfg.moe_layers):
+        np.testing.assert_allclose(after[layer], before[layer] + 0.125 * delta[row], rtol=1e-6)
+    reloaded, _ = hf.load(out, scan_layers=scan_layers)
+    np.testing.assert_allclose(hf_biases_of(reloaded, cfg), hf_biases_of(nnx.merge(graphdef, new), cfg))
+    no_bias = dataclasses.replace(cfg, router_correction_bias=False)
+    with pytest.raises(ValueError, match="router_correction_bias=False"):
+        update_correction_bias(params, load, no_bias, 0.1)
+
+
+def hf_biases(folder: str) -> dict:
+    """{layer: e_score_correction_bias} read from the safetensors of an HF folder."""
+    ckpt = SafetensorsCheckpoint.open(folder)
+    return {int(name.split(".")[2]): np.asarray(ckpt.read(name), np.float32)
+            for name in ckpt.names if name.endswith("mlp.gate.e_score_correction_bias")}
+
+
+def hf_biases_of(model, cfg) -> np.ndarray:
+    from flax import nnx
+
+    from hcjax.model.transformer import unstack_layers
+
+    state = nnx.state(model, nnx.Param)
+    if cfg.scan_layers:
+        state = unstack_layers(state, cfg)
+    return np.stack([np.asarray(state["blocks"][i]["ffn"]["correction_bias"][...])
+                     for i in cfg.moe_layers])

@@ -2,6 +2,7 @@
 micro-batch split and to the device count, and a real train step (AdamW, controller, metrics)."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -251,6 +252,29 @@ def test_kimi_loss_through_the_learner(model, sampled):
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
+def test_tis_through_the_learner_against_the_replayed_sampler(model, sampled):
+    # Routing and top-p replay make π_prox = π_samp here (ρ = 1): TIS changes nothing and clips
+    # nothing. Lowering every sampler log-prob by 1 makes ρ = e > C = 2 on every token: each
+    # weight is C, so the loss and gradient double (no load-balance term) and is_clip_frac is 1.
+    mesh = make_mesh(MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    cfg = LearnerConfig(seq_len=32, load_balance_coef=0.0,
+                        loss=LossConfig(correction="tis", is_cap=2.0))
+    learner = Learner(model, cfg, mesh)
+    batch = learner.make_batch(sampled)
+    _, grads, m = learner.loss_and_grad(learner.state.params, batch, 0.0)
+    shifted = dataclasses.replace(batch, old_logp=batch.old_logp - 1.0)
+    _, grads2, m2 = learner.loss_and_grad(learner.state.params, shifted, 0.0)
+    n = float(batch.num_tokens)
+    adv_sum = float(np.sum(np.where(batch.loss_mask, batch.advantages, 0.0)))
+    np.testing.assert_allclose(m["policy_loss"], -adv_sum / n, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(m2["policy_loss"], -2.0 * adv_sum / n, rtol=1e-4, atol=1e-6)
+    assert float(m["is_clip_frac"]) == 0.0 and float(m2["is_clip_frac"]) == 1.0
+    np.testing.assert_allclose(m["is_ratio_mean"], 1.0, atol=1e-4)
+    np.testing.assert_allclose(m2["is_ratio_mean"], math.e, rtol=1e-4)
+    for g, g2 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads2)):
+        np.testing.assert_allclose(g2, 2.0 * g, rtol=1e-3, atol=1e-6)
+
+
 def test_gin_selects_loss_and_controller_by_name():
     import gin
 
@@ -259,9 +283,13 @@ def test_gin_selects_loss_and_controller_by_name():
         gin.parse_config([
             "LossConfig.name = 'gspo'", "LossConfig.gspo_eps_high = 0.01",
             "EntropyController.target = 0.5", "LearnerConfig.micro_batches = 4",
+            "LossConfig.correction = 'seq_mis'", "LossConfig.is_seq_form = 'geometric'",
+            "LearnerConfig.router_bias_rate = 0.001",
         ])
         cfg = LearnerConfig()
         assert cfg.loss.name == "gspo" and cfg.loss.gspo_eps_high == 0.01
+        assert cfg.loss.correction == "seq_mis" and cfg.loss.is_seq_form == "geometric"
+        assert cfg.router_bias_rate == 0.001
         assert cfg.entropy.target == 0.5 and cfg.micro_batches == 4
     finally:
         gin.clear_config()
@@ -290,3 +318,17 @@ def test_bucket_rows_pads_to_four_sizes_per_doubling_above_8_rows_and_the_step()
             assert (r - n) < (max(n / 4, step) if n > 8 else max(n, step))
     with pytest.raises(ValueError, match="rows=0"):
         bucket_rows(0)
+
+
+def test_step_record_carries_the_rollout_correction_metrics():
+    from types import SimpleNamespace
+
+    from hcjax.rl.controller import StepReport
+    from hcjax.rl.report import step_record
+
+    metrics = {"entropy": 0.4, "is_clip_frac": 0.125, "is_kl": 0.01, "is_ratio_max": 3.0}
+    stats = SimpleNamespace(rollouts=4, early_dropped=0, full_dropped=0, failures=0)
+    counters = {"stale_rollouts_dropped": 0}
+    record = step_record(StepReport(1, 1, metrics, [], []), 0.3, stats, counters, 1.0, 2.0)
+    assert record["is_clip_frac"] == 0.125 and record["is_kl"] == 0.01
+    assert record["is_ratio_max"] == 3.0 and "is_weight_mean" not in record

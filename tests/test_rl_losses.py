@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hcjax.rl.losses import LOSSES, LossConfig, grpo_loss, gspo_loss, kimi_loss
+from hcjax.rl.losses import (
+    CORRECTIONS,
+    LOSSES,
+    LossConfig,
+    grpo_loss,
+    gspo_loss,
+    kimi_loss,
+    rollout_correction,
+)
 from hcjax.train.step import combine_metrics
 
 # GRPO hand case: eps=0.5 -> lo=0.5; k=0.5 -> hi=1/(1-0.5)+0.5=2.5; r_max=4.
@@ -182,7 +190,124 @@ def test_loss_is_additive_over_batch_parts(name):
         np.testing.assert_allclose(mc[key], mw[key], rtol=1e-6, err_msg=key)
 
 
+# Rollout corrections: one packed row, sequence 1 = tokens 0-2, sequence 2 = tokens 3-5 (token 5
+# masked), padding at 6. ρ_t = π_prox/π_samp per token.
+RHO = [1.5, 3.0, 0.4, 1.2, 0.9, 7.0, 1.0]
+IS_MASK = [1, 1, 1, 1, 1, 0, 0]
+IS_SEG = [1, 1, 1, 2, 2, 2, 0]
+
+
+def _is_case():
+    samp = jnp.full((1, 7), -1.0, jnp.float32)
+    prox = samp + jnp.log(jnp.array([RHO], jnp.float32))
+    return prox, samp, jnp.array([IS_MASK], bool), jnp.array([IS_SEG], jnp.int32)
+
+
+def _weights(kind, seq_form="product"):
+    prox, samp, mask, seg = _is_case()
+    return rollout_correction(prox, samp, mask, kind=kind, cap=2.0, low=0.5, high=2.0,
+                              num_tokens=10.0, segment_ids=seg, seq_form=seq_form)
+
+
+@pytest.mark.parametrize("kind,seq_form,expected,clipped", [
+    ("none", "product", [1, 1, 1, 1, 1, 0, 0], 0),
+    ("tis", "product", [1.5, 2.0, 0.4, 1.2, 0.9, 0, 0], 1),  # 3.0 truncated at C=2
+    # ρ_1 = 1.5·3·0.4 = 1.8 (< C), ρ_2 = 1.2·0.9 = 1.08 (the masked 7.0 does not count).
+    ("seq_tis", "product", [1.8, 1.8, 1.8, 1.08, 1.08, 0, 0], 0),
+    # geometric: 1.8^(1/3), 1.08^(1/2).
+    ("seq_tis", "geometric", [1.8 ** (1 / 3)] * 3 + [1.08 ** 0.5] * 2 + [0, 0], 0),
+    ("mis", "product", [1, 0, 0, 1, 1, 0, 0], 2),  # 3.0 and 0.4 leave [0.5, 2]
+    ("seq_mis", "product", [1, 1, 1, 1, 1, 0, 0], 0),  # 1.8 and 1.08 are inside
+    ("icepop", "product", [1.5, 0, 0, 1.2, 0.9, 0, 0], 2),
+])
+def test_rollout_correction_hand_weights(kind, seq_form, expected, clipped):
+    w, m = _weights(kind, seq_form)
+    np.testing.assert_allclose(w[0], expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m["is_clip_frac"], clipped / 10)
+    np.testing.assert_allclose(m["is_weight_mean"], sum(expected) / 10, rtol=1e-6)
+    kept = [r for r, mk in zip(RHO, IS_MASK) if mk]
+    np.testing.assert_allclose(m["is_ratio_mean"], sum(kept) / 10, rtol=1e-6)
+    np.testing.assert_allclose(m["is_ratio_max"], 3.0, rtol=1e-6)
+    np.testing.assert_allclose(m["is_kl"], sum(r - 1 - math.log(r) for r in kept) / 10, rtol=1e-5)
+
+
+def test_seq_mis_drops_whole_sequence_and_product_tis_cannot_overflow():
+    prox, samp, mask, seg = _is_case()
+    prox = prox.at[0, 4].add(1.0)  # ρ_2 = 1.08·e > 2: sequence 2 leaves the band
+    w, m = rollout_correction(prox, samp, mask, kind="seq_mis", cap=2.0, low=0.5, high=2.0,
+                              num_tokens=10.0, segment_ids=seg)
+    np.testing.assert_allclose(w[0], [1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_allclose(m["is_clip_frac"], 2 / 10)
+    big = jnp.where(mask, samp + 60.0, samp)  # Π ρ = e^300 overflows fp32; the weight is C
+    w, m = rollout_correction(big, samp, mask, kind="seq_tis", cap=2.0, low=0.5, high=2.0,
+                              num_tokens=10.0, segment_ids=seg)
+    np.testing.assert_allclose(w[0], [2, 2, 2, 2, 2, 0, 0])
+    assert all(np.isfinite(float(v)) for v in m.values())
+
+
+@pytest.mark.parametrize("kind", ["tis", "seq_tis", "icepop"])
+def test_corrected_grpo_hand_loss_and_gradient(kind):
+    # With a correction the PPO ratio is against π_prox = π_θ (detached): value 1, so the loss is
+    # -1/N Σ w_t·A_t and its gradient -w_t·A_t/N; the weights themselves carry no gradient.
+    prox, samp, mask, seg = _is_case()
+    adv = jnp.array([[1.0, 1.0, 1.0, -2.0, -2.0, -2.0, 0.0]])
+    w, _ = _weights(kind)
+    fn = LossConfig(correction=kind, is_cap=2.0, is_low=0.5, is_high=2.0).make()
+
+    def f(lp):
+        return fn(lp, samp, adv, mask, k=0.0, num_tokens=10.0, num_sequences=2.0,
+                  segment_ids=seg)
+
+    loss, m = f(prox)
+    np.testing.assert_allclose(loss, -float(jnp.sum(w * adv)) / 10, rtol=1e-6)
+    g = jax.grad(lambda lp: f(lp)[0])(prox)
+    np.testing.assert_allclose(g, -w * adv / 10, rtol=1e-5, atol=1e-8)
+    # Ĥ stays RECIPE §3's estimate against the sampler: Σ -log π_θ · π_θ/π_samp.
+    h = sum(-(-1.0 + math.log(r)) * r for r, mk in zip(RHO, IS_MASK) if mk) / 10
+    np.testing.assert_allclose(m["entropy"], h, rtol=1e-5)
+    np.testing.assert_allclose(m["ratio_mean"], 5 / 10, rtol=1e-6)  # r' = 1 on the 5 tokens
+    assert {"is_clip_frac", "is_ratio_max", "is_kl", "is_weight_mean"} <= set(m)
+
+
+def test_corrected_gspo_sequence_weight():
+    prox, samp, mask, seg = _is_case()
+    adv = jnp.array([[1.0, 1.0, 1.0, -2.0, -2.0, -2.0, 0.0]])
+    fn = LossConfig(name="gspo", correction="seq_tis", is_cap=2.0).make()
+
+    def f(lp):
+        return fn(lp, samp, adv, mask, k=0.0, num_tokens=10.0, num_sequences=2.0,
+                  segment_ids=seg)
+
+    # s'_i = 1: J = 1/2 (1.8·1 + 1.08·(-2)); ∂/∂logp_t = w_i·A_i/|y_i|.
+    np.testing.assert_allclose(f(prox)[0], -(1.8 - 2.16) / 2, rtol=1e-6)
+    g = jax.grad(lambda lp: f(lp)[0])(prox)
+    expected = [-1.8 / 3 / 2] * 3 + [2.16 / 2 / 2] * 2 + [0, 0]
+    np.testing.assert_allclose(g[0], expected, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("kind", [c for c in CORRECTIONS if c != "none"])
+def test_corrected_loss_is_additive_over_batch_parts(kind):
+    logp, old, adv, mask, seg = _random_case(4)
+    fn = LossConfig(correction=kind, is_seq_form="geometric").make()
+    totals = dict(k=0.2, num_tokens=float(mask.sum()), num_sequences=7.0)
+    whole, mw = fn(logp, old, adv, mask, segment_ids=jnp.asarray(seg), **totals)
+    parts = [fn(logp[s], old[s], adv[s], mask[s], segment_ids=jnp.asarray(seg[s]), **totals)
+             for s in (slice(0, 1), slice(1, 3))]
+    np.testing.assert_allclose(sum(p[0] for p in parts), whole, rtol=1e-6)
+    mc = combine_metrics({key: jnp.stack([p[1][key] for p in parts]) for key in mw})
+    for key in mw:
+        np.testing.assert_allclose(mc[key], mw[key], rtol=1e-5, err_msg=key)
+
+
 def test_loss_config_validation():
+    with pytest.raises(ValueError, match="correction='tls'"):
+        LossConfig(correction="tls")
+    with pytest.raises(ValueError, match="name='kimi'"):
+        LossConfig(name="kimi", correction="tis")
+    with pytest.raises(ValueError, match="is_low=1.5"):
+        LossConfig(is_low=1.5)
+    with pytest.raises(ValueError, match="is_seq_form='mean'"):
+        LossConfig(is_seq_form="mean")
     with pytest.raises(ValueError, match="name='ppo'"):
         LossConfig(name="ppo")
     with pytest.raises(ValueError, match="eps=1.5"):

@@ -26,7 +26,7 @@ from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer
 from hcjax.rl.batch import LearnerBatch, pack_rollouts
 from hcjax.rl.learner import token_logprobs
-from hcjax.rl.losses import LossConfig
+from hcjax.rl.losses import LossConfig, rollout_correction
 from hcjax.rollout import Engine, generate
 from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.testing import perturbed
@@ -37,6 +37,8 @@ PAIRS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32
 # Perturbation of the initial weights: large enough that the untrained policy is peaked (mean
 # sampled log-prob around -1 on the tiny config) rather than nearly uniform over the vocabulary.
 WEIGHT_NOISE = 2.0
+# The rollout-correction table's pairs (bf16 inference against an fp32 or a bf16 learner).
+CORRECTION_PAIRS = (("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 # |r - 1| above this counts as a visibly off-policy token; the loss's own clip interval
 # [1 - ε, 1/(1 - ε)] (RECIPE §3, ε = LossConfig.eps) is the other threshold reported.
 RATIO_TOLERANCE = 0.2
@@ -106,6 +108,37 @@ def gap_stats(learner_logp: np.ndarray, sampler_logp: np.ndarray, eps: float) ->
     }
 
 
+def correction_cells(logp_replay: np.ndarray, logp_plain: np.ndarray, sampler_logp: np.ndarray,
+                     eps: float, cap: float) -> list[dict]:
+    """Replay (routing and top-p) on/off x token-level TIS on/off, on the loss tokens given.
+
+    mean_abs_dlogp: mean |Δ|, Δ = log π_learner − log π_samp (the mismatch itself; TIS does not
+    change it). uncorrected_abs_dlogp: the part of it the loss still sees: without TIS the PPO
+    ratio is e^Δ, so all of |Δ|; with TIS (hcjax.rl.losses.rollout_correction, w = min(e^Δ, C))
+    the ratio is against the learner and w carries e^Δ, so only |Δ − log w| (tokens with
+    e^Δ > C). clip_frac: tokens the loss cuts: with TIS those truncated at C; without, those
+    whose ratio e^Δ leaves the PPO interval [1 − ε, 1/(1 − ε)] (k = 0).
+    """
+    rows = []
+    for replay, logp in ((True, logp_replay), (False, logp_plain)):
+        delta = np.asarray(logp, np.float64) - np.asarray(sampler_logp, np.float64)
+        mean_abs = float(np.mean(np.abs(delta)))
+        ratio = np.exp(delta)
+        outside = float(np.mean((ratio < 1.0 - eps) | (ratio > 1.0 / (1.0 - eps))))
+        rows.append({"replay": replay, "tis": False, "mean_abs_dlogp": mean_abs,
+                     "uncorrected_abs_dlogp": mean_abs, "clip_frac": outside})
+        mask = np.ones(delta.shape, bool)
+        w, m = rollout_correction(jnp.asarray(logp, jnp.float32)[None],
+                                  jnp.asarray(sampler_logp, jnp.float32)[None], mask[None],
+                                  kind="tis", cap=cap, low=0.5, high=2.0,
+                                  num_tokens=float(delta.size))
+        log_w = np.log(np.maximum(np.asarray(w[0], np.float64), 1e-30))
+        rows.append({"replay": replay, "tis": True, "mean_abs_dlogp": mean_abs,
+                     "uncorrected_abs_dlogp": float(np.mean(np.abs(delta - log_w))),
+                     "clip_frac": float(m["is_clip_frac"])})
+    return rows
+
+
 def _routing_mismatch(recomputed_lbtk, recorded_lbtk, valid_bt) -> float:
     """Fraction of (MoE layer, fed token) whose expert set differs from the sampler's record."""
     a = np.sort(np.asarray(recomputed_lbtk), -1)
@@ -172,7 +205,8 @@ def logprob_gap(
     models = {dtype: with_dtype(cfg, state, dtype) for pair in pairs for dtype in pair}
     recompute = {dtype: make_learner_logprobs(model) for dtype, model in models.items()}
     sampled: dict[str, tuple] = {}
-    rows = []
+    rows, corrections = [], []
+    cap = LossConfig().is_cap
     steps = len(set(s for s, _ in pairs)) + 2 * len(pairs)
     with phases.phase("sampling and recomputing", total=steps) as ph:
         for sampler_dtype, learner_dtype in pairs:
@@ -192,11 +226,16 @@ def logprob_gap(
             mask = np.asarray(mb.loss_mask)
             valid = np.asarray(mb.segment_ids) > 0
             old = np.asarray(mb.old_logp)[mask]
+            both_replays = neither = None
             for replay_routing in (True, False):
                 ph.now(f"{sampler_dtype} sampler, {learner_dtype} learner, "
                        f"routing replay {replay_routing}")
                 with_top_p, miss, without_top_p, routing = jax.device_get(
                     recompute[learner_dtype](mb, replay_routing))
+                if replay_routing:
+                    both_replays = with_top_p[mask]
+                else:
+                    neither = without_top_p[mask]
                 for replay_top_p, logp in ((True, with_top_p), (False, without_top_p)):
                     row = {"sampler_dtype": sampler_dtype, "learner_dtype": learner_dtype,
                            "replay_routing": replay_routing, "replay_top_p": replay_top_p,
@@ -209,8 +248,15 @@ def logprob_gap(
                                                                          valid)
                     rows.append(row)
                 ph.advance()
+            if (sampler_dtype, learner_dtype) in CORRECTION_PAIRS:
+                corrections += [{"sampler_dtype": sampler_dtype, "learner_dtype": learner_dtype,
+                                 **cell}
+                                for cell in correction_cells(both_replays, neither, old, eps, cap)]
     return {
         "rows": rows,
+        # Replay only / TIS only / both / neither (correction_cells), C = LossConfig.is_cap.
+        "corrections": corrections,
+        "tis_cap": cap,
         "rollouts_per_sampler": {d: n for d, (_, n, _) in sampled.items()},
         "sample_s": {d: round(t, 3) for d, (_, _, t) in sampled.items()},
         "weight_noise": weight_noise,

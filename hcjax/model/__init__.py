@@ -11,6 +11,7 @@ from hcjax.model.transformer import (
     init_cache,
     param_shardings,
     shard_state,
+    update_correction_bias,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "load_balance_loss_from_stats",
     "param_shardings",
     "shard_state",
+    "update_correction_bias",
 ]

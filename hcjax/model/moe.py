@@ -67,6 +67,19 @@ def load_balance_loss_from_stats(*stats_per_batch, experts_per_token: int):
 
 
 
+def correction_bias_step(bias_e: jax.Array, load_e: jax.Array, rate: float | jax.Array
+                         ) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing (outside the gradient), on the last axis:
+    b_e ← b_e + u · sign(mean_e'(load_e') − load_e), u = `rate`, load = tokens routed to e.
+
+    An over-loaded expert's choice score drops by u, an under-loaded one's rises; an expert at
+    the mean load keeps its bias. Only the choice reads b (`route`), never the gates.
+    """
+    load = jnp.asarray(load_e, jnp.float32)
+    delta = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return (bias_e + rate * delta).astype(bias_e.dtype)
+
+
 def swiglu_act(g, u):
     return jax.nn.silu(g) * u
 

@@ -33,7 +33,7 @@ from hcjax import sharding as shd
 from hcjax.model.attention import attention_cache_entries, init_layer_cache, make_attention
 from hcjax.model.config import ModelConfig
 from hcjax.model.layers import DenseMLP, RMSNorm, dropout, param
-from hcjax.model.moe import MoE, load_balance_loss_from_stats
+from hcjax.model.moe import MoE, correction_bias_step, load_balance_loss_from_stats
 
 
 @struct.dataclass
@@ -339,6 +339,45 @@ def _stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
     """Modules of one structure -> one module whose parameters are stacked [len(modules), ...]."""
     graphdef, _ = nnx.split(modules[0])
     return nnx.merge(graphdef, _stack_trees([nnx.state(m) for m in modules]))
+
+
+def update_correction_bias(params: nnx.State, load_le: jax.Array, cfg: ModelConfig,
+                           rate: float | jax.Array) -> nnx.State:
+    """`params` with every MoE layer's router correction bias moved by `correction_bias_step`.
+
+    load_le [num_moe_layers, E]: tokens routed to each expert, rows in `cfg.moe_layers` order
+    (what `ModelOutput.moe_stats` counts). Works in the unrolled and the scanned layouts (a
+    scanned bias [n, E] takes the rows of its n layers) and under jit; other leaves pass through.
+    """
+    if not cfg.router_correction_bias:
+        raise ValueError("update_correction_bias: the model has no router correction bias "
+                         f"(router_correction_bias={cfg.router_correction_bias})")
+    row = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    p0, period, n = cfg.first_dense_layers, cfg.layer_period, num_scan_periods(cfg)
+
+    def layers_of(path) -> list[int] | None:
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if "correction_bias" not in keys:
+            return None
+        group, index = keys[0], int(keys[1])
+        if group == "blocks":
+            return [index]
+        if group == "scan_blocks":
+            return [p0 + index + j * period for j in range(n)]
+        if group == "tail_blocks":
+            return [p0 + n * period + index]
+        raise ValueError(f"update_correction_bias: unexpected parameter path {keys}")
+
+    def update(path, leaf):
+        layers = layers_of(path)
+        if layers is None:
+            return leaf
+        load = jnp.stack([load_le[row[layer]] for layer in layers])
+        if len(layers) == 1 and leaf.ndim == 1:
+            load = load[0]
+        return correction_bias_step(leaf, load, rate)
+
+    return jax.tree_util.tree_map_with_path(update, params)
 
 
 def num_scan_periods(cfg: ModelConfig) -> int:

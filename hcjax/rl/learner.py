@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from hcjax.model import ModelConfig, Transformer, shard_state
+from hcjax.model import ModelConfig, Transformer, shard_state, update_correction_bias
 from hcjax.rl import batch as batch_lib
 from hcjax.rl.batch import LearnerBatch
 from hcjax.rl.entropy import EntropyController
@@ -67,6 +67,9 @@ class LearnerConfig:
     replay_top_p: bool = True
     replay_routing: bool = True
     mask_truncated: bool = True
+    # DeepSeek-V3 auxiliary-loss-free balancing: after each step every MoE layer's router
+    # correction bias moves by ± this rate towards the mean load (0: off; DeepSeek-V3 used 1e-3).
+    router_bias_rate: float = 0.0
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     entropy: EntropyController = dataclasses.field(default_factory=EntropyController)
 
@@ -83,6 +86,8 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig.micro_batches={self.micro_batches} must be >= 1")
         if self.seq_len < 2:
             raise ValueError(f"LearnerConfig.seq_len={self.seq_len} must be >= 2")
+        if self.router_bias_rate < 0:
+            raise ValueError(f"LearnerConfig.router_bias_rate={self.router_bias_rate} must be >= 0")
 
     def optimizer(self) -> OptimizerConfig:
         """AdamW (β1 = β2 = 0.95, eps 1e-15, no weight decay, constant LR), optional global clip."""
@@ -155,6 +160,10 @@ class PolicyObjective(Objective):
         mask = d["loss_mask"]
         m = mask.astype(jnp.float32)
         gap = jnp.abs(jax.lax.stop_gradient(logp) - d["old_logp"])
+        if self.cfg.router_bias_rate > 0 and out.moe_stats:
+            # [L, E] tokens per expert (the replayed routing when replay is on): the load the
+            # correction-bias rule reads; the learner step takes it out of the metrics.
+            metrics = dict(metrics, router_load=jnp.stack([s[0] for s in out.moe_stats]))
         return policy_loss, dict(
             metrics,
             policy_loss=policy_loss,
@@ -187,9 +196,18 @@ def make_learner_step(graphdef: nnx.GraphDef, cfg: LearnerConfig, model_config: 
         model_cfg=model_config, load_balance_coef=cfg.load_balance_coef,
     )
 
+    if cfg.router_bias_rate > 0 and not model_config.router_correction_bias:
+        raise ValueError(f"LearnerConfig.router_bias_rate={cfg.router_bias_rate} needs a model "
+                         "with a router correction bias (DeepSeek-V3 / Kimi families)")
+
     def learner_step(state: LearnerState, batch: LearnerBatch):
         k = state.entropy["k"]
         params, opt_state, metrics = train_step(state.params, state.opt_state, state.step, batch, k)
+        if cfg.router_bias_rate > 0:
+            load = metrics.pop("router_load")
+            params = update_correction_bias(params, load, model_config, cfg.router_bias_rate)
+            metrics["router_load_imbalance_max"] = jnp.max(
+                jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
         k_next = cfg.entropy.next_k(k, metrics["entropy"])
         new_state = LearnerState(params=params, opt_state=opt_state, entropy={"k": k_next},
                                  step=state.step + 1)

@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "CORRECTIONS",
     "LOSSES",
     "LossConfig",
     "dpo_loss",
     "grpo_loss",
     "gspo_loss",
     "kimi_loss",
+    "rollout_correction",
     "segment_sum",
 ]
 
@@ -63,6 +65,12 @@ def _clipped_exp(log_ratio: jax.Array, r_max: float) -> jax.Array:
     return jnp.exp(jnp.minimum(log_ratio, cap))
 
 
+def _weighted(objective: jax.Array, token_weights: jax.Array | None) -> jax.Array:
+    if token_weights is None:
+        return objective
+    return objective * jax.lax.stop_gradient(jnp.asarray(token_weights, jnp.float32))
+
+
 def _token_metrics(logp, old_logp, ratio, adv, mask, num_tokens, lo, hi, r_min, r_max) -> Metrics:
     """Clip fractions, ratio mean/max and the importance-weighted entropy estimate Ĥ (eq. 7)."""
     ratio, logp = jax.lax.stop_gradient(ratio), jax.lax.stop_gradient(logp)
@@ -96,12 +104,14 @@ def grpo_loss(
     num_tokens: float | jax.Array,
     num_sequences: float | jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    token_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """The token-level MAI objective (RECIPE §3), negated to a loss.
 
     J = 1/N Σ_t min(r_out·A, clip(r_out, 1-ε, (1-ε)⁻¹ + k)·A) with r_out = clip(r, r_min, r_max)
     on every branch (the outer clip also stops the branch PPO leaves unclipped), N = num_tokens,
     the loss tokens of the global batch. `num_sequences`/`segment_ids` are unused (uniform API).
+    `token_weights` [B, T] (no gradient; a rollout correction's w_t) multiply each token's term.
     """
     del num_sequences, segment_ids
     mask = jnp.asarray(mask).astype(bool)
@@ -110,6 +120,7 @@ def grpo_loss(
     log_ratio = jnp.where(mask, logp - old_logp, 0.0)
     r_out = jnp.clip(_clipped_exp(log_ratio, r_max), r_min, r_max)
     objective = jnp.minimum(r_out * adv, jnp.clip(r_out, lo, hi) * adv)
+    objective = _weighted(objective, token_weights)
     loss = -jnp.sum(jnp.where(mask, objective, 0.0)) / num_tokens
     ratio = jnp.exp(log_ratio)
     metrics = _token_metrics(logp, old_logp, ratio, adv, mask, num_tokens, lo, hi, r_min, r_max)
@@ -130,12 +141,15 @@ def gspo_loss(
     num_tokens: float | jax.Array,
     num_sequences: float | jax.Array,
     segment_ids: jax.Array | None = None,
+    token_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """GSPO (RECIPE §6): one length-normalised importance ratio per sequence.
 
     s_i = exp(mean_t(log π_θ - log π_old) over the loss tokens of y_i);
     J = 1/num_sequences Σ_i min(s_i·A_i, clip(s_i, 1-ε_low, 1+ε_high+k)·A_i), with the same
     outer clip [r_min, r_max] as GRPO. Sequences are rows, or segments of packed rows.
+    `token_weights` [B, T] (no gradient) multiply each token's 1/|y_i| share of its sequence's
+    term, so a weight constant over a sequence (a sequence-level correction) weights J_i.
     """
     mask = jnp.asarray(mask).astype(bool)
     m = mask.astype(jnp.float32)
@@ -149,6 +163,7 @@ def gspo_loss(
     r_out = jnp.clip(_clipped_exp(seq_log_ratio, r_max), r_min, r_max)
     objective = jnp.minimum(r_out * adv, jnp.clip(r_out, lo, hi) * adv)
     # Each token carries 1/|y_i| of its sequence's objective, so the token sum is Σ_i objective_i.
+    objective = _weighted(objective, token_weights)
     loss = -jnp.sum(jnp.where(mask, objective / safe_len, 0.0)) / num_sequences
     metrics = _token_metrics(
         logp, old_logp, jnp.exp(log_ratio), adv, mask, num_tokens, lo, hi, r_min, r_max
@@ -203,6 +218,81 @@ def kimi_loss(
     return loss, metrics
 
 
+CORRECTIONS = ("none", "tis", "seq_tis", "mis", "seq_mis", "icepop")
+
+
+def rollout_correction(
+    prox_logp: jax.Array,
+    sampler_logp: jax.Array,
+    mask: jax.Array,
+    *,
+    kind: str,
+    cap: float,
+    low: float,
+    high: float,
+    num_tokens: float | jax.Array,
+    segment_ids: jax.Array | None = None,
+    seq_form: str = "product",
+) -> tuple[jax.Array, Metrics]:
+    """Per-token weights w [B, T] (no gradient) correcting for the sampler/learner mismatch.
+
+    Notation (RECIPE §3 calls the sampler's distribution π_old): π_samp is the distribution the
+    rollout's tokens were drawn from, as the sampler computed it (the records' `logprobs`, after
+    top-p); π_prox is the same distribution computed by the learner at the parameters the
+    gradient is taken at (detached; routing and top-p replay applied). Per token
+    ρ_it = π_prox(y_it)/π_samp(y_it), per sequence ρ_i = Π_t ρ_it (seq_form="product") or
+    ρ_i = (Π_t ρ_it)^(1/|y_i|) (seq_form="geometric"), over the loss tokens of y_i. With C = cap
+    and the band [lo, hi] = [low, high]:
+
+      tis      w_it = min(ρ_it, C)                 truncated IS, token level
+      seq_tis  w_it = min(ρ_i, C)                  truncated IS, sequence level
+      mis      w_it = 1[lo ≤ ρ_it ≤ hi]            masked: drop tokens outside the band
+      seq_mis  w_it = 1[lo ≤ ρ_i ≤ hi]             masked: drop whole sequences outside the band
+      icepop   w_it = ρ_it · 1[lo ≤ ρ_it ≤ hi]     IcePop: IS weight in the band, 0 outside
+      none     w_it = 1
+
+    Metrics (shares of the global batch, like the losses'): `is_clip_frac` (loss tokens whose
+    weight was truncated at C or masked), `is_ratio_mean`, `is_ratio_max` (token ρ), `is_weight_mean`
+    and `is_kl`, the k3 estimate mean_t(ρ_it - 1 - log ρ_it) of KL(π_samp ‖ π_prox).
+    """
+    if kind not in CORRECTIONS:
+        raise ValueError(f"rollout correction kind={kind!r} is not one of {CORRECTIONS}")
+    if seq_form not in ("product", "geometric"):
+        raise ValueError(f"seq_form={seq_form!r} must be 'product' or 'geometric'")
+    mask = jnp.asarray(mask).astype(bool)
+    m = mask.astype(jnp.float32)
+    log_rho = jnp.where(mask, jax.lax.stop_gradient(prox_logp) - sampler_logp, 0.0)
+    if kind.startswith("seq_"):
+        log_rho_w = segment_sum(log_rho, segment_ids)
+        if seq_form == "geometric":
+            log_rho_w = log_rho_w / jnp.maximum(segment_sum(m, segment_ids), 1.0)
+    else:
+        log_rho_w = log_rho
+    log_cap = jnp.log(jnp.float32(cap))
+    log_lo, log_hi = jnp.log(jnp.float32(low)), jnp.log(jnp.float32(high))
+    inside = (log_rho_w >= log_lo) & (log_rho_w <= log_hi)
+    if kind in ("tis", "seq_tis"):
+        weight = jnp.exp(jnp.minimum(log_rho_w, log_cap))  # min(ρ, C) without overflow
+        clipped = log_rho_w > log_cap
+    elif kind in ("mis", "seq_mis"):
+        weight, clipped = inside.astype(jnp.float32), ~inside
+    elif kind == "icepop":
+        weight = jnp.where(inside, jnp.exp(jnp.clip(log_rho_w, log_lo, log_hi)), 0.0)
+        clipped = ~inside
+    else:
+        weight, clipped = jnp.ones_like(log_rho), jnp.zeros(log_rho.shape, bool)
+    weight = jnp.where(mask, weight, 0.0)
+    rho = jnp.exp(jnp.minimum(log_rho, 30.0))  # metrics only; e^30 keeps the k3 sum finite
+    metrics = {
+        "is_clip_frac": jnp.sum(jnp.where(clipped, m, 0.0)) / num_tokens,
+        "is_ratio_mean": jnp.sum(m * rho) / num_tokens,
+        "is_ratio_max": jnp.max(jnp.where(mask, rho, -jnp.inf)),
+        "is_weight_mean": jnp.sum(weight) / num_tokens,
+        "is_kl": jnp.sum(m * (rho - 1.0 - log_rho)) / num_tokens,
+    }
+    return jax.lax.stop_gradient(weight), metrics
+
+
 LOSSES: dict[str, Callable[..., tuple[jax.Array, Metrics]]] = {
     "grpo": grpo_loss,
     "gspo": gspo_loss,
@@ -213,7 +303,23 @@ LOSSES: dict[str, Callable[..., tuple[jax.Array, Metrics]]] = {
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Which loss, and its hyperparameters (RECIPE §3 defaults for GRPO; GSPO paper ε for GSPO)."""
+    """Which loss, and its hyperparameters (RECIPE §3 defaults for GRPO; GSPO paper ε for GSPO).
+
+    Rollout correction (`correction`, one of CORRECTIONS; `rollout_correction` gives the weights):
+    with a correction the loss is the decoupled form
+
+      J = 1/N Σ_(i,t) w_it · min(r'_it·A_i, clip(r'_it, 1−ε, (1−ε)⁻¹ + k)·A_i),
+      r'_it = π_θ(y_it)/π_prox(y_it)
+
+    where π_prox is the learner's own π_old (the parameters the step's gradient is taken at,
+    detached) and w_it corrects π_samp → π_prox (cap C = `is_cap`, band [`is_low`, `is_high`],
+    `is_seq_form` for the sequence-level kinds). The learner takes one optimiser step per batch,
+    so r' = 1 in value (its gradient is ∇log π_θ) and the ε/k and outer clips never bind: the
+    weight's truncation or band bounds the update instead. The entropy estimate Ĥ keeps RECIPE
+    §3's form against π_samp, so the entropy controller reads the same figure. Routing and top-p
+    replay still act (they shape π_prox); the correction bounds what mismatch remains. Not for
+    `kimi` (its τ term regularises towards the sampling policy itself).
+    """
 
     name: str = "grpo"
     eps: float = 0.6
@@ -222,6 +328,11 @@ class LossConfig:
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
     tau: float = 0.1
+    correction: str = "none"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+    is_seq_form: str = "product"
 
     def __post_init__(self) -> None:
         if self.name not in LOSSES:
@@ -237,6 +348,20 @@ class LossConfig:
             )
         if self.tau <= 0.0:
             raise ValueError(f"LossConfig.tau={self.tau} must be > 0")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"LossConfig.correction={self.correction!r} is not one of "
+                             f"{CORRECTIONS}")
+        if self.correction != "none" and self.name == "kimi":
+            raise ValueError(f"LossConfig.correction={self.correction!r} does not apply to "
+                             "name='kimi' (its τ term regularises towards the sampler itself)")
+        if not self.is_cap > 0.0:
+            raise ValueError(f"LossConfig.is_cap={self.is_cap} must be > 0")
+        if not 0.0 < self.is_low <= 1.0 <= self.is_high:
+            raise ValueError(f"LossConfig is_low={self.is_low}, is_high={self.is_high}: need "
+                             "0 < low <= 1 <= high")
+        if self.is_seq_form not in ("product", "geometric"):
+            raise ValueError(f"LossConfig.is_seq_form={self.is_seq_form!r} must be 'product' "
+                             "or 'geometric'")
 
     def make(self) -> Callable[..., tuple[jax.Array, Metrics]]:
         """The chosen loss with its hyperparameters bound. Call it as
@@ -252,10 +377,29 @@ class LossConfig:
         else:
             hp = dict(tau=self.tau)
 
-        def loss_fn(logp, old_logp, advantages, mask, **totals):
-            return fn(logp, old_logp, advantages, mask, **hp, **totals)
+        if self.correction == "none":
 
-        return loss_fn
+            def loss_fn(logp, old_logp, advantages, mask, **totals):
+                return fn(logp, old_logp, advantages, mask, **hp, **totals)
+
+            return loss_fn
+
+        def corrected_loss_fn(logp, old_logp, advantages, mask, **totals):
+            # old_logp is the sampler's (π_samp); π_prox is π_θ itself, detached.
+            prox = jax.lax.stop_gradient(logp)
+            weights, is_metrics = rollout_correction(
+                prox, old_logp, mask, kind=self.correction, cap=self.is_cap, low=self.is_low,
+                high=self.is_high, num_tokens=totals["num_tokens"],
+                segment_ids=totals.get("segment_ids"), seq_form=self.is_seq_form,
+            )
+            loss, metrics = fn(logp, prox, advantages, mask, token_weights=weights, **hp, **totals)
+            # Ĥ of RECIPE §3 against the sampler: the figure the entropy controller reads.
+            bmask = jnp.asarray(mask).astype(bool)
+            r = jnp.exp(jnp.minimum(jnp.where(bmask, prox - old_logp, 0.0), 30.0))
+            metrics["entropy"] = jnp.sum(jnp.where(bmask, -prox * r, 0.0)) / totals["num_tokens"]
+            return loss, {**metrics, **is_metrics}
+
+        return corrected_loss_fn
 
 
 def dpo_loss(

@@ -184,10 +184,12 @@ def step_record(report, entropy_target: float, stats, counters, step_seconds: fl
         "full_dropped": stats.full_dropped,
         "failures": stats.failures,
     }
-    # The learner's own diagnostics (clip fractions, ratio statistics, support misses, LB).
+    # The learner's own diagnostics (clip fractions, ratio statistics, support misses, LB; the
+    # rollout correction's when one is on: hcjax.rl.losses.rollout_correction).
     for key in ("clip_low_frac", "clip_high_frac", "clip_outer_frac", "ratio_mean", "ratio_max",
-                "support_miss_frac", "load_balance_loss", "policy_loss",
-                "learner_step_s", "publish_blocked_s"):
+                "support_miss_frac", "load_balance_loss", "policy_loss", "is_clip_frac",
+                "is_ratio_mean", "is_ratio_max", "is_weight_mean", "is_kl",
+                "router_load_imbalance_max", "learner_step_s", "publish_blocked_s"):
         if key in m:
             record[key] = m[key]
     return record
