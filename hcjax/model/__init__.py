@@ -9,6 +9,7 @@ from hcjax.model.transformer import (
     cache_bytes,
     create_sharded,
     init_cache,
+    init_paged_cache,
     param_shardings,
     shard_state,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "cache_bytes",
     "create_sharded",
     "init_cache",
+    "init_paged_cache",
     "load_balance_loss",
     "load_balance_loss_from_stats",
     "param_shardings",

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax.data.tokenizer import load_tokenizer
-from hcjax.model import init_cache
+from hcjax.model import init_cache, init_paged_cache
 from hcjax.rollout import prefix_cache as pc
 from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.sampling import sample, sampling_keys
@@ -235,6 +235,162 @@ def _batch_axes(init_cache_fn: Callable[[int, int], Any], max_len: int) -> Any:
     return jax.tree.map(axis, one, two)
 
 
+def _batch_ways(mesh: Mesh | None, slots: int) -> int:
+    """Devices the decode batch is split over (the batch axes of `decode_state_shardings`)."""
+    size = 1
+    if mesh is not None:
+        for a in ("data", "fsdp", "expert"):
+            n = mesh.shape.get(a, 1)
+            if n > 1 and slots % (size * n) == 0:
+                size *= n
+    return size
+
+
+class _PagePool:
+    """Host-side bookkeeping of the paged layout: free lists, each slot's pages, and the page
+    table changes not yet applied on device. With the decode batch split over `ways` devices,
+    the pool's page axis is split the same way and a slot only takes pages of its own shard
+    (each shard's first page is its scratch page). The engine's lock guards every call."""
+
+    def __init__(self, slots: int, max_len: int, page_size: int, num_pages: int | None,
+                 ways: int) -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size={page_size!r} must be a positive integer")
+        self.page_size, self.ways, self.slots = page_size, ways, slots
+        self.max_pages = -(-max_len // page_size)
+        if num_pages is None:
+            num_pages = slots * self.max_pages + ways
+        if not isinstance(num_pages, int) or num_pages < 2 * ways or num_pages % ways:
+            raise ValueError(f"num_pages={num_pages!r} must be a multiple of {ways} (the decode "
+                             f"batch shards) with at least 2 pages each")
+        self.num_pages = num_pages
+        self.per_shard = num_pages // ways
+        self.usable = num_pages - ways
+        self._free = [list(range((w + 1) * self.per_shard - 1, w * self.per_shard, -1))
+                      for w in range(ways)]  # popped from the end: lowest ids first
+        self.owned: dict[int, list[int]] = {}
+        self.next_pos: dict[int, int] = {}  # next position each occupied slot feeds
+        self.limit: dict[int, int] = {}  # one past the last position it may feed
+        self._reset: dict[int, int] = {}  # slot -> scratch page its row goes back to
+        self._new: list[tuple[int, int, int]] = []  # (slot, page index, page)
+
+    def shard_of(self, slot: int) -> int:
+        return slot // (self.slots // self.ways)
+
+    def scratch(self, slot: int) -> int:
+        return self.shard_of(slot) * self.per_shard
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def free_counts(self) -> list[int]:
+        return [len(f) for f in self._free]
+
+    def admit(self, slots: Sequence[int], length: int, budget: int) -> np.ndarray:
+        """Pages for a `length`-token prompt in each of `slots`: [len(slots), max_pages] page
+        rows (unused entries = num_pages, which the insert's scatter drops). Raises when a
+        shard has too few pages free."""
+        need = self.pages_for(length)
+        for shard in {self.shard_of(s) for s in slots}:
+            want = need * sum(1 for s in slots if self.shard_of(s) == shard)
+            if want > len(self._free[shard]):
+                raise RuntimeError(
+                    f"paged KV: {want} pages needed for a {length}-token prompt, "
+                    f"{len(self._free[shard])} free in shard {shard} "
+                    f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
+        rows = np.full((len(slots), self.max_pages), self.num_pages, np.int32)
+        for i, slot in enumerate(slots):
+            if slot in self.owned:
+                raise ValueError(f"slot={slot} still holds pages (free_resource it first)")
+            pages = [self._free[self.shard_of(slot)].pop() for _ in range(need)]
+            self.owned[slot] = pages
+            self.next_pos[slot] = length
+            self.limit[slot] = min(length + budget, self.max_pages * self.page_size)
+            self._reset.pop(slot, None)  # the insert rewrites the row
+            self._new = [u for u in self._new if u[0] != slot]
+            rows[i, :need] = pages
+        return rows
+
+    def grow(self, steps: int) -> None:
+        """Pages for the next `steps` positions of every occupied slot (up to its limit)."""
+        for slot, pages in self.owned.items():
+            last = min(self.next_pos[slot] + steps, self.limit[slot]) - 1
+            while len(pages) * self.page_size <= last:
+                free = self._free[self.shard_of(slot)]
+                if not free:
+                    raise RuntimeError(
+                        f"paged KV: page pool exhausted (num_pages={self.num_pages}, "
+                        f"page_size={self.page_size}, {len(self.owned)} sequences in flight); "
+                        "raise num_pages or admit fewer sequences")
+                pages.append(free.pop())
+                self._new.append((slot, len(pages) - 1, pages[-1]))
+            self.next_pos[slot] = min(self.next_pos[slot] + steps, self.limit[slot])
+
+    def release(self, slot: int) -> None:
+        pages = self.owned.pop(slot, None)
+        if pages is None:
+            return
+        self._free[self.shard_of(slot)].extend(reversed(pages))
+        del self.next_pos[slot], self.limit[slot]
+        self._new = [u for u in self._new if u[0] != slot]
+        self._reset[slot] = self.scratch(slot)
+
+    def take_updates(self):
+        """(reset [B] bool, scratch [B], slots [M], page index [M], pages [M]) for
+        `_update_tables`, M padded to a multiple of the slots (few shapes compile); None when
+        nothing changed."""
+        if not self._reset and not self._new:
+            return None
+        reset = np.zeros((self.slots,), bool)
+        scratch = np.zeros((self.slots,), np.int32)
+        for slot, page in self._reset.items():
+            reset[slot], scratch[slot] = True, page
+        m = max(1, -(-len(self._new) // self.slots)) * self.slots
+        upd = np.full((3, m), self.slots, np.int32)  # slot = B: dropped
+        for i, (slot, index, page) in enumerate(self._new):
+            upd[:, i] = (slot, index, page)
+        self._reset, self._new = {}, []
+        return reset, scratch, upd[0], upd[1], upd[2]
+
+
+def _update_tables(state, reset, scratch, slots, index, pages):
+    """Page-table changes on every paged layer: rows of freed slots back to their scratch page,
+    then single entries set (slot index B = padding, dropped)."""
+    def layer(c):
+        if not isinstance(c, dict) or "page_table" not in c:
+            return c
+        table = c["page_table"]  # [*lead, B, P]
+        table = jnp.where(reset[:, None], scratch[:, None], table)
+        table = table.at[..., slots, index].set(pages, mode="drop")
+        return {**c, "page_table": table}
+
+    return dataclasses.replace(state, cache=tuple(layer(c) for c in state.cache))
+
+
+def _put_paged(layer: dict, row: dict, axis: int, slot, pages_row) -> dict:
+    """Insert one prefilled row (slot layout, batch axis `axis`) into a paged layer: the row's
+    positions page by page into the pool at `pages_row` (entries >= num_pages dropped) and the
+    slot's page-table row (dropped entries -> 0)."""
+    table = layer["page_table"]
+    lead = table.ndim - 2
+    max_pages = table.shape[-1]
+    new = {}
+    for name, pool in layer.items():
+        if name == "page_table":
+            continue
+        num_pages, page_size = pool.shape[lead], pool.shape[lead + 1]
+        x = jnp.squeeze(row[name], axis)  # [*lead, max_len, ...]
+        pad = max_pages * page_size - x.shape[lead]
+        if pad:
+            x = jnp.pad(x, [(0, 0)] * lead + [(0, pad)] + [(0, 0)] * (x.ndim - lead - 1))
+        x = x.reshape(*x.shape[:lead], max_pages, page_size, *x.shape[lead + 1:])
+        at = (slice(None),) * lead + (pages_row,)
+        new[name] = pool.at[at].set(x.astype(pool.dtype), mode="drop")
+    kept = jnp.where(pages_row < num_pages, pages_row, 0)
+    new["page_table"] = table.at[(slice(None),) * lead + (slot,)].set(kept)
+    return new
+
+
 @gin.configurable
 class Engine:
     """JetStream engine over an NNX model with the hcjax forward contract.
@@ -248,6 +404,13 @@ class Engine:
     tokenizer: "byte" or a Hugging Face model folder, for get_tokenizer / build_tokenizer.
     prefix_cache_blocks: blocks of prompt KV kept for reuse across requests (0 = no reuse);
       prefix_block_size tokens each (prefix_cache.py).
+    kv_layout: "slot" (every global layer keeps max_target_length positions per slot) or
+      "paged" (global layers share a pool of `num_pages` pages of `page_size` positions; a slot
+      takes pages for its prompt on insert and one more each time it crosses a page boundary,
+      and gives them back on `free_resource`; local layers keep their ring buffers). num_pages
+      None = enough for every slot at max_target_length (no saving; size it to the load). Page 0
+      of each batch shard is scratch that idle rows write to. Admission (`num_free_slots`) counts
+      pages as well as slots. Prefill and the prefix cache keep the slot layout (batch 1).
     """
 
     def __init__(
@@ -264,8 +427,15 @@ class Engine:
         tokenizer: str = "byte",
         prefix_cache_blocks: int = 0,
         prefix_block_size: int = 16,
+        kv_layout: str = "slot",
+        page_size: int = 16,
+        num_pages: int | None = None,
     ) -> None:
         cfg = getattr(model, "config", None)
+        if kv_layout not in ("slot", "paged"):
+            raise ValueError(f"kv_layout={kv_layout!r} is not 'slot' or 'paged'")
+        if kv_layout == "paged" and (cfg is None or init_cache_fn is not None):
+            raise ValueError("kv_layout='paged' needs a model with .config and no init_cache_fn")
         if init_cache_fn is None:
             init_cache_fn = lambda b, n: init_cache(cfg, b, n)
         if max_target_length is None:
@@ -309,6 +479,15 @@ class Engine:
         self._stats = {"prompt_tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "prefills": 0}
         self._free = list(range(max_concurrent_decodes))
         self._free_lock = threading.Lock()
+        self._pages = None if kv_layout == "slot" else _PagePool(
+            max_concurrent_decodes, max_target_length, page_size, num_pages,
+            _batch_ways(mesh, max_concurrent_decodes))
+        if self._pages is not None:
+            pool = self._pages
+            self._decode_cache_fn = lambda b, n: init_paged_cache(
+                cfg, b, n, pool.num_pages, pool.page_size)
+        else:
+            self._decode_cache_fn = init_cache_fn
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._prefill_jit = jax.jit(self._prefill_impl, donate_argnums=(1,))
         self._init_prefill_jit = jax.jit(
@@ -333,6 +512,7 @@ class Engine:
         self._bulk_insert_jit = jax.jit(self._bulk_insert_impl, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
+        self._tables_jit = jax.jit(_update_tables, donate_argnums=(0,))
         self._init_decode_jit = {}  # by vocab size: jit with the state's shardings
 
     # JetStream Engine API: properties ---------------------------------------------------------
@@ -422,24 +602,66 @@ class Engine:
         return taken
 
     def free_resource(self, slot: int) -> None:
-        """Return a slot whose sample has finished (or been deactivated) to the free pool."""
+        """Return a slot whose sample has finished (or been deactivated) to the free pool, and
+        its pages to the page pool (paged layout)."""
         if not 0 <= slot < self._num_slots:
             raise ValueError(f"slot={slot} is not in [0, {self._num_slots})")
         with self._free_lock:
             if slot in self._free:
                 raise ValueError(f"slot={slot} is already free")
             self._free.append(slot)
+            if self._pages is not None:
+                self._pages.release(slot)
 
     @property
     def num_free_slots(self) -> int:
+        """Free slots; with the paged layout, no more than the free pages admit (each new
+        sequence is counted at a max_prefill_length prompt plus one page)."""
         with self._free_lock:
-            return len(self._free)
+            if self._pages is None:
+                return len(self._free)
+            per_sequence = self._pages.pages_for(self._max_prefill) + 1
+            fit = sum(min(sum(1 for s in self._free if self._pages.shard_of(s) == shard),
+                          free // per_sequence)
+                      for shard, free in enumerate(self._pages.free_counts()))
+            return fit
+
+    @property
+    def kv_layout(self) -> str:
+        return "slot" if self._pages is None else "paged"
+
+    def page_stats(self) -> dict:
+        """Pages of the paged layout: total, free, in use (empty for the slot layout)."""
+        if self._pages is None:
+            return {}
+        with self._free_lock:
+            free = sum(self._pages.free_counts())
+        return {"num_pages": self._pages.num_pages, "page_size": self._pages.page_size,
+                "free": free, "in_use": self._pages.usable - free}
+
+    def _sync_tables(self, state: DecodeState) -> DecodeState:
+        """Apply the host's pending page-table changes (freed rows back to scratch, new pages)
+        to every paged layer of the decode state."""
+        with self._free_lock:
+            update = self._pages.take_updates()
+        if update is None:
+            return state
+        return self._tables_jit(state, *update)
+
+    def reserve_pages(self, decode_state: DecodeState, steps: int = 1) -> DecodeState:
+        """Give every occupied slot the pages its next `steps` fed tokens need (paged layout;
+        `generate` calls it with steps=1). A slot never takes pages past its token budget."""
+        if self._pages is None:
+            return decode_state
+        with self._free_lock:
+            self._pages.grow(steps)
+        return self._sync_tables(decode_state)
 
     # Decode state ----------------------------------------------------------------------------
     def _init_decode_impl(self, vocab: int):
         b = self._num_slots
         return DecodeState(
-            cache=self._init_cache_fn(b, self._max_len),
+            cache=self._decode_cache_fn(b, self._max_len),
             logits=jnp.zeros((b, vocab), jnp.float32),
             logits_version=jnp.zeros((b,), jnp.int32),
             positions=jnp.zeros((b,), jnp.int32),
@@ -492,7 +714,24 @@ class Engine:
                 spec[b + 2] = "tensor"
             return NamedSharding(mesh, PartitionSpec(*spec))
 
-        cache = jax.tree.map(one, state.cache, self._batch_axes)
+        def paged(layer):  # pools split on pages like the batch, heads over tensor; see _PagePool
+            lead = layer["page_table"].ndim - 2
+            out = {"page_table": one(layer["page_table"], lead)}
+            for name, x in layer.items():
+                if name != "page_table":
+                    spec = [None] * x.ndim
+                    if axes:
+                        spec[lead] = tuple(axes)
+                    if x.ndim == lead + 4 and tensor > 1 and x.shape[lead + 2] % tensor == 0:
+                        spec[lead + 2] = "tensor"
+                    out[name] = NamedSharding(mesh, PartitionSpec(*spec))
+            return out
+
+        if self._pages is None:
+            cache = jax.tree.map(one, state.cache, self._batch_axes)
+        else:
+            cache = tuple(paged(c) if "page_table" in c else jax.tree.map(one, c, a)
+                          for c, a in zip(state.cache, self._batch_axes))
         rest = {f.name: jax.tree.map(lambda x: one(x, 0), getattr(state, f.name))
                 for f in dataclasses.fields(state) if f.name != "cache"}
         return dataclasses.replace(state, cache=cache, **rest)
@@ -605,17 +844,23 @@ class Engine:
 
     # Insert ----------------------------------------------------------------------------------
     def _insert_impl(self, state, cache, logits, version, length, slot, sample_index, seed,
-                     temperature, top_p, remaining, stop_tokens):
+                     temperature, top_p, remaining, stop_tokens, pages=None):
         def put(full, one, axis):
             start = [0] * full.ndim
             start[axis] = slot
             return jax.lax.dynamic_update_slice(full, one.astype(full.dtype), start)
 
+        def put_layer(full, one, axes):
+            if "page_table" in full:
+                return _put_paged(full, one, axes["pos"], slot, pages)
+            return jax.tree.map(put, full, one, axes)
+
         def row(arr, value):
             return arr.at[slot].set(value)
 
         return DecodeState(
-            cache=jax.tree.map(put, state.cache, cache, self._batch_axes),
+            cache=(jax.tree.map(put, state.cache, cache, self._batch_axes) if pages is None
+                   else tuple(map(put_layer, state.cache, cache, self._batch_axes))),
             logits=row(state.logits, logits),
             logits_version=row(state.logits_version, version),
             positions=row(state.positions, length),
@@ -630,12 +875,12 @@ class Engine:
         )
 
     def _bulk_insert_impl(self, state, cache, logits, version, length, slots, sample_indices,
-                          count, seed, temperature, top_p, remaining, stop_tokens):
+                          count, seed, temperature, top_p, remaining, stop_tokens, pages=None):
         """`_insert_impl` for slots[:count] (one loop inside one call, in place)."""
         def body(i, state):
             return self._insert_impl(state, cache, logits, version, length, slots[i],
                                      sample_indices[i], seed, temperature, top_p, remaining,
-                                     stop_tokens)
+                                     stop_tokens, None if pages is None else pages[i])
 
         return jax.lax.fori_loop(0, count, body, state)
 
@@ -681,12 +926,22 @@ class Engine:
         """
         budget, stop, seed = self._check_insert(prefix, [slot], max_tokens)
         sp = prefix.sampling
+        decode_state, pages = self._admit_pages(decode_state, prefix, [slot], budget)
         return self._insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), np.int32(slot), np.int32(sample_index),
             seed, np.float32(sp.temperature), np.float32(sp.top_p),
-            np.int32(budget), stop,
+            np.int32(budget), stop, None if pages is None else pages[0],
         )
+
+    def _admit_pages(self, state, prefix, slots, budget):
+        """(state with pending page-table changes applied, page rows for `slots`) in the paged
+        layout; (state, None) in the slot layout."""
+        if self._pages is None:
+            return state, None
+        with self._free_lock:
+            rows = self._pages.admit(slots, prefix.length, budget)
+        return self._sync_tables(state), rows
 
     def bulk_insert(
         self,
@@ -714,11 +969,16 @@ class Engine:
         padded = np.zeros((2, self._num_slots), np.int32)  # one shape: compiled once
         padded[0, : len(slots)] = slots
         padded[1, : len(slots)] = sample_indices
+        decode_state, rows = self._admit_pages(decode_state, prefix, slots, budget)
+        pages = None
+        if rows is not None:
+            pages = np.full((self._num_slots, rows.shape[1]), self._pages.num_pages, np.int32)
+            pages[: len(slots)] = rows
         return self._bulk_insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), padded[0], padded[1], np.int32(len(slots)),
             seed, np.float32(sp.temperature), np.float32(sp.top_p),
-            np.int32(budget), stop,
+            np.int32(budget), stop, pages,
         )
 
     def _deactivate_impl(self, state, slot):
@@ -785,6 +1045,7 @@ class Engine:
         """One decode step for every slot: sample from each row's logits, feed the token. Tokens
         are tagged with the version of `params` (a VersionedParams; bare params are version 0)."""
         weights, version = _split_params(params)
+        decode_state = self.reserve_pages(decode_state)
         return self._generate_jit(weights, decode_state, np.int32(version))
 
 
