@@ -273,6 +273,8 @@ class _PagePool:
         self.limit: dict[int, int] = {}  # one past the last position it may feed
         self._reset: dict[int, int] = {}  # slot -> scratch page its row goes back to
         self._new: list[tuple[int, int, int]] = []  # (slot, page index, page)
+        self.paused: set[int] = set()  # slots waiting for a page
+        self.waits = 0  # times a slot was paused for want of a page
 
     def shard_of(self, slot: int) -> int:
         return slot // (self.slots // self.ways)
@@ -291,12 +293,20 @@ class _PagePool:
         rows (unused entries = num_pages, which the insert's scatter drops). Raises when a
         shard has too few pages free."""
         need = self.pages_for(length)
+        limit = min(length + budget, self.max_pages * self.page_size)
         for shard in {self.shard_of(s) for s in slots}:
-            want = need * sum(1 for s in slots if self.shard_of(s) == shard)
+            count = sum(1 for s in slots if self.shard_of(s) == shard)
+            want = need * count
             if want > len(self._free[shard]):
                 raise RuntimeError(
                     f"paged KV: {want} pages needed for a {length}-token prompt, "
                     f"{len(self._free[shard])} free in shard {shard} "
+                    f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
+            new = [(self.pages_for(limit) - need, need)] * count
+            if not self._safe(len(self._free[shard]) - want, self._holdings(shard) + new):
+                raise RuntimeError(
+                    f"paged KV: admitting {count} more {length}-token prompts (budget {budget}) "
+                    f"could leave shard {shard} without pages for any sequence to finish "
                     f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
         rows = np.full((len(slots), self.max_pages), self.num_pages, np.int32)
         for i, slot in enumerate(slots):
@@ -311,20 +321,76 @@ class _PagePool:
             rows[i, :need] = pages
         return rows
 
-    def grow(self, steps: int) -> None:
-        """Pages for the next `steps` positions of every occupied slot (up to its limit)."""
+    def _need(self, slot: int) -> int:
+        """Pages `slot` may still take before its token budget runs out (its worst case)."""
+        return self.pages_for(self.limit[slot]) - len(self.owned[slot])
+
+    def _holdings(self, shard: int) -> list[tuple[int, int]]:
+        return [(self._need(s), len(p)) for s, p in self.owned.items() if self.shard_of(s) == shard]
+
+    @staticmethod
+    def _safe(free: int, holdings: list[tuple[int, int]]) -> bool:
+        """Whether every sequence can still finish in some order (the banker's test, one
+        resource): taken by smallest worst-case need, each fits in what is free plus the pages
+        of those finished before it."""
+        for need, held in sorted(holdings):
+            if need > free:
+                return False
+            free += held
+        return True
+
+    def admissible(self, shard: int, free_slots: int, prompt: int) -> int:
+        """How many more sequences of a `prompt`-token prompt and the longest budget the shard
+        can admit and stay safe (binary search; safety only gets harder with more)."""
+        held = self.pages_for(prompt)
+        new = (self.max_pages - held, held)
+        free, base = len(self._free[shard]), self._holdings(shard)
+        lo, hi = 0, min(free_slots, free // max(1, held))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._safe(free - mid * held, base + [new] * mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def grow(self, steps: int) -> tuple[list[int], list[int]]:
+        """Pages for the next `steps` positions of every occupied slot (up to its limit), in
+        admission order. A page is granted only while every sequence can still finish (the
+        banker's test, `_safe`), so some sequence always can; a slot refused one waits (paused)
+        until pages come back. Returns (slots to pause, paused slots to resume)."""
+        pause, resume = [], []
+        most = {}  # per shard, an upper bound of the needs (they only shrink while granting)
+        for slot in self.owned:
+            shard = self.shard_of(slot)
+            most[shard] = max(most.get(shard, 0), self._need(slot))
         for slot, pages in self.owned.items():
             last = min(self.next_pos[slot] + steps, self.limit[slot]) - 1
-            while len(pages) * self.page_size <= last:
-                free = self._free[self.shard_of(slot)]
-                if not free:
-                    raise RuntimeError(
-                        f"paged KV: page pool exhausted (num_pages={self.num_pages}, "
-                        f"page_size={self.page_size}, {len(self.owned)} sequences in flight); "
-                        "raise num_pages or admit fewer sequences")
+            shard = self.shard_of(slot)
+            free = self._free[shard]
+            k = max(0, -(-(last + 1) // self.page_size) - len(pages))
+            granted = k <= len(free) and (
+                k == 0 or len(free) - k >= most[shard]
+                or self._safe(len(free) - k, [(n - k, h + k) if s == slot else (n, h) for s, (n, h)
+                                              in zip(self._shard_slots(shard),
+                                                     self._holdings(shard))]))
+            if not granted:
+                if slot not in self.paused:
+                    self.paused.add(slot)
+                    pause.append(slot)
+                    self.waits += 1
+                continue
+            for _ in range(k):
                 pages.append(free.pop())
                 self._new.append((slot, len(pages) - 1, pages[-1]))
+            if slot in self.paused:
+                self.paused.discard(slot)
+                resume.append(slot)
             self.next_pos[slot] = min(self.next_pos[slot] + steps, self.limit[slot])
+        return pause, resume
+
+    def _shard_slots(self, shard: int) -> list[int]:
+        return [s for s in self.owned if self.shard_of(s) == shard]
 
     def release(self, slot: int) -> None:
         pages = self.owned.pop(slot, None)
@@ -334,6 +400,7 @@ class _PagePool:
         del self.next_pos[slot], self.limit[slot]
         self._new = [u for u in self._new if u[0] != slot]
         self._reset[slot] = self.scratch(slot)
+        self.paused.discard(slot)
 
     def take_updates(self):
         """(reset [B] bool, scratch [B], slots [M], page index [M], pages [M]) for
@@ -365,6 +432,19 @@ def _update_tables(state, reset, scratch, slots, index, pages):
         return {**c, "page_table": table}
 
     return dataclasses.replace(state, cache=tuple(layer(c) for c in state.cache))
+
+
+def _pause_row(state, slot):
+    """(state with `slot` inactive, its logits row, its active flag): an inactive row does not
+    advance, but the step overwrites its logits, which resuming puts back."""
+    active = state.active[slot]
+    return (dataclasses.replace(state, active=state.active.at[slot].set(False)),
+            state.logits[slot], active)
+
+
+def _resume_row(state, slot, logits, active):
+    return dataclasses.replace(state, logits=state.logits.at[slot].set(logits),
+                               active=state.active.at[slot].set(active))
 
 
 def _put_paged(layer: dict, row: dict, axis: int, slot, pages_row) -> dict:
@@ -513,6 +593,9 @@ class Engine:
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
         self._tables_jit = jax.jit(_update_tables, donate_argnums=(0,))
+        self._pause_jit = jax.jit(_pause_row, donate_argnums=(0,))
+        self._resume_jit = jax.jit(_resume_row, donate_argnums=(0,))
+        self._paused_rows: dict[int, tuple] = {}
         self._init_decode_jit = {}  # by vocab size: jit with the state's shardings
 
     # JetStream Engine API: properties ---------------------------------------------------------
@@ -612,32 +695,35 @@ class Engine:
             self._free.append(slot)
             if self._pages is not None:
                 self._pages.release(slot)
+                self._paused_rows.pop(slot, None)
 
     @property
     def num_free_slots(self) -> int:
-        """Free slots; with the paged layout, no more than the free pages admit (each new
-        sequence is counted at a max_prefill_length prompt plus one page)."""
+        """Free slots; with the paged layout, no more than the free pages admit: each new
+        sequence counted at a max_prefill_length prompt and a budget to max_target_length, and
+        admitted only while every sequence in flight can still finish (`_PagePool.admissible`).
+        Sequences take pages as they grow, so this is not a reservation of their budget."""
         with self._free_lock:
             if self._pages is None:
                 return len(self._free)
-            per_sequence = self._pages.pages_for(self._max_prefill) + 1
-            fit = sum(min(sum(1 for s in self._free if self._pages.shard_of(s) == shard),
-                          free // per_sequence)
-                      for shard, free in enumerate(self._pages.free_counts()))
-            return fit
+            pool = self._pages
+            return sum(pool.admissible(shard, sum(1 for s in self._free if pool.shard_of(s) == shard),
+                                       self._max_prefill)
+                       for shard in range(pool.ways))
 
     @property
     def kv_layout(self) -> str:
         return "slot" if self._pages is None else "paged"
 
     def page_stats(self) -> dict:
-        """Pages of the paged layout: total, free, in use (empty for the slot layout)."""
+        """Pages of the paged layout: total, free, in use, and `waits` (times a sequence was
+        paused for want of a page); empty for the slot layout."""
         if self._pages is None:
             return {}
         with self._free_lock:
             free = sum(self._pages.free_counts())
         return {"num_pages": self._pages.num_pages, "page_size": self._pages.page_size,
-                "free": free, "in_use": self._pages.usable - free}
+                "free": free, "in_use": self._pages.usable - free, "waits": self._pages.waits}
 
     def _sync_tables(self, state: DecodeState) -> DecodeState:
         """Apply the host's pending page-table changes (freed rows back to scratch, new pages)
@@ -654,8 +740,15 @@ class Engine:
         if self._pages is None:
             return decode_state
         with self._free_lock:
-            self._pages.grow(steps)
-        return self._sync_tables(decode_state)
+            pause, resume = self._pages.grow(steps)
+        for slot in pause:  # keeps its logits and active flag; the step leaves the rest alone
+            decode_state, logits, active = self._pause_jit(decode_state, np.int32(slot))
+            self._paused_rows[slot] = (logits, active)
+        decode_state = self._sync_tables(decode_state)  # its new page before it runs again
+        for slot in resume:
+            logits, active = self._paused_rows.pop(slot)
+            decode_state = self._resume_jit(decode_state, np.int32(slot), logits, active)
+        return decode_state
 
     # Decode state ----------------------------------------------------------------------------
     def _init_decode_impl(self, vocab: int):
@@ -986,6 +1079,9 @@ class Engine:
 
     def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Stop a slot before it finishes by itself (cancelled request)."""
+        if slot in self._paused_rows:  # waiting for a page: it must not come back active
+            logits, _ = self._paused_rows[slot]
+            self._paused_rows[slot] = (logits, np.bool_(False))
         return self._deactivate_jit(decode_state, np.int32(slot))
 
     # Generate --------------------------------------------------------------------------------
