@@ -76,6 +76,11 @@ def on_local_shards(kernel, q, k, v, extra):
                          out_specs=q_spec, check_vma=False)(q, k, v, extra)
 
 
+def _one_device() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or not mesh.auto_axes or mesh.size == 1
+
+
 def init_layer_cache(batch: int, slots: int, entries: dict, dtype) -> dict:
     """Empty cache layer: one [batch, slots, *shape] array per entry, and `pos` = -1."""
     cache = {name: jnp.zeros((batch, slots, *shape), dtype) for name, shape in entries.items()}
@@ -283,8 +288,10 @@ class Attention(nnx.Module):
         new_cache = None
         if cache is None:
             out = self._attend_self(q, k, v, positions_bt, segment_ids_bt, sinks)
-        elif is_paged(cache) and self.use_kernel and q.shape[1] == 1:
-            # One-token decode over the page pool on the paged Pallas kernel.
+        elif is_paged(cache) and self.use_kernel and q.shape[1] == 1 and _one_device():
+            # One-token decode over the page pool on the paged Pallas kernel. Under a mesh of
+            # several devices the gather path below runs instead, which XLA partitions (the
+            # kernel is opaque to the partitioner, and per-shard page ids are not done).
             new_cache = write_pages(cache, {"k": k, "v": v}, positions_bt)
             lengths = jnp.maximum(positions_bt[:, 0] + 1, 0)
             out = paged_decode_attention(
