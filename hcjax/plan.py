@@ -97,6 +97,9 @@ class PlanConfig:
     masters, as the in-process engine does today).
     mean_len, page_size: the decode report's KV fit (`kv_fit`) for sequences of kv_len tokens
     at most and mean_len (capped at kv_len) on average, slot caches against pages of page_size.
+    kv_layout: the decode step's engine layout; "paged" compiles it with a pool of pages for
+    decode_batch sequences of mean_len plus a page each, and one kv_len sequence per batch shard
+    (then the report has no `kv_fit`: the compiled step's memory is the paged figure).
     """
 
     topology: str = "v5p:2x2x1"
@@ -114,6 +117,7 @@ class PlanConfig:
     top_buffers: int = 8
     mean_len: int = 4096
     page_size: int = 16
+    kv_layout: str = "slot"
 
     def __post_init__(self) -> None:
         for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len", "num_slices",
@@ -121,6 +125,8 @@ class PlanConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PlanConfig.{name}={value!r} must be a positive integer")
+        if self.kv_layout not in ("slot", "paged"):
+            raise ValueError(f"PlanConfig.kv_layout={self.kv_layout!r} is not 'slot' or 'paged'")
         if self.global_batch_tokens % self.seq_len:
             raise ValueError(
                 f"PlanConfig.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
@@ -598,8 +604,14 @@ def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
 def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
     dtype = None if pc.serve_dtype is None else jnp.dtype(pc.serve_dtype)
     _, params, model = _abstract_params(model_cfg, mesh, dtype)
-    engine = Engine(model, mesh=mesh, max_concurrent_decodes=pc.decode_batch,
-                    max_target_length=pc.kv_len, max_prefill_length=max(1, pc.kv_len // 2))
+    kw = dict(mesh=mesh, max_concurrent_decodes=pc.decode_batch, max_target_length=pc.kv_len,
+              max_prefill_length=max(1, pc.kv_len // 2), kv_layout=pc.kv_layout)
+    engine = Engine(model, **kw)
+    if pc.kv_layout == "paged":
+        ways, mean = engine._pages.ways, min(pc.mean_len, pc.kv_len)
+        pages = -(-pc.decode_batch * (mean + pc.page_size) // pc.page_size)
+        per_shard = -(-pages // ways) + -(-pc.kv_len // pc.page_size) + 1
+        engine = Engine(model, page_size=pc.page_size, num_pages=ways * per_shard, **kw)
     state = jax.eval_shape(lambda: engine._init_decode_impl(model_cfg.vocab_size))
     shardings = engine.decode_state_shardings(model_cfg.vocab_size)
     state = _abstract(state, shardings)
@@ -887,8 +899,9 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
         roofline(step, inf_spec, len(inf_devices), split["total"])
         step["tokens_per_s_estimate"] = (
             pc.decode_batch / step["estimated_step_s"] if step["estimated_step_s"] else 0.0)
-        step["kv_fit"] = kv_fit(args[1], params, inf_spec.hbm_bytes, pc.kv_len,
-                                min(pc.mean_len, pc.kv_len), pc.page_size)
+        if pc.kv_layout == "slot":
+            step["kv_fit"] = kv_fit(args[1], params, inf_spec.hbm_bytes, pc.kv_len,
+                                    min(pc.mean_len, pc.kv_len), pc.page_size)
         result["decode_step"] = step
         # Weight transfer learner -> inference: every parameter once, in the serving dtype; each
         # inference device receives its shard at its full ICI bandwidth (a lower bound; across

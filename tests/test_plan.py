@@ -237,3 +237,15 @@ def test_kv_fit_counts_slot_and_paged_sequences_by_hand():
     assert fit["paged_sequences"] == 2 * int((free - per_token * 512)
                                              // fit["paged_bytes_per_sequence_per_chip"])
     assert fit["paged_over_slot"] > 3
+
+
+def test_paged_decode_step_compiles_the_paged_kernel_for_tpu():
+    """kv_layout="paged": the decode step on a pool of pages compiles with the paged Mosaic
+    kernel under shard_map (pages split with the batch over data, heads over tensor)."""
+    model = dataclasses.replace(_tiny(), num_layers=2, attention_pattern=("local", "global"),
+                                attention_impl="auto", moe_impl="auto")
+    pc = dataclasses.replace(SMALL, topology="v5p:2x2x1", train=False, kv_layout="paged",
+                             mean_len=64, page_size=16)
+    step = plan_lib.plan(pc, model, mesh_cfg=MeshConfig(fsdp=1, tensor=2))["decode_step"]
+    assert step["compiled"] and step["fits"] and "kv_fit" not in step
+    assert step["pallas_kernels"].get("paged_decode_attention_tpu", 0) >= 1, step["pallas_kernels"]

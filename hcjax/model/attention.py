@@ -76,11 +76,6 @@ def on_local_shards(kernel, q, k, v, extra):
                          out_specs=q_spec, check_vma=False)(q, k, v, extra)
 
 
-def _one_device() -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or not mesh.auto_axes or mesh.size == 1
-
-
 def init_layer_cache(batch: int, slots: int, entries: dict, dtype) -> dict:
     """Empty cache layer: one [batch, slots, *shape] array per entry, and `pos` = -1."""
     cache = {name: jnp.zeros((batch, slots, *shape), dtype) for name, shape in entries.items()}
@@ -212,6 +207,45 @@ def paged_cached_attention(cache: dict, entries_bt: dict, pos_bt, attend):
     return out, new_cache
 
 
+def paged_decode_on_local_shards(q, k, v, cache: dict, pos_bt, window, dtype):
+    """(out [B, Hq, D], new cache): write one token's k, v [B, 1, Hkv, D] into a paged layer and
+    attend on the paged Pallas kernel, under `shard_map` over the context mesh as
+    `on_local_shards` splits it: the batch (and the page table's rows) over the activation batch
+    axes, the pool's pages over the same axes, heads over tensor when they divide. The engine
+    gives a slot only pages of its own shard's range (`rollout.engine._PagePool`), so each shard
+    turns page ids into its local ones; entries outside the range (scratch) read its first page.
+    """
+    def run(q, k, v, k_pool, v_pool, table, pos, first_page):
+        local = table - first_page
+        local = jnp.where((local >= 0) & (local < k_pool.shape[0]), local, 0)
+        new = write_pages({"k": k_pool, "v": v_pool, "page_table": local}, {"k": k, "v": v}, pos)
+        lengths = jnp.maximum(pos[:, 0] + 1, 0)
+        out = paged_decode_attention(q, new["k"].astype(dtype), new["v"].astype(dtype), local,
+                                     lengths, window=window, impl="pallas")
+        return out, new["k"], new["v"]
+
+    args = (q, k, v, cache["k"], cache["v"], cache["page_table"], pos_bt)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.auto_axes or mesh.size == 1:
+        out, k_pool, v_pool = run(*args, 0)
+    else:
+        batch = shd.activation_spec(q.shape[:1], ("activation_batch",), mesh)[0]
+        q_heads = shd.activation_spec(q.shape[1:2], ("activation_heads",), mesh)[0]
+        kv_heads = shd.activation_spec(k.shape[2:3], ("activation_kv_heads",), mesh)[0]
+        heads = q_heads if q_heads == kv_heads else None
+        P = jax.sharding.PartitionSpec
+        q_spec, kv_spec, rows = P(batch, heads, None), P(batch, None, heads, None), P(batch, None)
+
+        def local(*xs):
+            first = 0 if batch is None else jax.lax.axis_index(batch) * xs[3].shape[0]
+            return run(*xs, first)
+
+        out, k_pool, v_pool = jax.shard_map(
+            local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, kv_spec, kv_spec, rows, rows),
+            out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
+    return out, {"k": k_pool, "v": v_pool, "page_table": cache["page_table"]}
+
+
 class _Rope:
     """RoPE of one layer: the frequency table is a static tuple (hashable graph data)."""
 
@@ -288,15 +322,11 @@ class Attention(nnx.Module):
         new_cache = None
         if cache is None:
             out = self._attend_self(q, k, v, positions_bt, segment_ids_bt, sinks)
-        elif is_paged(cache) and self.use_kernel and q.shape[1] == 1 and _one_device():
-            # One-token decode over the page pool on the paged Pallas kernel. Under a mesh of
-            # several devices the gather path below runs instead, which XLA partitions (the
-            # kernel is opaque to the partitioner, and per-shard page ids are not done).
-            new_cache = write_pages(cache, {"k": k, "v": v}, positions_bt)
-            lengths = jnp.maximum(positions_bt[:, 0] + 1, 0)
-            out = paged_decode_attention(
-                q[:, 0], new_cache["k"].astype(dt), new_cache["v"].astype(dt),
-                new_cache["page_table"], lengths, window=self.window, impl="pallas")[:, None]
+        elif is_paged(cache) and self.use_kernel and q.shape[1] == 1:
+            # One-token decode over the page pool on the paged Pallas kernel, per shard.
+            out, new_cache = paged_decode_on_local_shards(q[:, 0], k, v, cache, positions_bt,
+                                                          self.window, dt)
+            out = out[:, None]
         elif self.use_kernel and q.shape[1] == 1:
             # One-token decode on the Pallas kernel: store first, then attend over the cache.
             new_cache = write_cache(cache, {"k": k, "v": v}, positions_bt, ring=ring)

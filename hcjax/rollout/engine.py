@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hcjax import sharding as shd
 from hcjax.data.tokenizer import load_tokenizer
 from hcjax.model import init_cache, init_paged_cache
 from hcjax.rollout import prefix_cache as pc
@@ -235,15 +236,13 @@ def _batch_axes(init_cache_fn: Callable[[int, int], Any], max_len: int) -> Any:
     return jax.tree.map(axis, one, two)
 
 
-def _batch_ways(mesh: Mesh | None, slots: int) -> int:
-    """Devices the decode batch is split over (the batch axes of `decode_state_shardings`)."""
-    size = 1
-    if mesh is not None:
-        for a in ("data", "fsdp", "expert"):
-            n = mesh.shape.get(a, 1)
-            if n > 1 and slots % (size * n) == 0:
-                size *= n
-    return size
+def _pool_axes(mesh: Mesh | None, slots: int) -> tuple[str, ...]:
+    """Mesh axes the paged pool's pages are split over: the decode batch's activation axes, as
+    the model's paged kernel (`attention.paged_decode_on_local_shards`) splits it."""
+    if mesh is None:
+        return ()
+    entry = shd.activation_spec((slots,), ("activation_batch",), mesh)[0]
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 class _PagePool:
@@ -561,7 +560,7 @@ class Engine:
         self._free_lock = threading.Lock()
         self._pages = None if kv_layout == "slot" else _PagePool(
             max_concurrent_decodes, max_target_length, page_size, num_pages,
-            _batch_ways(mesh, max_concurrent_decodes))
+            int(np.prod([mesh.shape[a] for a in _pool_axes(mesh, max_concurrent_decodes)])))
         if self._pages is not None:
             pool = self._pages
             self._decode_cache_fn = lambda b, n: init_paged_cache(
@@ -807,14 +806,16 @@ class Engine:
                 spec[b + 2] = "tensor"
             return NamedSharding(mesh, PartitionSpec(*spec))
 
-        def paged(layer):  # pools split on pages like the batch, heads over tensor; see _PagePool
+        pool_axes = _pool_axes(mesh, self._num_slots)
+
+        def paged(layer):  # pages split like the activation batch, heads over tensor (_PagePool)
             lead = layer["page_table"].ndim - 2
             out = {"page_table": one(layer["page_table"], lead)}
             for name, x in layer.items():
                 if name != "page_table":
                     spec = [None] * x.ndim
-                    if axes:
-                        spec[lead] = tuple(axes)
+                    if pool_axes:
+                        spec[lead] = pool_axes
                     if x.ndim == lead + 4 and tensor > 1 and x.shape[lead + 2] % tensor == 0:
                         spec[lead + 2] = "tensor"
                     out[name] = NamedSharding(mesh, PartitionSpec(*spec))
