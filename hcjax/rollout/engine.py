@@ -5,7 +5,9 @@ inside the jitted step, so one host copy per step carries everything, and prefix
 requests (prefix_cache.py).
 
 It runs on the model's KV-cache path: one cache row per decode slot, rows independent, local layers
-in ring buffers. It knows nothing of requests, threads or losses; the server (server.py) does.
+in ring buffers; global layers either hold max_target_length positions per slot (kv_layout="slot")
+or share a pool of pages that slots take as they grow (kv_layout="paged", `_PagePool`). It knows
+nothing of requests, threads or losses; the server (server.py) does.
 JetStream is optional: when it imports, `Engine` and `ResultTokens` are registered as virtual
 subclasses of its abstract classes (`register_with_jetstream`); hcjax never needs it.
 """
