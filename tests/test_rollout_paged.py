@@ -100,6 +100,24 @@ def test_pages_follow_length_and_admission_counts_pages():
     for slot in slots:
         eng.free_resource(slot)
     assert eng.page_stats()["in_use"] == 0 and eng.num_free_slots == 1
+    # A 13-token prompt in two slots: its full page is shared, each has its own second page.
+    prefix = eng.prefill(params=eng.load_params(), padded_tokens=PROMPTS[0], true_length=13,
+                         sampling=SamplingOptions(max_tokens=4, temperature=0.0))
+    slots = eng.allocate_slots(2)
+    state = eng.bulk_insert(prefix, state, slots)
+    pages = [eng._pages.owned[s] for s in slots]
+    assert pages[0][0] == pages[1][0] and pages[0][1] != pages[1][1]
+    assert eng.page_stats()["in_use"] == 3
+    tokens = []
+    for _ in range(4):  # position 16 takes a third page each
+        state, result = eng.generate(eng.load_params(), state)
+        tokens.append(np.asarray(result.tokens)[slots])
+    assert eng.page_stats()["in_use"] == 5
+    np.testing.assert_array_equal(*np.stack(tokens).T)  # greedy: both slots alike
+    eng.free_resource(slots[0])
+    assert eng.page_stats()["in_use"] == 3  # the shared page stays with the other slot
+    eng.free_resource(slots[1])
+    assert eng.page_stats()["in_use"] == 0
 
 
 def test_unsafe_admission_and_bad_options_raise_clear_errors():
@@ -108,7 +126,7 @@ def test_unsafe_admission_and_bad_options_raise_clear_errors():
     state = eng.init_decode_state()
     prefix = eng.prefill(params=eng.load_params(), padded_tokens=PROMPTS[0], true_length=13,
                          sampling=SamplingOptions(max_tokens=20, temperature=0.0))
-    with pytest.raises(RuntimeError, match="4 pages needed for a 13-token prompt, 3 free"):
+    with pytest.raises(RuntimeError, match="4 pages needed for 1 x a 13-token prompt, 3 free"):
         eng.insert(prefix, state, 0)
     short = eng.prefill(params=eng.load_params(), padded_tokens=PROMPTS[1], true_length=5,
                         sampling=SamplingOptions(max_tokens=20, temperature=0.0))

@@ -270,6 +270,7 @@ class _PagePool:
         self._free = [list(range((w + 1) * self.per_shard - 1, w * self.per_shard, -1))
                       for w in range(ways)]  # popped from the end: lowest ids first
         self.owned: dict[int, list[int]] = {}
+        self.refs: dict[int, int] = {}  # page -> slots holding it (a prompt's pages are shared)
         self.next_pos: dict[int, int] = {}  # next position each occupied slot feeds
         self.limit: dict[int, int] = {}  # one past the last position it may feed
         self._reset: dict[int, int] = {}  # slot -> scratch page its row goes back to
@@ -291,35 +292,49 @@ class _PagePool:
 
     def admit(self, slots: Sequence[int], length: int, budget: int) -> np.ndarray:
         """Pages for a `length`-token prompt in each of `slots`: [len(slots), max_pages] page
-        rows (unused entries = num_pages, which the insert's scatter drops). Raises when a
-        shard has too few pages free."""
-        need = self.pages_for(length)
+        rows (unused entries = num_pages, which the insert's scatter drops). The slots of one
+        shard share the prompt's full pages (read-only: every write is at a position past the
+        prompt) and each gets its own copy of a partly filled last page. Raises when a shard has
+        too few pages free, or when admitting could leave no sequence able to finish."""
+        full, part = divmod(length, self.page_size)
+        part = int(part > 0)
         limit = min(length + budget, self.max_pages * self.page_size)
-        for shard in {self.shard_of(s) for s in slots}:
-            count = sum(1 for s in slots if self.shard_of(s) == shard)
-            want = need * count
-            if want > len(self._free[shard]):
-                raise RuntimeError(
-                    f"paged KV: {want} pages needed for a {length}-token prompt, "
-                    f"{len(self._free[shard])} free in shard {shard} "
-                    f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
-            new = [(self.pages_for(limit) - need, need)] * count
-            if not self._safe(len(self._free[shard]) - want, self._holdings(shard) + new):
-                raise RuntimeError(
-                    f"paged KV: admitting {count} more {length}-token prompts (budget {budget}) "
-                    f"could leave shard {shard} without pages for any sequence to finish "
-                    f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
-        rows = np.full((len(slots), self.max_pages), self.num_pages, np.int32)
-        for i, slot in enumerate(slots):
+        for slot in slots:
             if slot in self.owned:
                 raise ValueError(f"slot={slot} still holds pages (free_resource it first)")
-            pages = [self._free[self.shard_of(slot)].pop() for _ in range(need)]
-            self.owned[slot] = pages
-            self.next_pos[slot] = length
-            self.limit[slot] = min(length + budget, self.max_pages * self.page_size)
-            self._reset.pop(slot, None)  # the insert rewrites the row
-            self._new = [u for u in self._new if u[0] != slot]
-            rows[i, :need] = pages
+        by_shard: dict[int, list[int]] = {}
+        for slot in slots:
+            by_shard.setdefault(self.shard_of(slot), []).append(slot)
+        for shard, group in by_shard.items():
+            want = full + part * len(group)
+            if want > len(self._free[shard]):
+                raise RuntimeError(
+                    f"paged KV: {want} pages needed for {len(group)} x a {length}-token prompt, "
+                    f"{len(self._free[shard])} free in shard {shard} "
+                    f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
+            held = full + part if len(group) == 1 else part  # pages only this slot would free
+            new = [(self.pages_for(limit) - full - part, held)] * len(group)
+            if not self._safe(len(self._free[shard]) - want, self._holdings(shard) + new):
+                raise RuntimeError(
+                    f"paged KV: admitting {len(group)} more {length}-token prompts (budget "
+                    f"{budget}) could leave shard {shard} without pages for any sequence to "
+                    f"finish (num_pages={self.num_pages}); admit fewer sequences or raise "
+                    "num_pages")
+        rows = np.full((len(slots), self.max_pages), self.num_pages, np.int32)
+        index = {slot: i for i, slot in enumerate(slots)}
+        for shard, group in by_shard.items():
+            free = self._free[shard]
+            shared = [free.pop() for _ in range(full)]
+            for slot in group:
+                pages = shared + [free.pop() for _ in range(part)]
+                for page in pages:
+                    self.refs[page] = self.refs.get(page, 0) + 1
+                self.owned[slot] = pages
+                self.next_pos[slot] = length
+                self.limit[slot] = limit
+                self._reset.pop(slot, None)  # the insert rewrites the row
+                self._new = [u for u in self._new if u[0] != slot]
+                rows[index[slot], : len(pages)] = pages
         return rows
 
     def _need(self, slot: int) -> int:
@@ -327,7 +342,10 @@ class _PagePool:
         return self.pages_for(self.limit[slot]) - len(self.owned[slot])
 
     def _holdings(self, shard: int) -> list[tuple[int, int]]:
-        return [(self._need(s), len(p)) for s, p in self.owned.items() if self.shard_of(s) == shard]
+        """(worst-case need, pages it alone holds) of each sequence of the shard: a shared page
+        only comes back with its last holder, so it counts for none (the test stays safe)."""
+        return [(self._need(s), sum(1 for page in p if self.refs[page] == 1))
+                for s, p in self.owned.items() if self.shard_of(s) == shard]
 
     @staticmethod
     def _safe(free: int, holdings: list[tuple[int, int]]) -> bool:
@@ -383,6 +401,7 @@ class _PagePool:
                 continue
             for _ in range(k):
                 pages.append(free.pop())
+                self.refs[pages[-1]] = 1
                 self._new.append((slot, len(pages) - 1, pages[-1]))
             if slot in self.paused:
                 self.paused.discard(slot)
@@ -397,7 +416,11 @@ class _PagePool:
         pages = self.owned.pop(slot, None)
         if pages is None:
             return
-        self._free[self.shard_of(slot)].extend(reversed(pages))
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                del self.refs[page]
+                self._free[self.shard_of(slot)].append(page)
         del self.next_pos[slot], self.limit[slot]
         self._new = [u for u in self._new if u[0] != slot]
         self._reset[slot] = self.scratch(slot)
