@@ -511,10 +511,13 @@ class Engine:
     kv_layout: "slot" (every global layer keeps max_target_length positions per slot) or
       "paged" (global layers share a pool of `num_pages` pages of `page_size` positions; a slot
       takes pages for its prompt on insert and one more each time it crosses a page boundary,
-      and gives them back on `free_resource`; local layers keep their ring buffers). num_pages
+      and gives them back on `free_resource`; the samples of one `bulk_insert` share the
+      prompt's full pages; local layers keep their ring buffers). num_pages
       None = enough for every slot at max_target_length (no saving; size it to the load). Page 0
       of each batch shard is scratch that idle rows write to. Admission (`num_free_slots`) counts
-      pages as well as slots. Prefill and the prefix cache keep the slot layout (batch 1).
+      pages as well as slots; a page is granted only while every sequence can still finish, and
+      a slot refused one pauses until pages come back. Prefill and the prefix cache keep the slot
+      layout (batch 1): a prefix-cache hit is copied into pages, not shared.
     """
 
     def __init__(
