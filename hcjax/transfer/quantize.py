@@ -38,6 +38,7 @@ from hcjax.transfer.reshard_plan import path_str
 
 __all__ = ["DEFAULT_BLOCK", "FORMATS", "QUANTIZED_NAMES", "SCALE", "check_format", "dequantize",
            "dequantize_tree", "quantize", "quantize_tree", "quantized_paths", "round_trip",
+           "round_trip_tree",
            "wire_bytes"]
 
 # format -> (value dtype on the wire, largest value of the grid; None: a cast without scales)
@@ -228,3 +229,14 @@ def dequantize_tree(wire: Mapping[str, jax.Array], template: Any,
 def wire_bytes(layout: Mapping[str, jax.ShapeDtypeStruct]) -> int:
     """Bytes of a wire layout (values and scales)."""
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in layout.values())
+
+
+def round_trip_tree(tree: Any, fmt: str | None, block: int = DEFAULT_BLOCK,
+                    names: Iterable[str] = QUANTIZED_NAMES) -> Any:
+    """`tree` with the leaves a push quantises replaced by the values a replica serves
+    (round_trip); every other leaf as it is. For references and benchmarks."""
+    if fmt is None:
+        return tree
+    chosen = set(quantized_paths(tree, names))
+    return jax.tree_util.tree_map_with_path(
+        lambda k, x: round_trip(x, fmt, block) if path_str(k) in chosen else x, tree)

@@ -52,6 +52,7 @@ from hcjax.rpc.auth import open_channel
 from hcjax.rpc.server import blocking
 from hcjax.transfer.delta import ENCODINGS
 from hcjax.transfer.local import TransferError
+from hcjax.transfer.quantize import check_format
 from hcjax.transfer.remote import (
     CHECKED_DELTA,
     CHECKED_FULL,
@@ -100,11 +101,21 @@ class WeightSyncConfig:
     only what changed since the replica's version, a CRC-32 per entry; see the module doc).
     full_every: with delta sync, a full push after this many deltas in a row (0: never forced).
     encoding: the delta encoding (hcjax.transfer.delta.ENCODINGS).
+    quantize: serve quantised weights (hcjax.transfer.quantize.FORMATS: "fp8_e4m3", "int8",
+      "bfloat16"; None: as trained): the push quantises the matmul kernels on the learner's
+      devices, one byte per value plus a float32 scale per `quant_block` values of the last axis
+      travel, and each replica serves their dequantised values in its own parameter dtype.
+      In-process replicas (hcjax.rl.inference.LocalInference) only so far.
     """
 
     sync: str = "full"
     full_every: int = 16
     encoding: str = "sparse"
+    quantize: str | None = None
+    quant_block: int = 128
+
+    def __post_init__(self) -> None:
+        check_format(self.quantize, self.quant_block)
 
 
 class Unreached(RuntimeError):
@@ -354,6 +365,10 @@ class WeightPublisher:
         sync = defaults.sync if sync is None else sync
         full_every = defaults.full_every if full_every is None else full_every
         encoding = defaults.encoding if encoding is None else encoding
+        if defaults.quantize is not None:
+            raise ValueError(f"WeightSyncConfig.quantize={defaults.quantize!r}: quantise-on-sync "
+                             "serves in-process replicas only (LocalInference); a remote "
+                             "replica would serve unquantised weights")
         if sync not in ("full", "delta"):
             raise ValueError(f"sync={sync!r} must be 'full' or 'delta'")
         if full_every < 0:
