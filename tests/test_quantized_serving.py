@@ -91,3 +91,65 @@ def test_bad_quantize_option_names_the_value():
         WeightSyncConfig(quantize="fp6")
     with pytest.raises(ValueError, match="quant_block=-1"):
         WeightSyncConfig(quantize="int8", quant_block=-1)
+
+
+@pytest.mark.parametrize("sync", ["full", "delta"])
+def test_remote_push_serves_the_quantised_weights(sync):
+    """WeightPublisher(quantize="int8") to a WeightsServicer over gRPC: the wire carries int8
+    values and scales, the replica serves their dequantised values in float32, a delta of
+    quantised values applies, and NaN weights are still refused."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hcjax.finite import check_finite
+    from hcjax.rpc.auth import Security
+    from hcjax.rpc.server import RpcServer
+    from hcjax.transfer.weights_service import WeightPublisher, WeightsServicer
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    put = lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, PartitionSpec()))  # noqa: E731
+    served = {}
+
+    class Server:
+        version = 0
+
+        def update_weights(self, tree, version, rollback=False):
+            check_finite(tree, f"weights version {version}")
+            served[version] = tree
+
+    rng = np.random.default_rng(5)
+    tree = lambda: {"layer": {"wq": put(rng.normal(size=(4, 40)).astype(np.float32)),  # noqa: E731
+                              "norm": put(rng.normal(size=(4,)).astype(np.float32))}}
+    grpc_server = RpcServer(Security())
+    grpc_server.add_generic_rpc_handlers(
+        (WeightsServicer(Server(), tree()).handler(grpc_server.blocking_pool),))
+    address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
+    grpc_server.start()
+    current = tree()
+    try:
+        publisher = WeightPublisher(lambda: current, [address], timeout=60, sync=sync,
+                                    quantize="int8", quant_block=BLOCK)
+        for version in (1, 2):
+            if version == 2:
+                current = {"layer": {"wq": current["layer"]["wq"].at[0, :5].add(1.0),
+                                     "norm": current["layer"]["norm"]}}
+            publisher(version)
+            got = served[version]["layer"]
+            assert got["wq"].dtype == jnp.float32
+            np.testing.assert_array_equal(
+                np.asarray(got["wq"]),
+                np.asarray(qz.round_trip(current["layer"]["wq"], "int8", BLOCK)))
+            np.testing.assert_array_equal(np.asarray(got["norm"]),
+                                          np.asarray(current["layer"]["norm"]))
+        # int8 values (1 B) and a float32 scale per 16 values (3 blocks a row), fp32 norm
+        assert publisher.history[0]["bytes"] == 4 * 40 + 4 * 3 * 4 + 4 * 4
+        if sync == "delta":
+            assert publisher.history[1]["deltas"] == 1
+            assert publisher.history[1]["wire_bytes"] < publisher.history[0]["bytes"]
+        current = {"layer": {"wq": current["layer"]["wq"].at[1, 1].set(jnp.nan),
+                             "norm": current["layer"]["norm"]}}
+        with pytest.raises(NonFiniteWeights):
+            publisher(3)
+        assert 3 not in served
+        publisher.close()
+    finally:
+        grpc_server.stop(None)
