@@ -25,6 +25,7 @@ from flax import nnx
 from hcjax import config as hcfg
 from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer
+from hcjax.model_io import load_model
 from hcjax.rl.batch import LearnerBatch, pack_rollouts
 from hcjax.rl.learner import token_logprobs
 from hcjax.rl.losses import LossConfig, rollout_correction
@@ -194,6 +195,7 @@ def logprob_gap(
     weight_noise: float = WEIGHT_NOISE,
     quant_formats: Sequence[str] = QUANT_FORMATS,
     quant_block: int = DEFAULT_BLOCK,
+    state: nnx.State | None = None,
     phases: Phases | None = None,
 ) -> dict:
     """Train-inference gap table. For each (sampler dtype, learner dtype) pair, same fp32 master
@@ -205,14 +207,17 @@ def logprob_gap(
     `quant_formats`: per format, rollouts from the engine serving the round trip of the matmul
     kernels (hcjax.transfer.quantize, blocks of `quant_block`) in fp32 compute, against the fp32
     learner on the unquantised masters: the gap quantise-on-sync adds ("quantized" rows).
+    `state`: fp32 weights to use (e.g. a trained checkpoint's) instead of perturbed init ones.
     Returns {"rows": [one dict per (pair, replay_routing, replay_top_p)], "quantized": [...],
     ...}.
     """
     phases = phases or Phases("hcjax.bench.precision", mode="off")
     eps = LossConfig().eps
-    _, state = nnx.split(Transformer(dataclasses.replace(cfg, dtype="float32"),
-                                     rngs=nnx.Rngs(seed)))
-    state = perturbed(state, seed + 1, weight_noise)
+    noise = weight_noise if state is None else None  # None: given (e.g. trained) weights
+    if state is None:
+        _, state = nnx.split(Transformer(dataclasses.replace(cfg, dtype="float32"),
+                                         rngs=nnx.Rngs(seed)))
+        state = perturbed(state, seed + 1, weight_noise)
     models = {dtype: with_dtype(cfg, state, dtype) for pair in pairs for dtype in pair}
     recompute = {dtype: make_learner_logprobs(model) for dtype, model in models.items()}
     sampled: dict[str, tuple] = {}
@@ -308,7 +313,7 @@ def logprob_gap(
         "tis_cap": cap,
         "rollouts_per_sampler": {d: n for d, (_, n, _) in sampled.items()},
         "sample_s": {d: round(t, 3) for d, (_, _, t) in sampled.items()},
-        "weight_noise": weight_noise,
+        "weight_noise": noise,
         "ratio_tolerance": RATIO_TOLERANCE,
         "clip_interval": [1.0 - eps, 1.0 / (1.0 - eps)],
         "sampling": {"prompts": prompts, "prompt_len": prompt_len, "samples": samples,
@@ -321,6 +326,7 @@ EXAMPLES = """examples:
   python -m hcjax.bench.precision --larger --max_tokens 96
   python -m hcjax.bench.precision --reduced            # a few short rollouts (the test's run)
   python -m hcjax.bench.precision --quantize int8      # served int8 rows only (default fp8, int8)
+  python -m hcjax.bench.precision --base_checkpoint runs/base   # a trained base's weights
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -348,11 +354,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         f"default {' and '.join(QUANT_FORMATS)})")
     parser.add_argument("--quant_block", type=int, default=DEFAULT_BLOCK,
                         help="values per scale along the last axis")
+    parser.add_argument("--base_checkpoint", default=None,
+                        help="run folder of trained weights (e.g. an hcjax.sft base) to measure "
+                        "instead of perturbed initial weights")
     args = parser.parse_args(argv)
     hcfg.bind(args.gin_file or ["tiny_cpu.gin"], [])
-    cfg = ModelConfig()
+    cfg, state = ModelConfig(), None
     if args.larger:
         cfg = larger_config(cfg)
+    if args.base_checkpoint and args.larger:
+        parser.error("--base_checkpoint and --larger exclude each other (the checkpoint's model "
+                     "is measured)")
+    if args.base_checkpoint:
+        model, cfg = load_model(args.base_checkpoint)
+        cfg = dataclasses.replace(cfg, dtype="float32")
+        state = nnx.state(model)
     sizes = dict(prompts=args.prompts, prompt_len=args.prompt_len, samples=args.samples,
                  max_tokens=args.max_tokens)
     if args.reduced:
@@ -360,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     table = logprob_gap(cfg, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         weight_noise=args.weight_noise, phases=Phases("hcjax.bench.precision"),
                         quant_formats=tuple(args.quantize or QUANT_FORMATS),
-                        quant_block=args.quant_block, **sizes)
+                        quant_block=args.quant_block, state=state, **sizes)
     out = {
         "bench": "precision",
         "backend": jax.default_backend(),
@@ -368,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "jax_version": jax.__version__,
         "config": {"d_model": cfg.d_model, "num_layers": cfg.num_layers,
                    "num_experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
-                   "vocab_size": cfg.vocab_size, "larger": args.larger},
+                   "vocab_size": cfg.vocab_size, "larger": args.larger,
+                   "base_checkpoint": args.base_checkpoint},
         "dtype_knob": "ModelConfig.dtype (compute dtype; fp32 master parameters in both)",
         **table,
     }
