@@ -26,7 +26,7 @@ def _flat(tree):
     return {path_str(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.slow  # an engine, its plan and two forwards compiled: ~70 s on the loaded 2-core CPU
+@pytest.mark.slow  # an engine, its plan and two forwards compiled: 25 s on the shared 2-core CPU
 @pytest.mark.parametrize("fmt", ["fp8_e4m3"])
 def test_replica_serves_and_samples_the_quantised_weights(fmt):
     # One device each (the 2-device sharding of values and scales is test_transfer_quantize's).
