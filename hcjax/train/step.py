@@ -147,10 +147,11 @@ def combine_metrics(parts: Mapping[str, jax.Array]) -> Metrics:
             for name, x in parts.items()}
 
 
-def model_forward(graphdef: nnx.GraphDef, rest: Any = None) -> Forward:
+def model_forward(graphdef: nnx.GraphDef, rest: Any = None, *, head: bool = True) -> Forward:
     """fn(params, inputs, dropout_rng) -> the model's output on one micro-batch's `inputs` (see
     `Objective.split`), replaying `inputs["routing"]` when it is there. `rest`: the model's
-    non-parameter state, if any."""
+    non-parameter state, if any. head=False: no logits, the head's input and weight instead
+    (`ModelOutput.hidden`, `head_weight`), for an objective that forms them in slices."""
 
     def forward(params, inputs, dropout_rng):
         model = nnx.merge(graphdef, params) if rest is None else nnx.merge(graphdef, params, rest)
@@ -158,7 +159,8 @@ def model_forward(graphdef: nnx.GraphDef, rest: Any = None) -> Forward:
         if routing is not None:
             routing = tuple(routing[layer] for layer in range(routing.shape[0]))
         return model(inputs["tokens"], positions=inputs["positions"],
-                     segment_ids=inputs["segment_ids"], routing=routing, dropout_rng=dropout_rng)
+                     segment_ids=inputs["segment_ids"], routing=routing, dropout_rng=dropout_rng,
+                     head=head)
 
     return forward
 
