@@ -10,6 +10,7 @@ import pytest
 from hcjax import config as hcfg
 from hcjax import plan as plan_lib
 from hcjax.model import ModelConfig
+from hcjax.rl.learner import LearnerConfig
 from hcjax.sharding import MeshConfig
 
 
@@ -70,7 +71,8 @@ def test_oversized_batch_does_not_fit_and_says_by_how_much():
     # where 16M tokens of activations kept it searching for rematerialisations for minutes.
     model = dataclasses.replace(_tiny(), num_layers=2, vocab_size=1 << 22)
     pc = dataclasses.replace(SMALL, topology="v5e:2x2", seq_len=256, decode=False)
-    step = plan_lib.plan(pc, model)["train_step"]
+    # Whole-row logits (logprob_chunk=0): in slices the learner would not hold them at all.
+    step = plan_lib.plan(pc, model, LearnerConfig(logprob_chunk=0))["train_step"]
     # Far over HBM libtpu may not finish the compile at all; the record then carries XLA's
     # out-of-memory figure instead of a full memory analysis.
     assert not step["fits"]

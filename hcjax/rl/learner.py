@@ -143,6 +143,10 @@ def _chunk_logprobs(head_vd, hidden_bcd, targets_bc, temperature_bc, n_kept_bc,
                     replay_top_p: bool):
     """`token_logprobs` of one slice of tokens, from the head's input and weight; the kept set
     as thresholds (`support_thresholds`), named so a remat keeps them instead of recounting."""
+    # The head gathered over the batch axes, split over the vocabulary only (as the logits are),
+    # and the slice's input whole in the width: the product needs no collective.
+    head_vd = shd.constrain(head_vd.astype(hidden_bcd.dtype), ("activation_vocab", None))
+    hidden_bcd = shd.constrain(hidden_bcd, ("activation_batch", "activation_length", None))
     logits = head_logits(hidden_bcd, head_vd) / temperature_bc[..., None]
     target_logit = jnp.take_along_axis(logits, targets_bc[..., None], axis=-1)[..., 0]
     if not replay_top_p:
@@ -187,7 +191,6 @@ def chunked_token_logprobs(hidden_btd, head_vd, targets_bt, temperature_bt, n_ke
 
     def body(_, xs):
         h, tg, tmp, nk = xs
-        h = shd.constrain(h, ("activation_batch", "activation_length", "activation_embed"))
         return None, one(head_vd, h, tg, tmp, nk)
 
     _, (logp, miss) = jax.lax.scan(
