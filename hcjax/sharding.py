@@ -26,7 +26,13 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
     "vocab": "tensor",
-    "embed": "fsdp",
+    # The model width of every weight: over fsdp and, where experts are split over the expert
+    # axis, over that axis too. Outside the MoE the expert axis is one more data-parallel axis
+    # (activation_batch below), so it splits nothing of the attention, embedding, head or router
+    # compute: their weights and AdamW moments are stored 64 ways on fsdp 4 x tensor 4 x expert
+    # 4 instead of 16, and gathered per layer like FSDP. Expert weights [E, embed, f] keep
+    # expert for E (a mesh axis is used once per array), so their embed is over fsdp only.
+    "embed": ("fsdp", "expert"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -53,6 +59,11 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "activation_mlp": "tensor",
     "activation_vocab": "tensor",
 }
+
+# The rules of a serving (decode) mesh: the width over fsdp only. A decode step must not gather
+# weights every token; the inference mesh has no fsdp (plan.inference_mesh_config) but keeps the
+# learner's expert axis, which under LOGICAL_RULES would split every non-expert weight.
+SERVING_RULES: dict[str, str | tuple[str, ...] | None] = dict(LOGICAL_RULES, embed="fsdp")
 
 
 @gin.configurable

@@ -11,6 +11,8 @@ import hcjax.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -68,34 +70,80 @@ def expert_mlp_reference(x_nr: jax.Array, w: Weights, expert_nk: jax.Array, gate
     return dense_expert_mlp(x_nr, w, combine, act)
 
 
-def expert_mlp_grouped(x_nr: jax.Array, w: Weights, expert_nk: jax.Array, gates_nk: jax.Array,
-                       act: Activation, *, gmm_impl: str = "reference",
-                       interpret: bool | None = None) -> jax.Array:
-    """Dropless: sort assignments by expert, grouped matmuls (`gmm` with `gmm_impl`: "reference"
-    is `lax.ragged_dot`, "pallas" the kernel), unsort, gate-weighted sum."""
-    n, k = expert_nk.shape
+def _take(x: jax.Array, rows: jax.Array) -> jax.Array:
+    return x[rows]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """out[j] = x[order[j] // k] for x [N, r] and `order` a permutation of [0, N·k) (`inverse`
+    its inverse): every row k times, permuted (an MoE's sort of its assignments by expert, or,
+    with k = 1, the unsort). The gradient is the inverse gather summed over the k copies: a
+    gather, where plain indexing's is a scatter-add (and an unsort's a scatter)."""
+    return _take(x, order // k)
+
+
+def _gather_rows_fwd(x, order, inverse, k):
+    return _take(x, order // k), (order, inverse)
+
+
+def _gather_rows_bwd(k, res, g):
+    order, inverse = res
+    dx = _take(g, inverse)
+    if k > 1:
+        dx = jnp.sum(dx.reshape(-1, k, dx.shape[-1]).astype(jnp.float32), 1).astype(g.dtype)
+    return dx, None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """inverse[order[j]] = j."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def expert_mlp_sorted(xs: jax.Array, w: Weights, group_sizes: jax.Array, act: Activation, *,
+                      gmm_impl: str = "reference", interpret: bool | None = None) -> jax.Array:
+    """The experts' MLP of rows already grouped by expert: rows [0, group_sizes[0]) go to expert
+    0, the next group_sizes[1] to expert 1, ...; rows after the last group give zeros. Returns the
+    rows' outputs [M, r] in the same order (no gate applied)."""
     num_experts = w["gate"].shape[0]
-    flat_expert = expert_nk.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    token_of = order // k
-    sorted_expert = flat_expert[order]
-    xs = x_nr[token_of]
-    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
 
     def matmul(lhs, rhs):
         return gmm(lhs, rhs, group_sizes, impl=gmm_impl, interpret=interpret)
 
     g, u = matmul(xs, w["gate"]), matmul(xs, w["up"])
-    # Ids == num_experts mark rows of no local group (expert parallelism): bincount drops them,
-    # the sort puts them last, the matmuls leave them zero and their gate is 0.
-    bias_index = jnp.minimum(sorted_expert, num_experts - 1)
+    if any(name in w for name in ("b_gate", "b_out")):
+        ends = jnp.cumsum(group_sizes)
+        row_expert = jnp.searchsorted(ends, jnp.arange(xs.shape[0]), side="right")
+        valid = (row_expert < num_experts)[:, None]
+        bias_index = jnp.minimum(row_expert, num_experts - 1)
     if "b_gate" in w:
-        g, u = g + w["b_gate"][bias_index], u + w["b_up"][bias_index]
+        g = g + jnp.where(valid, w["b_gate"][bias_index], 0)
+        u = u + jnp.where(valid, w["b_up"][bias_index], 0)
     ys = matmul(act(g, u), w["out"])
     if "b_out" in w:
-        ys = ys + w["b_out"][bias_index]
-    y_sorted_back = jnp.zeros_like(ys).at[order].set(ys)
-    y_nkr = y_sorted_back.reshape(n, k, -1)
+        ys = ys + jnp.where(valid, w["b_out"][bias_index], 0)
+    return ys
+
+
+def expert_mlp_grouped(x_nr: jax.Array, w: Weights, expert_nk: jax.Array, gates_nk: jax.Array,
+                       act: Activation, *, gmm_impl: str = "reference",
+                       interpret: bool | None = None) -> jax.Array:
+    """Dropless: sort assignments by expert, grouped matmuls (`gmm` with `gmm_impl`: "reference"
+    is `lax.ragged_dot`, "pallas" the kernel: `expert_mlp_sorted`), unsort, gate-weighted sum.
+    Ids == num_experts mark rows of no local group (expert parallelism): bincount drops them,
+    the sort puts them last, the matmuls leave them zero and their gate is 0."""
+    n, k = expert_nk.shape
+    num_experts = w["gate"].shape[0]
+    flat_expert = expert_nk.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    inverse = inverse_permutation(order)
+    xs = gather_rows(x_nr, order, inverse, k)
+    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
+    ys = expert_mlp_sorted(xs, w, group_sizes, act, gmm_impl=gmm_impl, interpret=interpret)
+    y_nkr = gather_rows(ys, inverse, order, 1).reshape(n, k, -1)  # back in assignment order
     return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_nkr.dtype), y_nkr)
 
 

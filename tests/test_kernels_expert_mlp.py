@@ -12,7 +12,13 @@ import pytest
 from hcjax.model.moe import clamped_swiglu_act, swiglu_act
 from hcjax.sharding import MeshConfig, make_mesh
 from pallas_kernels import _dispatch
-from pallas_kernels.expert_mlp import expert_mlp, expert_mlp_impl, expert_mlp_reference
+from pallas_kernels.expert_mlp import (
+    expert_mlp,
+    expert_mlp_impl,
+    expert_mlp_reference,
+    gather_rows,
+    inverse_permutation,
+)
 from tests.test_kernels_expert_mlp_tiled import problem
 
 
@@ -68,3 +74,22 @@ def test_bad_inputs_are_named():
         expert_mlp(x, {"gate": w["gate"], "up": w["up"]}, expert_nk, gates, swiglu_act)
     with pytest.raises(ValueError, match=r"not \[E, r=5, f\]"):
         expert_mlp(x[:, :5], w, expert_nk, gates, swiglu_act)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("k", [1, 3])
+def test_gather_rows_is_indexing_values_and_gradient(dtype, k):
+    """gather_rows(x, order, inverse, k) == x[order // k], values and gradient (the scatter-add
+    of plain indexing)."""
+    rng = np.random.default_rng(0)
+    n, r = 5, 6
+    x = jnp.asarray(rng.normal(size=(n, r)), dtype)
+    order = jnp.asarray(rng.permutation(n * k), jnp.int32)
+    inverse = inverse_permutation(order)
+    np.testing.assert_array_equal(np.asarray(order)[np.asarray(inverse)], np.arange(n * k))
+    np.testing.assert_array_equal(gather_rows(x, order, inverse, k), x[order // k])
+    ct = jnp.asarray(rng.normal(size=(n * k, r)), dtype)
+    got = jax.vjp(lambda a: gather_rows(a, order, inverse, k), x)[1](ct)[0]
+    want = jax.vjp(lambda a: a[order // k], x)[1](ct)[0]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)

@@ -144,3 +144,46 @@ def test_yarn_frequencies_do_not_depend_on_max_seq_len():
     ref = np.load(FIXTURES / "gpt_oss" / "golden" / "logits.npy")
     model, _ = hf.load(str(FIXTURES / "gpt_oss"), max_seq_len=64)
     assert np.abs(np.asarray(model(jnp.asarray(ids)).logits) - ref).max() < 1e-4
+
+
+
+# The stated tolerance of remat_policy="full_compute" (each layer's input saved in bf16 for the
+# backward, the fp32 residual stream unchanged): against the fp32 reference (fp32 compute), its
+# gradients' relative L2 error is at most 1.25 times that of bf16 compute with fp32 saved inputs
+# ("full"), i.e. saving in bf16 adds at most a quarter to the error bf16 compute already has.
+# Measured: llama3 0.0178 vs 0.0167, gpt_oss 0.107 vs 0.114.
+FULL_COMPUTE_ERROR_RATIO = 1.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_saved_layer_inputs_keep_gradients_within_tolerance(family):
+    import jax
+    from flax import nnx
+
+    ids = jnp.asarray(np.load(os.path.join(FIXTURES, family, "golden", "input_ids.npy")))
+    grads, losses = {}, {}
+    for dtype, policy in (("float32", "full"), ("bfloat16", "full"), ("bfloat16", "full_compute")):
+        model, _ = hf.load(str(FIXTURES / family), dtype=dtype, remat_policy=policy)
+        graphdef, params = nnx.split(model)
+
+        def loss(p, graphdef=graphdef):
+            logits = nnx.merge(graphdef, p)(ids[:, :-1]).logits
+            logp = jax.nn.log_softmax(logits, -1)
+            return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], -1))
+
+        value, g = jax.jit(jax.value_and_grad(loss))(params)
+        losses[dtype, policy], grads[dtype, policy] = float(value), jax.tree.leaves(g)
+
+    def error(got, ref):
+        diff = sum(float(jnp.sum(jnp.square(a - b))) for a, b in zip(got, ref))
+        return (diff / sum(float(jnp.sum(jnp.square(b))) for b in ref)) ** 0.5
+
+    # The forward is the same program: only the backward sees the rounded inputs.
+    assert losses["bfloat16", "full"] == losses["bfloat16", "full_compute"]
+    ref = grads["float32", "full"]
+    bf16, saved_bf16 = error(grads["bfloat16", "full"], ref), error(grads["bfloat16",
+                                                                        "full_compute"], ref)
+    print(f"{family}: gradient error vs fp32: bf16 compute {bf16:.3g}, + bf16 saved {saved_bf16:.3g}")
+    assert error(grads["bfloat16", "full_compute"], grads["bfloat16", "full"]) > 0  # it rounds
+    assert saved_bf16 <= FULL_COMPUTE_ERROR_RATIO * bf16

@@ -299,7 +299,8 @@ def test_jitted_on_a_mesh_with_constraints_equals_no_mesh(family):
     mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=2, tensor=2, expert=2))
     sharded = shard_state(state, mesh)
     wq = sharded["scan_blocks"][0]["attn"]["wq"]
-    assert wq.sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)  # layers replicated
+    # layers replicated, the width over fsdp x expert
+    assert wq.sharding.spec == PartitionSpec(None, ("fsdp", "expert"), "tensor", None)
     x = tokens(4, 8, seed=3)
 
     def step(s, x):

@@ -10,6 +10,7 @@ import pytest
 from hcjax import config as hcfg
 from hcjax import plan as plan_lib
 from hcjax.model import ModelConfig
+from hcjax.rl.learner import LearnerConfig
 from hcjax.sharding import MeshConfig
 
 
@@ -55,7 +56,7 @@ def test_tiny_plan_compiles_both_steps_and_fits(tmp_path):
         for key in ("arguments", "outputs", "temp", "total"):
             assert step["bytes_per_chip"][key] > 0, (name, key)
         for key in ("flops_per_chip", "model_flops", "collective_bytes_per_chip",
-                    "estimated_step_s", "estimated_mfu"):
+                    "estimated_step_s", "estimated_mfu", "bound_step_s", "mfu_upper_bound"):
             assert step[key] > 0, (name, key)
     assert result["decode_step"]["tokens_per_s_estimate"] > 0
     assert result["transfer"]["bytes"] > 0 and result["transfer"]["estimated_s"] > 0
@@ -70,7 +71,8 @@ def test_oversized_batch_does_not_fit_and_says_by_how_much():
     # where 16M tokens of activations kept it searching for rematerialisations for minutes.
     model = dataclasses.replace(_tiny(), num_layers=2, vocab_size=1 << 22)
     pc = dataclasses.replace(SMALL, topology="v5e:2x2", seq_len=256, decode=False)
-    step = plan_lib.plan(pc, model)["train_step"]
+    # Whole-row logits (logprob_chunk=0): in slices the learner would not hold them at all.
+    step = plan_lib.plan(pc, model, LearnerConfig(logprob_chunk=0))["train_step"]
     # Far over HBM libtpu may not finish the compile at all; the record then carries XLA's
     # out-of-memory figure instead of a full memory analysis.
     assert not step["fits"]
@@ -80,6 +82,24 @@ def test_oversized_batch_does_not_fit_and_says_by_how_much():
         assert step["largest_buffers"] and step["largest_buffers"][0]["bytes"] > 0
     else:
         assert "RESOURCE_EXHAUSTED" in step["error"]
+
+
+def test_roofline_bound_and_estimate_by_hand():
+    """bound = max of the parts (perfect overlap); estimate = compute + HBM + the activation
+    exchanges + the weight/gradient collectives beyond the compute time."""
+    spec = plan_lib.ChipSpec(peak_bf16_flops=100.0, hbm_bytes=1e9, hbm_bytes_per_s=10.0,
+                             ici_bytes_per_s=4.0)
+    step = {"flops_per_chip": 200.0, "hbm_bytes_accessed_per_chip": 5.0,
+            "collective_bytes_per_chip": 16.0,
+            "collectives": {"ragged-all-to-all": {"count": 1, "bytes": 4.0},
+                            "all-gather": {"count": 1, "bytes": 12.0}}}
+    plan_lib.roofline(step, spec, devices=2, model_flops=300.0)
+    # compute 2 s, HBM 0.5 s, collectives 4 s (1 s exchanges, 3 s overlappable: 1 s beyond compute)
+    assert step["bound_step_s"] == 4.0 and step["bound_by"] == "collective"
+    assert step["mfu_upper_bound"] == 300.0 / (2 * 100.0 * 4.0)
+    assert step["exposed_collective_s"] == 1.0 + 1.0
+    assert step["estimated_step_s"] == 2.0 + 0.5 + 2.0
+    assert step["estimated_mfu"] == 300.0 / (2 * 100.0 * 4.5)
 
 
 def test_unknown_topology_is_named():

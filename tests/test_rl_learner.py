@@ -14,7 +14,7 @@ from hcjax.model import ModelConfig, Transformer, load_balance_loss_from_stats
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.batch import bucket_rows, pack_rollouts, to_device, usable_rollouts
 from hcjax.rl.entropy import EntropyController
-from hcjax.rl.learner import Learner, LearnerConfig
+from hcjax.rl.learner import Learner, LearnerConfig, chunked_token_logprobs, token_logprobs
 from hcjax.rl.losses import LossConfig
 from hcjax.rollout.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
@@ -62,7 +62,9 @@ def test_replay_reproduces_sampler_logprobs(model, sampled):
     assert np.mean([np.mean(r.n_kept < CFG.vocab_size) for r in sampled]) > 0.9  # top-p active
     gaps = {}
     for replay in (True, False):
-        learner = Learner(model, LearnerConfig(seq_len=32, replay_top_p=replay), mesh)
+        # Top-p replay on slices of 8 tokens (chunked_token_logprobs), the other whole rows.
+        learner = Learner(model, LearnerConfig(seq_len=32, replay_top_p=replay,
+                                               logprob_chunk=8 if replay else 0), mesh)
         batch = learner.make_batch(sampled)
         assert batch.num_tokens == sum(r.response_len for r in sampled)
         _, _, m = learner.loss_and_grad(learner.state.params, batch, 0.0)
@@ -75,6 +77,38 @@ def test_replay_reproduces_sampler_logprobs(model, sampled):
     assert gaps[True][0] <= 1e-5 and gaps[True][1] == 0.0, gaps
     # Without top-p replay the learner normalises over the full vocabulary: a visible gap.
     assert gaps[False][0] > 1e-2, gaps
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_chunked_logprobs_match_whole_rows_with_ties(replay):
+    """chunked_token_logprobs (3 tokens at a time, rows padded from 8 to 9) gives token_logprobs'
+    values, misses and gradients, with ties at the top-p boundary broken by id as the sampler
+    does: the head's weights hold repeated rows, so several logits tie exactly."""
+    rng = np.random.default_rng(0)
+    b, t, d, v = 2, 8, 4, 12
+    hidden = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    base = rng.normal(size=(4, d))
+    head = jnp.asarray(base[rng.integers(0, 4, v)], jnp.float32)  # 12 rows, 4 distinct: ties
+    targets = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    temperature = jnp.asarray(rng.choice([0.7, 1.0], (b, t)), jnp.float32)
+    n_kept = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+
+    def whole(h, w):
+        logits = jnp.einsum("btd,vd->btv", h, w)
+        return token_logprobs(logits, targets, temperature, n_kept, replay)
+
+    def chunked(h, w):
+        return chunked_token_logprobs(h, w, targets, temperature, n_kept, replay, 3)
+
+    (want, want_miss), (got, got_miss) = whole(hidden, head), chunked(hidden, head)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got_miss, want_miss)
+    if replay:
+        assert np.any(want_miss) and not np.all(want_miss)
+    loss = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0] * jnp.arange(t))  # noqa: E731
+    for g_want, g_got in zip(jax.grad(loss(whole), (0, 1))(hidden, head),
+                             jax.grad(loss(chunked), (0, 1))(hidden, head)):
+        np.testing.assert_allclose(g_got, g_want, rtol=1e-5, atol=1e-6)
 
 
 def _random_rollouts(n, seed=0):

@@ -27,7 +27,13 @@ from hcjax.rl.losses import LossConfig
 from hcjax.rollout.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
 from hcjax.train.sft import SFTConfig, make_sft_step
-from hcjax.train.step import OptimizerConfig, make_loss_and_grad, make_optimizer, model_forward
+from hcjax.train.step import (
+    OptimizerConfig,
+    expert_counts_from_record,
+    make_loss_and_grad,
+    make_optimizer,
+    model_forward,
+)
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "train_step_reference.json"
 
@@ -308,3 +314,16 @@ def test_optimizer_configs_of_the_jobs():
         OptimizerConfig(learning_rate=1.0, max_grad_norm=0)
     with pytest.raises(ValueError, match="learning_rate=-1"):
         OptimizerConfig(learning_rate=-1)
+
+
+def test_expert_counts_from_record_by_hand():
+    """[L, E] assignment counts over the valid tokens of every micro-batch, per layer."""
+    rng = np.random.default_rng(0)
+    m, layers, b, t, k, e = 2, 3, 2, 5, 2, 4
+    routing = rng.integers(0, e, (m, layers, b, t, k)).astype(np.int32)
+    segment_ids = rng.integers(0, 3, (m, b, t)).astype(np.int32)
+    want = np.zeros((layers, e))
+    for i, layer, row, pos, j in np.ndindex(m, layers, b, t, k):
+        want[layer, routing[i, layer, row, pos, j]] += segment_ids[i, row, pos] > 0
+    got = jax.jit(expert_counts_from_record, static_argnums=2)(routing, segment_ids, e)
+    np.testing.assert_array_equal(got, want)

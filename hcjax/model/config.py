@@ -42,7 +42,7 @@ ATTENTION_IMPLS = SELF_ATTENTION_IMPLS
 # "full" saves nothing (recomputes the layer in the backward pass), "dots" saves the outputs of
 # matmuls without batch dimensions (the weight matmuls, not attention scores), "minimal" saves
 # only the activations tagged with `checkpoint_name` (each layer's attention and FFN outputs).
-REMAT_POLICIES = ("none", "full", "dots", "minimal")
+REMAT_POLICIES = ("none", "full", "full_compute", "dots", "minimal")
 
 
 @gin.configurable
@@ -78,7 +78,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     # Scale: layers after `first_dense_layers` run under one `jax.lax.scan` over whole periods of
     # the layer pattern (parameters stacked on a leading "layers" axis), and each layer is
-    # rematerialised by `remat_policy` (one of REMAT_POLICIES).
+    # rematerialised by `remat_policy` (one of REMAT_POLICIES): "full" saves each layer's input
+    # (the fp32 residual stream) and recomputes the layer in the backward; "full_compute" the same
+    # with the saved input rounded to the compute dtype (half the bytes; the forward unchanged,
+    # gradients within the tolerance tests/test_model.py states of "full").
     scan_layers: bool = False
     remat_policy: str = "none"
 

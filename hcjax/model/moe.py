@@ -34,7 +34,13 @@ from flax import nnx
 from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig
 from hcjax.model.layers import DenseMLP, param
-from pallas_kernels.expert_mlp import expert_mlp, expert_mlp_impl
+from pallas_kernels.expert_mlp import (
+    expert_mlp,
+    expert_mlp_impl,
+    expert_mlp_sorted,
+    gather_rows,
+    inverse_permutation,
+)
 from pallas_kernels.expert_mlp_capacity import default_capacity
 
 
@@ -145,10 +151,11 @@ def _spec(mesh, *logical):
 
 def _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                      *, axes, cap: int, native_ragged: bool):
-    """`jax.lax.ragged_all_to_all` with one slice per peer (same contract: `output_offsets` say
-    where the sent slices land on their receivers). XLA:CPU has no ragged all-to-all, so there
-    (`native_ragged=False`) the slices are padded to `cap` rows, exchanged with a dense all_to_all
-    and scattered into place: same result, P times the traffic."""
+    """`jax.lax.ragged_all_to_all` (same contract: N slices, N a multiple of the peers P, slice
+    i going to peer i // (N / P); `output_offsets` say where the sent slices land on their
+    receivers). XLA:CPU has no ragged all-to-all, so there (`native_ragged=False`) every slice is
+    padded to `cap` rows, exchanged with a dense all_to_all and scattered into place: same result,
+    more traffic."""
 
     def native(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
         return jax.lax.ragged_all_to_all(
@@ -158,9 +165,9 @@ def _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets,
 
     def padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
         rows = jnp.arange(cap, dtype=jnp.int32)
-        src = jnp.minimum(input_offsets[:, None] + rows, operand.shape[0] - 1)  # [P, cap]
+        src = jnp.minimum(input_offsets[:, None] + rows, operand.shape[0] - 1)  # [N, cap]
         slices = jnp.where((rows < send_sizes[:, None])[..., None], operand[src], 0)
-        slices = jax.lax.all_to_all(slices, axes, 0, 0, tiled=True)  # [P, cap, r], from each peer
+        slices = jax.lax.all_to_all(slices, axes, 0, 0, tiled=True)  # [N, cap, r], by sender
         at = jax.lax.all_to_all(output_offsets, axes, 0, 0, tiled=True)
         dest = jnp.where(rows < recv_sizes[:, None], at[:, None] + rows, output.shape[0])
         flat = slices.reshape(-1, operand.shape[-1])
@@ -188,37 +195,47 @@ def _ep_all_gather(x_nr, expert_nk, gates_nk, w, act, mlp, axes):
     return jax.lax.psum_scatter(y_all, axes, scatter_dimension=0, tiled=True)
 
 
-def _ep_all_to_all(x_nr, expert_nk, gates_nk, w, act, mlp, axes, num_peers, native_ragged):
-    """Send each assignment to its expert's device, run the local experts, send the rows back."""
+def _ep_all_to_all(x_nr, expert_nk, gates_nk, w, act, mlp, axes, num_peers, native_ragged,
+                   gmm_impl=None):
+    """Send each assignment to its expert's device, run the local experts, send the rows back.
+
+    One slice per (peer, expert) each way, so the rows a device receives land grouped by its
+    local experts (expert-major: expert 0's rows from peer 0, 1, ..., then expert 1's): the
+    grouped matmuls (`gmm_impl`, "pallas" or "reference") run on the receive buffer as it is,
+    with no sort or unsort of the worst-case-sized buffer (which XLA:TPU would gather and
+    scatter as 32-bit words). Other forms get each row's local expert id instead."""
     n, k = expert_nk.shape
     num_local = w["gate"].shape[0]
     assignments = n * k
     flat = expert_nk.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
-    xs = x_nr[order // k]
-    counts = jnp.bincount(flat, length=num_local * num_peers).reshape(num_peers, num_local)
-    send = jnp.sum(counts, 1).astype(jnp.int32)
-    start = (jnp.cumsum(send) - send).astype(jnp.int32)
-    # Each destination learns how many rows of each of its experts come from us, and where they
-    # start in our buffer (for the way back). Row j of `meta` is then about peer j.
-    meta = jnp.concatenate([counts.astype(jnp.int32), start[:, None]], 1)
-    meta = jax.lax.all_to_all(meta, axes, 0, 0, tiled=True)
-    recv_counts, their_start = meta[:, :num_local], meta[:, num_local]
-    recv = jnp.sum(recv_counts, 1)
-    me = jax.lax.axis_index(axes)
-    slot = jnp.arange(num_peers, dtype=jnp.int32) * assignments
-    # Peer j's rows land in slot j of our buffer (assignments rows each), sorted by expert.
+    inverse = inverse_permutation(order)
+    xs = gather_rows(x_nr, order, inverse, k)
+    # counts[p, e]: our rows for expert e of peer p, at start[p, e] of xs.
+    counts = jnp.bincount(flat, length=num_local * num_peers).astype(jnp.int32)
+    start = (jnp.cumsum(counts) - counts).reshape(num_peers, num_local)
+    counts = counts.reshape(num_peers, num_local)
+    # Row s of each: about peer s (what it sends us, where it keeps them, where they land here).
+    recv = jax.lax.all_to_all(counts, axes, 0, 0, tiled=True)
+    their_start = jax.lax.all_to_all(start, axes, 0, 0, tiled=True)
+    per_expert = jnp.sum(recv, 0)
+    land = (jnp.cumsum(per_expert) - per_expert)[None, :] + jnp.cumsum(recv, 0) - recv
+    land_there = jax.lax.all_to_all(land, axes, 0, 0, tiled=True)  # where ours land on peer p
     buffer = jnp.zeros((num_peers * assignments, x_nr.shape[1]), x_nr.dtype)
-    xr = _ragged_exchange(xs, buffer, start, send, jnp.full_like(send, me * assignments), recv,
-                          axes=axes, cap=assignments, native_ragged=native_ragged)
-    rows = jnp.arange(assignments)
-    ends = jnp.cumsum(recv_counts, 1)
-    local = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends).reshape(-1, 1)
-    yr = mlp(xr, w, local, (local < num_local).astype(gates_nk.dtype), act)
-    back = jnp.zeros((assignments, yr.shape[1]), yr.dtype)
-    ys = _ragged_exchange(yr, back, slot, recv, their_start, send, axes=axes, cap=assignments,
+    xr = _ragged_exchange(xs, buffer, start.reshape(-1), counts.reshape(-1),
+                          land_there.reshape(-1), recv.reshape(-1), axes=axes, cap=assignments,
                           native_ragged=native_ragged)
-    y_assign = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
+    if gmm_impl is not None:
+        yr = expert_mlp_sorted(xr, w, per_expert, act, gmm_impl=gmm_impl)
+    else:
+        rows = jnp.arange(xr.shape[0])
+        local = jnp.searchsorted(jnp.cumsum(per_expert), rows, side="right")[:, None]
+        yr = mlp(xr, w, local, (local < num_local).astype(gates_nk.dtype), act)
+    back = jnp.zeros((assignments, yr.shape[1]), yr.dtype)
+    ys = _ragged_exchange(yr, back, land.reshape(-1), recv.reshape(-1), their_start.reshape(-1),
+                          counts.reshape(-1), axes=axes, cap=assignments,
+                          native_ragged=native_ragged)
+    y_assign = gather_rows(ys, inverse, order, 1).reshape(n, k, -1)
     return jnp.einsum("nk,nkr->nr", gates_nk.astype(y_assign.dtype), y_assign)
 
 
@@ -278,6 +295,8 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, impl: str, c
     # The mesh's platform, not the default backend: a CPU host may compile for a TPU topology.
     device = getattr(mesh, "abstract_device", None)
     native_ragged = getattr(device, "platform", jax.default_backend()) != "cpu"
+    # The grouped forms run on the expert-major receive buffer directly (see _ep_all_to_all).
+    gmm_impl = {"pallas": "pallas", "ragged": "reference"}.get(impl)
 
     def local(x, e, g, w):
         mlp_here = _expert_mlp_for_device(impl, x, e, w, chunks if mode == "all_to_all" else 1)
@@ -286,11 +305,13 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, impl: str, c
         elif mode == "all_gather":
             y = _ep_all_gather(x, e, g, w, act, mlp_here, expert_axes)
         elif chunks == 1:
-            y = _ep_all_to_all(x, e, g, w, act, mlp_here, expert_axes, num_peers, native_ragged)
+            y = _ep_all_to_all(x, e, g, w, act, mlp_here, expert_axes, num_peers, native_ragged,
+                               gmm_impl)
         else:
             split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])  # noqa: E731
             y = jax.lax.map(
-                lambda c: _ep_all_to_all(*c, w, act, mlp_here, expert_axes, num_peers, native_ragged),
+                lambda c: _ep_all_to_all(*c, w, act, mlp_here, expert_axes, num_peers,
+                                         native_ragged, gmm_impl),
                 (split(x), split(e), split(g)))
             y = y.reshape(-1, y.shape[-1])
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y

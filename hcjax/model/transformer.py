@@ -43,11 +43,15 @@ from hcjax.model.moe import MoE, correction_bias_step, load_balance_loss_from_st
 
 @struct.dataclass
 class ModelOutput:
-    logits: jax.Array  # [B, T, V] float32
+    logits: jax.Array | None  # [B, T, V] float32; None when called with head=False
     routing: tuple  # one [B, T, k] int32 per MoE layer
     load_balance_loss: jax.Array  # scalar
     moe_stats: tuple  # one (token_counts[E], prob_sums[E], num_tokens) per MoE layer
     cache: tuple | None = None
+    # head=False: the head's input [B, T, D] (compute dtype) and weight [V, D] (parameter dtype),
+    # logits = hidden @ head_weight.T in fp32, for a caller that forms them a slice at a time.
+    hidden: jax.Array | None = None
+    head_weight: jax.Array | None = None
 
 
 _RESIDUAL_BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -108,7 +112,8 @@ class Block(nnx.Module):
         return checkpoint_name(y_btd, "ffn_out"), moe_out
 
 
-def _layer_fn(graphdef, remat_policy: str, *, prevent_cse: bool = True) -> Callable:
+def _layer_fn(graphdef, remat_policy: str, *, prevent_cse: bool = True,
+              compute_dtype=jnp.bfloat16) -> Callable:
     """`(state, x, shared, per_layer) -> Block outputs` for one block, rematerialised by policy.
 
     shared = (positions, segment_ids, valid) for every layer; per_layer = (routing replay, cache
@@ -124,7 +129,31 @@ def _layer_fn(graphdef, remat_policy: str, *, prevent_cse: bool = True) -> Calla
 
     if remat_policy == "none":
         return run
+    if remat_policy == "full_compute":
+        return _saved_in(run, compute_dtype)
     return jax.checkpoint(run, policy=_REMAT_POLICIES[remat_policy], prevent_cse=prevent_cse)
+
+
+def _saved_in(run: Callable, dtype) -> Callable:
+    """`run` rematerialised with its residual-stream input saved in `dtype`: the forward is
+    `run` itself (fp32 stream), the backward recomputes the layer from the rounded input. Only
+    the gradients see the rounding (relative ~2^-8 on the input of each layer's recompute)."""
+
+    @jax.custom_vjp
+    def layer(state, x_btd, shared, per_layer):
+        return run(state, x_btd, shared, per_layer)
+
+    def fwd(state, x_btd, shared, per_layer):
+        saved = (state, x_btd.astype(dtype), shared, per_layer)
+        return run(state, x_btd, shared, per_layer), saved
+
+    def bwd(saved, cotangent):
+        state, x_low, shared, per_layer = saved
+        _, vjp = jax.vjp(run, state, x_low.astype(jnp.float32), shared, per_layer)
+        return vjp(cotangent)
+
+    layer.defvjp(fwd, bwd)
+    return layer
 
 
 class Transformer(nnx.Module):
@@ -157,7 +186,10 @@ class Transformer(nnx.Module):
         routing=None,
         cache=None,
         dropout_rng=None,
+        head: bool = True,
     ) -> ModelOutput:
+        """head=False: no [B, T, V] logits; the output carries the head's input and weight
+        instead (`ModelOutput.hidden`, `head_weight`)."""
         cfg = self.config
         b, t = tokens.shape
         if positions is None:
@@ -194,7 +226,8 @@ class Transformer(nnx.Module):
                 i = first_layer + j
                 graphdef, state = nnx.split(block)
                 rngs_2 = None if layer_rngs is None else layer_rngs[i]
-                x, layer_cache, moe_out = _layer_fn(graphdef, cfg.remat_policy)(
+                layer = _layer_fn(graphdef, cfg.remat_policy, compute_dtype=cfg.compute_dtype)
+                x, layer_cache, moe_out = layer(
                     state, x, shared, (routing_of.get(i), cache_in[first_entry + j], rngs_2)
                 )
                 new_cache.append(layer_cache)
@@ -213,7 +246,11 @@ class Transformer(nnx.Module):
             moe_of.update(scan_moe)
             x = unrolled(x, self.tail_blocks, p0 + num_scan_periods(cfg) * period, p0 + period)
 
-        logits = self._head(x)
+        hidden = head_weight = logits = None
+        if head:
+            logits = self._head(x)
+        else:
+            hidden, head_weight = self._head_input(x), self.head_weight()
         chosen = tuple(moe_of[i][0] for i in cfg.moe_layers)
         stats = tuple(moe_of[i][1] for i in cfg.moe_layers)
         lb = load_balance_loss_from_stats(stats, experts_per_token=cfg.experts_per_token)
@@ -223,6 +260,8 @@ class Transformer(nnx.Module):
             load_balance_loss=lb,
             moe_stats=stats,
             cache=None if cache is None else tuple(new_cache),
+            hidden=hidden,
+            head_weight=head_weight,
         )
 
     def _scan_periods(self, x_btd, shared, routing_of, caches, layer_rngs):
@@ -235,7 +274,8 @@ class Transformer(nnx.Module):
         period = cfg.layer_period
         layers = _scan_groups(list(range(cfg.num_layers)), cfg)[1]  # [period][n] layer indices
         graphdefs, states = zip(*(nnx.split(block) for block in self.scan_blocks))
-        fns = [_layer_fn(g, cfg.remat_policy, prevent_cse=False) for g in graphdefs]
+        fns = [_layer_fn(g, cfg.remat_policy, prevent_cse=False, compute_dtype=cfg.compute_dtype)
+               for g in graphdefs]
 
         def stacked_routing(r):
             if not routing_of or layers[r][0] not in routing_of:
@@ -269,7 +309,8 @@ class Transformer(nnx.Module):
                 moe_of[layer] = (chosen_nbtk[j], tuple(s[j] for s in stats_n))
         return x_btd, [layer_cache for layer_cache, _ in outs], moe_of
 
-    def _head(self, x_btd):
+    def _head_input(self, x_btd):
+        """The final norm (and MAI's logit scale) of the residual stream, in the compute dtype."""
         cfg = self.config
         h = self.final_norm(x_btd)
         if cfg.scale_logits:
@@ -277,13 +318,21 @@ class Transformer(nnx.Module):
             # the same logits (to the bit when d_model is a power of 4, as in tiny_cpu.gin),
             # without a pass over the logits (64 x 152k in a decode step: 1.4 ms of 15 on CPU).
             h = h * (cfg.d_model**-0.5)
-        h = h.astype(cfg.compute_dtype)
-        head = self.embed if cfg.tie_embeddings else self.lm_head
-        logits = jnp.einsum(
-            "btd,vd->btv", h, head[...].astype(cfg.compute_dtype),
-            preferred_element_type=jnp.float32,
-        )
-        return shd.constrain(logits, _LOGITS_BTV)
+        return h.astype(cfg.compute_dtype)
+
+    def head_weight(self):
+        """The output head [V, D] (the embedding when tied), in its parameter dtype."""
+        return (self.embed if self.config.tie_embeddings else self.lm_head)[...]
+
+    def _head(self, x_btd):
+        return head_logits(self._head_input(x_btd), self.head_weight())
+
+
+def head_logits(hidden_btd, head_vd):
+    """fp32 logits [B, T, V] of the head's input (compute dtype) and weight [V, D]."""
+    logits = jnp.einsum("btd,vd->btv", hidden_btd, head_vd.astype(hidden_btd.dtype),
+                        preferred_element_type=jnp.float32)
+    return shd.constrain(logits, _LOGITS_BTV)
 
 
 # Unrolled <-> scanned layouts ------------------------------------------------------------------

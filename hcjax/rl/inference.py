@@ -19,6 +19,7 @@ from hcjax.model import shard_state
 from hcjax.rollout import Engine, RolloutServer
 from hcjax.rollout.router import Router
 from hcjax.rollout.service import wait_ready
+from hcjax.sharding import SERVING_RULES
 from hcjax.transfer import LocalTransfer, VersionedWeights, make_plan
 from hcjax.transfer.quantize import check_format, dequantize_tree, quantize_tree, wire_layout
 from hcjax.transfer.weights_service import WeightPublisher, WeightSyncConfig
@@ -51,7 +52,8 @@ class LocalInference:
         graphdef, state = nnx.split(model)
         self.replicas: list[dict[str, Any]] = []
         for mesh in meshes:
-            replica_model = nnx.merge(graphdef, shard_state(jax.tree.map(jnp.copy, state), mesh))
+            served = shard_state(jax.tree.map(jnp.copy, state), mesh, SERVING_RULES)
+            replica_model = nnx.merge(graphdef, served)
             engine = Engine(replica_model, mesh=mesh,
                             max_concurrent_decodes=max_concurrent_decodes,
                             max_prefill_length=max_prefill_length,

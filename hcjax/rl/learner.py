@@ -12,6 +12,7 @@ shared step accumulates gradients, adds the global-batch load-balance loss and a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,14 +22,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from hcjax.model import ModelConfig, Transformer, shard_state, update_correction_bias
+from hcjax import sharding as shd
+from hcjax.model import ModelConfig, Transformer, head_logits, shard_state, update_correction_bias
 from hcjax.rl import batch as batch_lib
 from hcjax.rl.batch import LearnerBatch
 from hcjax.rl.entropy import EntropyController
 from hcjax.rl.losses import LossConfig
-from hcjax.rollout.records import Rollout, support_mask_from_record
+from hcjax.rollout.records import (
+    Rollout,
+    order_keys,
+    support_mask_from_record,
+    support_mask_from_thresholds,
+    support_thresholds,
+)
 from hcjax.sharding import optimizer_state_on_mesh, replicated_scalar
 from hcjax.train.step import (
     Objective,
@@ -45,6 +54,7 @@ __all__ = [
     "LearnerConfig",
     "LearnerState",
     "PolicyObjective",
+    "chunked_token_logprobs",
     "make_learner_step",
     "token_logprobs",
 ]
@@ -70,6 +80,12 @@ class LearnerConfig:
     # DeepSeek-V3 auxiliary-loss-free balancing: after each step every MoE layer's router
     # correction bias moves by ± this rate towards the mean load (0: off; DeepSeek-V3 used 1e-3).
     router_bias_rate: float = 0.0
+    # Tokens of a row whose logits are formed at once (`chunked_token_logprobs`): the step never
+    # holds a [T, V] array per row, only [logprob_chunk, V / tensor] per device. 0: whole rows
+    # (`token_logprobs` on the model's logits). Each slice gathers the head and reduces its
+    # gradient once (Qwen3-30B-A3B on v5p:4x4x4, 8K rows: 1024 costs +25 GB of collectives a
+    # step, 4096 about +4 GB, against 0.6 GB more of logits held per device).
+    logprob_chunk: int = 4096
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     entropy: EntropyController = dataclasses.field(default_factory=EntropyController)
 
@@ -88,6 +104,8 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig.seq_len={self.seq_len} must be >= 2")
         if self.router_bias_rate < 0:
             raise ValueError(f"LearnerConfig.router_bias_rate={self.router_bias_rate} must be >= 0")
+        if self.logprob_chunk < 0:
+            raise ValueError(f"LearnerConfig.logprob_chunk={self.logprob_chunk} must be >= 0")
 
     def optimizer(self) -> OptimizerConfig:
         """AdamW (β1 = β2 = 0.95, eps 1e-15, no weight decay, constant LR), optional global clip."""
@@ -126,6 +144,66 @@ def token_logprobs(logits_btv, targets_bt, temperature_bt, n_kept_bt, replay_top
     return target_logit - jax.nn.logsumexp(logits, axis=-1), miss
 
 
+def _chunk_logprobs(head_vd, hidden_bcd, targets_bc, temperature_bc, n_kept_bc,
+                    replay_top_p: bool):
+    """`token_logprobs` of one slice of tokens, from the head's input and weight; the kept set
+    as thresholds (`support_thresholds`), named so a remat keeps them instead of recounting."""
+    # The head gathered over the batch axes, split over the vocabulary only (as the logits are),
+    # and the slice's input whole in the width: the product needs no collective.
+    head_vd = shd.constrain(head_vd.astype(hidden_bcd.dtype), ("activation_vocab", None))
+    hidden_bcd = shd.constrain(hidden_bcd, ("activation_batch", "activation_length", None))
+    logits = head_logits(hidden_bcd, head_vd) / temperature_bc[..., None]
+    target_logit = jnp.take_along_axis(logits, targets_bc[..., None], axis=-1)[..., 0]
+    if not replay_top_p:
+        return target_logit - jax.nn.logsumexp(logits, axis=-1), jnp.zeros(targets_bc.shape, bool)
+    v, cut = support_thresholds(jax.lax.stop_gradient(logits), n_kept_bc)
+    v, cut = checkpoint_name(v, "support_v"), checkpoint_name(cut, "support_cut")
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    keep = support_mask_from_thresholds(order_keys(jax.lax.stop_gradient(logits)), ids, v, cut)
+    keep = keep | (ids == targets_bc[..., None])
+    hit = support_mask_from_thresholds(order_keys(jax.lax.stop_gradient(target_logit))[..., None],
+                                       targets_bc[..., None], v, cut)[..., 0]
+    logits = jnp.where(keep, logits, -jnp.inf)
+    return target_logit - jax.nn.logsumexp(logits, axis=-1), ~hit
+
+
+def chunked_token_logprobs(hidden_btd, head_vd, targets_bt, temperature_bt, n_kept_bt,
+                           replay_top_p: bool, chunk: int):
+    """`token_logprobs` from the head's input [B, T, D] and weight [V, D] (`ModelOutput.hidden`,
+    `head_weight`), `chunk` tokens of every row at a time: the same values, but no [B, T, V] array.
+
+    A scan over slices of the sequence; each slice's logits (sharded over the vocabulary like the
+    head) are formed, reduced to (log-prob, miss) and dropped; its backward forms them again
+    (remat) with the kept set's two thresholds saved, so the 32 counting passes of the top-p
+    replay run once. Rows are padded to a multiple of `chunk` (the padding is sliced off).
+    """
+    b, t, _ = hidden_btd.shape
+    c = max(1, min(chunk, t))
+    pad = -t % c
+    if pad:
+        widen = lambda a, value: jnp.pad(  # noqa: E731
+            a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2), constant_values=value)
+        hidden_btd, targets_bt = widen(hidden_btd, 0), widen(targets_bt, 0)
+        temperature_bt, n_kept_bt = widen(temperature_bt, 1), widen(n_kept_bt, 0)
+    n = (t + pad) // c
+
+    def slices(a):  # [B, n·c, ...] -> [n, B, c, ...]
+        return jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)
+
+    one = jax.checkpoint(
+        functools.partial(_chunk_logprobs, replay_top_p=replay_top_p),
+        policy=jax.checkpoint_policies.save_only_these_names("support_v", "support_cut"))
+
+    def body(_, xs):
+        h, tg, tmp, nk = xs
+        return None, one(head_vd, h, tg, tmp, nk)
+
+    _, (logp, miss) = jax.lax.scan(
+        body, None, tuple(slices(a) for a in (hidden_btd, targets_bt, temperature_bt, n_kept_bt)))
+    unslice = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, n * c)[:, :t]  # noqa: E731
+    return unslice(logp), unslice(miss)
+
+
 # Measured on the first micro-batch only, where θ is the sampling policy (see `summarise`).
 _FIRST = ("first_gap_sum", "first_gap_max", "first_tokens")
 _LOSS_FIELDS = ("targets", "loss_mask", "old_logp", "advantages", "n_kept", "temperature")
@@ -150,8 +228,13 @@ class PolicyObjective(Objective):
         return {"k": k, "num_tokens": batch.num_tokens, "num_sequences": batch.num_sequences}
 
     def loss(self, out, inputs, d, ctx):
-        logp, miss = token_logprobs(out.logits, d["targets"], d["temperature"], d["n_kept"],
-                                    self.cfg.replay_top_p)
+        if out.logits is None:
+            logp, miss = chunked_token_logprobs(
+                out.hidden, out.head_weight, d["targets"], d["temperature"], d["n_kept"],
+                self.cfg.replay_top_p, self.cfg.logprob_chunk)
+        else:
+            logp, miss = token_logprobs(out.logits, d["targets"], d["temperature"], d["n_kept"],
+                                        self.cfg.replay_top_p)
         policy_loss, metrics = self.cfg.loss.make()(
             logp, d["old_logp"], d["advantages"], d["loss_mask"], k=ctx["k"],
             num_tokens=ctx["num_tokens"], num_sequences=ctx["num_sequences"],
@@ -192,7 +275,8 @@ def make_learner_step(graphdef: nnx.GraphDef, cfg: LearnerConfig, model_config: 
     without building a Learner, whose constructor allocates the parameters.
     """
     train_step = make_train_step(
-        model_forward(graphdef), PolicyObjective(cfg), make_optimizer(cfg.optimizer()),
+        model_forward(graphdef, head=not cfg.logprob_chunk), PolicyObjective(cfg),
+        make_optimizer(cfg.optimizer()),
         model_cfg=model_config, load_balance_coef=cfg.load_balance_coef,
     )
 
@@ -243,7 +327,8 @@ class Learner:
         self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
         # fn(params, batch, k) -> (loss, grads, metrics) of the parameters given (no update).
         self.loss_and_grad = jax.jit(make_loss_and_grad(
-            model_forward(self.graphdef), PolicyObjective(cfg), model_cfg=model.config,
+            model_forward(self.graphdef, head=not cfg.logprob_chunk), PolicyObjective(cfg),
+            model_cfg=model.config,
             load_balance_coef=cfg.load_balance_coef))
         self._step = jax.jit(make_learner_step(self.graphdef, cfg, model.config),
                              donate_argnums=0, out_shardings=(self._state_sharding, None))

@@ -43,6 +43,8 @@ __all__ = [
     "rollout_from_parts",
     "rollout_scalars",
     "support_mask_from_record",
+    "support_mask_from_thresholds",
+    "support_thresholds",
     "tuple_field",
 ]
 
@@ -333,6 +335,50 @@ def _nth_largest_key(keys: jax.Array, n: jax.Array) -> jax.Array:
     return found
 
 
+def support_thresholds(logits_v: jax.Array, n_kept: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(v, cut), each [..., 1]: the kept set of `support_mask_from_record` as two numbers per
+    row, so it can be rebuilt from any slice of the vocabulary (`support_mask_from_thresholds`)
+    without a [..., V] array kept between passes. v is the order key of the n-th largest entry
+    (n = n_kept; every entry when n_kept <= 0); cut is an id bound: of the entries tied at v the
+    ones with id < cut are kept (the lowest ids, as many as the slots left after those above v).
+
+    Only reductions over the last axis (no sort, no cumulative sum), so a vocabulary sharded over
+    a mesh axis stays sharded: 32 counting passes for v, and, only when some row has more ties at
+    v than slots, `vocab.bit_length()` more for cut.
+    """
+    logits_v = jnp.asarray(logits_v)
+    n_kept = jnp.asarray(n_kept, jnp.int32)
+    vocab = logits_v.shape[-1]
+    n = jnp.where(n_kept <= 0, vocab, jnp.minimum(n_kept, vocab))[..., None]
+    keys = order_keys(logits_v)
+    v = _nth_largest_key(keys, n)
+    tied = keys == v
+    slots = n - jnp.sum(keys > v, axis=-1, keepdims=True, dtype=jnp.int32)
+    n_tied = jnp.sum(tied, axis=-1, keepdims=True, dtype=jnp.int32)
+    ids = jax.lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
+    bits = max(1, vocab.bit_length())  # 2**bits - 1 >= vocab: "keep every tie"
+
+    def cut_ids():
+        # The largest t with at most `slots` ties of id < t, one bit at a time from the top.
+        found = jnp.zeros_like(slots)
+        for bit in range(bits - 1, -1, -1):
+            trial = found | (1 << bit)
+            count = jnp.sum(tied & (ids < trial), axis=-1, keepdims=True, dtype=jnp.int32)
+            found = jnp.where(count <= slots, trial, found)
+        return found
+
+    keep_all = jnp.full_like(slots, (1 << bits) - 1)
+    cut = jax.lax.cond(jnp.any(n_tied > slots), cut_ids, lambda: keep_all)
+    return v, cut
+
+
+def support_mask_from_thresholds(keys_v: jax.Array, ids_v: jax.Array, v: jax.Array,
+                                 cut: jax.Array) -> jax.Array:
+    """bool[..., V']: which of the entries with order keys `keys_v` and vocabulary ids `ids_v`
+    (any slice of the vocabulary) the kept set (v, cut) of `support_thresholds` holds."""
+    return (keys_v > v) | ((keys_v == v) & (ids_v < cut))
+
+
 def support_mask_from_record(logits_v: jax.Array, n_kept: jax.Array) -> jax.Array:
     """bool[..., V]: True for the top-`n_kept` entries of `logits_v` (ties: lower id first).
 
@@ -342,19 +388,13 @@ def support_mask_from_record(logits_v: jax.Array, n_kept: jax.Array) -> jax.Arra
 
     No sort: the n_kept-th largest value v (found by counting, `_nth_largest_key`) splits the
     vocabulary into "certainly kept" (> v) and "tied at v"; among the ties the lowest ids fill
-    the remaining slots.
+    the remaining slots (`support_thresholds`).
     """
     logits_v = jnp.asarray(logits_v)
-    n_kept = jnp.asarray(n_kept, jnp.int32)
-    vocab = logits_v.shape[-1]
-    n = jnp.where(n_kept <= 0, vocab, jnp.minimum(n_kept, vocab))[..., None]
+    v, cut = support_thresholds(logits_v, n_kept)
     keys = order_keys(logits_v)
-    v = _nth_largest_key(keys, n)
-    above = keys > v
-    tied = keys == v
-    slots = n - jnp.sum(above, axis=-1, keepdims=True)
-    tie_rank = jnp.cumsum(tied, axis=-1) - 1  # 0 for the lowest-id tied token
-    return above | (tied & (tie_rank < slots))
+    ids = jax.lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
+    return support_mask_from_thresholds(keys, ids, v, cut)
 
 
 def mask_logits_to_support(logits_v: jax.Array, n_kept: jax.Array) -> jax.Array:

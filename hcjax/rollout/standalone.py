@@ -31,7 +31,7 @@ from hcjax.rollout.server import RolloutServer
 from hcjax.rollout.service import RequestLimits, RolloutServicer, rpc_server
 from hcjax.rollout.testing import perturbed
 from hcjax.rpc.auth import Security, check_exposure
-from hcjax.sharding import MeshConfig, make_mesh
+from hcjax.sharding import SERVING_RULES, MeshConfig, make_mesh
 from hcjax.transfer.weights_service import weights_service
 
 __all__ = ["ServeOptions", "inference_mesh", "serve"]
@@ -107,7 +107,7 @@ def serve(options: ServeOptions, *, ready: Callable[[dict], None] | None = None,
         info["eos_ids"] = list(load_tokenizer(options.hf_checkpoint).eos_ids)
         model, _ = load_hf_model(options.hf_checkpoint, mesh)
     else:
-        model = create_sharded(ModelConfig(), mesh, seed=options.seed)
+        model = create_sharded(ModelConfig(), mesh, SERVING_RULES, seed=options.seed)
     if options.init_noise > 0:
         nnx.update(model, perturbed(nnx.state(model), options.seed + 1, options.init_noise))
 

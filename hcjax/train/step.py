@@ -147,10 +147,11 @@ def combine_metrics(parts: Mapping[str, jax.Array]) -> Metrics:
             for name, x in parts.items()}
 
 
-def model_forward(graphdef: nnx.GraphDef, rest: Any = None) -> Forward:
+def model_forward(graphdef: nnx.GraphDef, rest: Any = None, *, head: bool = True) -> Forward:
     """fn(params, inputs, dropout_rng) -> the model's output on one micro-batch's `inputs` (see
     `Objective.split`), replaying `inputs["routing"]` when it is there. `rest`: the model's
-    non-parameter state, if any."""
+    non-parameter state, if any. head=False: no logits, the head's input and weight instead
+    (`ModelOutput.hidden`, `head_weight`), for an objective that forms them in slices."""
 
     def forward(params, inputs, dropout_rng):
         model = nnx.merge(graphdef, params) if rest is None else nnx.merge(graphdef, params, rest)
@@ -158,7 +159,8 @@ def model_forward(graphdef: nnx.GraphDef, rest: Any = None) -> Forward:
         if routing is not None:
             routing = tuple(routing[layer] for layer in range(routing.shape[0]))
         return model(inputs["tokens"], positions=inputs["positions"],
-                     segment_ids=inputs["segment_ids"], routing=routing, dropout_rng=dropout_rng)
+                     segment_ids=inputs["segment_ids"], routing=routing, dropout_rng=dropout_rng,
+                     head=head)
 
     return forward
 
@@ -168,13 +170,19 @@ def expert_counts_from_record(routing_mlbtk: jax.Array, segment_ids_mbt: jax.Arr
     """[L, E] expert assignment counts over the valid tokens of all micro-batches, read from a
     routing record [M, L, b, T, k]."""
     valid = (segment_ids_mbt > 0).astype(jnp.float32)
-    weight = jnp.broadcast_to(valid[:, None, :, :, None], routing_mlbtk.shape)
-    layer = jnp.broadcast_to(
-        jnp.arange(routing_mlbtk.shape[1])[None, :, None, None, None], routing_mlbtk.shape
-    )
-    # A scatter-add, not a one-hot: [M, L, b, T, k, E] would not fit at 512 experts.
-    counts = jnp.zeros((routing_mlbtk.shape[1], num_experts), jnp.float32)
-    return counts.at[layer, routing_mlbtk].add(weight)
+    weight = jnp.broadcast_to(valid[..., None], routing_mlbtk[:, 0].shape).reshape(-1)
+
+    # One layer at a time, a scatter-add (not a one-hot: [M, L, b, T, k, E] would not fit at 512
+    # experts): whole-record index arrays [M, L, b, T, k] with k minor were held padded 16x in
+    # TPU tiles (6 GB each for Qwen3-30B-A3B at 8 x 16 x 8192 on v5p:4x4x4).
+    def layer(i, counts):
+        chosen = jax.lax.dynamic_index_in_dim(routing_mlbtk, i, axis=1, keepdims=False)
+        one = jnp.zeros((num_experts,), jnp.float32).at[chosen.reshape(-1)].add(weight)
+        return counts.at[i].set(one)
+
+    num_layers = routing_mlbtk.shape[1]
+    return jax.lax.fori_loop(0, num_layers, layer,
+                             jnp.zeros((num_layers, num_experts), jnp.float32))
 
 
 # The step --------------------------------------------------------------------------------------
