@@ -158,8 +158,8 @@ def test_same_seed_same_tokens_and_bulk_insert_shares_one_prefill(engine):
 
 def test_weight_swap_mid_request_is_reflected_in_versions(engine, model):
     new_params = perturbed(nnx.state(model), seed=99, scale=0.5)
-    with _serve(engine, min_step_seconds=0.02) as srv:
-        handle = srv.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=30, seed=1))
+    with _serve(engine, min_step_seconds=0.02, block_steps=8) as srv:
+        handle = srv.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=40, seed=1))
         seen = 0
         for _event in handle.events(timeout=120):
             seen += 1
@@ -170,8 +170,11 @@ def test_weight_swap_mid_request_is_reflected_in_versions(engine, model):
     v = rec.versions
     assert v[0] == 0 and v[-1] == 1
     assert np.all(np.diff(v) >= 0)
-    # The swap lands between steps: tokens already streamed were drawn from version 0.
+    # The swap lands between blocks: tokens already streamed were drawn from version 0; a block's
+    # first token is drawn from the logits of the block before it, so the first version-1 token
+    # is the second of a block.
     assert np.all(v[:5] == 0)
+    assert int(np.argmax(v == 1)) % 8 == 1, v
 
 
 def test_partial_rollout_continued_equals_uninterrupted(engine):
