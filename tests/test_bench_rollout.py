@@ -17,3 +17,21 @@ def test_peaked_logits_heads():
     for bad in (0, 33):
         with pytest.raises(ValueError, match=f"head={bad}"):
             peaked_logits(jax.random.key(0), 2, vocab, head=bad)
+
+
+def test_device_bound_section_runs_alone():
+    """`--only device_bound` at a toy size: both paths generate every token, figures present."""
+    from hcjax.bench.rollout import main
+
+    out = main(["--only", "device_bound", "--db_configs", "tiny", "--db_slots", "4",
+                "--db_prompt", "8", "--db_response", "4", "--db_waves", "1", "--db_repeats", "1",
+                "--db_light", "1", "--db_block_steps", "2"])
+    tiny = out["device_bound"]["tiny"]
+    # 4 steps when the four prefills are done before the first block (blocks of 2 steps); more
+    # if the server started decoding some while others were still prefilling.
+    assert tiny["tokens"] == 4 * 4 and tiny["server_steps"] >= 4 and tiny["server_blocks"] >= 2
+    assert tiny["server_tokens_per_s"] > 0 and tiny["reference_tokens_per_s"] > 0
+    assert out["server_over_reference_tiny"] == tiny["server_over_reference"]
+    assert tiny["insert_latency"]["server_insert_latency_s"]["n"] >= 1
+    with pytest.raises(ValueError, match="'huge'"):
+        main(["--only", "device_bound", "--db_configs", "huge"])

@@ -131,6 +131,47 @@ def test_bulk_insert_is_one_call_equal_to_inserting_slot_by_slot(engine):
         engine.bulk_insert(prefix, bulk, [0], sample_indices=[0, 1])
 
 
+def test_generate_block_equals_single_steps(engine):
+    """k steps in one call = k `generate` calls: every record field and the final state, with a
+    stop token, a token limit and an idle slot inside the block; a shorter block of the same
+    program gives the same first rows and invalid ones after."""
+    params = engine.load_params()
+    options = [([1, 5, 9, 3], SamplingOptions(temperature=0.8, top_p=0.9, seed=3, max_tokens=20,
+                                              stop_tokens=(7, 11))),
+               ([3, 1, 4], SamplingOptions(temperature=0.0, max_tokens=9)),
+               ([2, 2], SamplingOptions(top_p=0.97, seed=1, max_tokens=30))]
+
+    def fresh():
+        state = engine.init_decode_state()
+        for slot, (prompt, sp) in enumerate(options):
+            prefix = engine.prefill(params=params, padded_tokens=prompt,
+                                    true_length=len(prompt), sampling=sp)
+            state = engine.insert(prefix, state, slot)
+        return state
+
+    state, singles = fresh(), []
+    for _ in range(16):
+        state, result = engine.generate(params, state)
+        singles.append(jax.device_get(result))
+    block_state, block = engine.generate_block(engine.flatten_params(params), fresh(), 16)
+    block = jax.device_get(block)
+    assert int(block.steps) == 16 and not block.valid[:, 3].any()
+    assert block.done[:, 1].any() and block.valid[:, 1].sum() == 9  # its token limit, in-block
+    for i, r in enumerate(singles):
+        row = block.step(i)
+        for name in ("tokens", "valid", "lengths", "logprobs", "raw_logprobs", "n_kept",
+                     "threshold_logit", "routing", "positions", "versions", "done"):
+            np.testing.assert_array_equal(row[name], np.asarray(getattr(r, name)), err_msg=name)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state),
+                 jax.device_get(block_state))
+    _, short = engine.generate_block(params, fresh(), 5, max_steps=16)
+    short = jax.device_get(short)
+    np.testing.assert_array_equal(short.tokens[:5], block.tokens[:5])
+    assert not short.valid[5:].any()
+    with pytest.raises(ValueError, match="steps=17"):
+        engine.generate_block(params, fresh(), 17, max_steps=16)
+
+
 def test_same_seed_same_tokens_and_bulk_insert_shares_one_prefill(engine):
     calls = []
     original = engine.prefill

@@ -243,17 +243,21 @@ class RolloutServer:
     scheduler.request_cost) and as many requests, in flight and queued; one client host holds
     at most `queue_share` of each (1.0: one client may fill the server; a shared server uses
     less, e.g. `python -m hcjax.serve`'s 0.5, which still lets one host fill every slot).
-    max_pending_prefills: prefilled requests waiting for slots, per lane. min_step_seconds
+    max_pending_prefills: prefilled requests waiting for slots, per lane; any lane may prefill
+    beyond it while fewer samples than slots are prefilled or in prefill (so a whole batch of
+    slots can be refilled at once: at most `slots` prefilled caches wait). min_step_seconds
     throttles the decode loop per step (a stand-in for a slower device in tests).
 
     block_steps (k): decode steps per device call. The host's cost per call (dispatch, one copy,
     the pass over the slots) is paid once per k steps; the price is latency: a sample is inserted,
     a weight swap takes effect, a cancel or a stop token frees its slot only at a block boundary.
     Bound: a prefilled request that finds a free slot draws its first token within 2k decode
-    steps (the block in flight, then the one dispatched before its insert). While prefilled work
-    waits for slots, a block ends when the first slot's token budget does (at least
-    min_block_steps, default k // 4, steps), so the budgeted slot is refilled at once; a slot that
-    ends on a stop token idles to its block's end and waits one more block to be refilled.
+    steps (the block in flight, then the one dispatched before its insert), 2 min_block_steps
+    (default k // 4) when it was sent while slots were free: blocks shrink to min_block_steps
+    while requests are being prefilled and slots are free. While prefilled work waits for slots,
+    a block ends when the first slot's token budget does (at least min_block_steps), so the
+    budgeted slot is refilled at once; a slot that ends on a stop token idles to its block's end
+    and waits one more block to be refilled.
     Weight versions are recorded per token exactly: a swap lands between blocks.
     """
 
@@ -297,6 +301,8 @@ class RolloutServer:
         self._waiting = FairQueue()
         self._ready = FairQueue()
         self._lane_jobs: Counter = Counter()  # jobs of a lane in prefill or waiting for slots
+        self._inflight = 0  # samples being prefilled
+        self._ready_samples = 0  # samples prefilled, waiting for a slot
         self._max_pending_prefills = max_pending_prefills
         self._flat = None  # the served weights flattened for the engine, once per version
         self._min_step = min_step_seconds
@@ -481,13 +487,16 @@ class RolloutServer:
         fewer than max_pending_prefills jobs prefilled or in prefill (None when stopping)."""
         with self._cond:
             while not self._stop.is_set():
+                room = (self._inflight + self._ready_samples
+                        < self.engine.max_concurrent_decodes)
                 lane = self._waiting.choose(
-                    lambda lane: self._lane_jobs[lane] < self._max_pending_prefills)
+                    lambda lane, room=room: room or self._lane_jobs[lane] < self._max_pending_prefills)
                 if lane is not None:
                     handle = self._waiting.head(lane)
                     self._waiting.charge(lane, handle.request.n)
                     self._waiting.pop(lane)
                     self._lane_jobs[lane] += 1  # in prefill
+                    self._inflight += _samples(handle.request)
                     return handle
                 self._cond.wait(0.05)
         return None
@@ -514,6 +523,7 @@ class RolloutServer:
             finally:
                 with self._cond:
                     self._lane_jobs[handle.lane] -= 1  # out of prefill
+                    self._inflight -= _samples(req)  # pushed ones are counted as ready
                     self._cond.notify_all()
 
     def _put_job(self, handle, sampling, tokens, indices, prior) -> None:
@@ -538,6 +548,7 @@ class RolloutServer:
             self._ready.push(handle.lane, _Job(prefix, samples, budget, handle),
                              weight=2.0 ** handle.priority)
             self._lane_jobs[handle.lane] += 1  # waiting for slots
+            self._ready_samples += len(samples)
             self._cond.notify_all()
 
     def _cancel(self, handle: RequestHandle) -> None:
@@ -568,7 +579,7 @@ class RolloutServer:
         pending: tuple[ResultBlock, dict] | None = None
         while not self._stop.is_set():
             started = time.monotonic()
-            for job, count in self._place(eng.num_free_slots, idle=not owners and not pending):
+            for job, count in self._place(eng.num_free_slots, len(owners), pending is not None):
                 slots = eng.allocate_slots(count)
                 placed, job.samples = job.samples[:count], job.samples[count:]
                 state = eng.bulk_insert(
@@ -610,14 +621,19 @@ class RolloutServer:
             return self._flat
 
     def _block_size(self, owners: dict[int, _Sample]) -> int:
-        """k, or while prefilled work waits for slots the steps to the first budget's end (at
-        least min_block_steps); never past the last budget's end."""
+        """How many steps the next block runs: k; min_block_steps while slots are free and
+        requests are being prefilled (they join sooner); the steps to the first token budget's
+        end (at least min_block_steps) while prefilled work waits for a slot; never more than
+        the last budget's end."""
         left = [s.left for s in owners.values()]
         steps = min(self.block_steps, max(left))
         with self._cond:
             waiting = len(self._ready) > 0
+            filling = len(self._waiting) > 0 or any(n > 0 for n in self._lane_jobs.values())
         if waiting:
             steps = min(steps, max(self.min_block_steps, min(left)))
+        elif filling and self.engine.num_free_slots:
+            steps = min(steps, self.min_block_steps)
         return max(1, steps)
 
     def _read(self, pending: tuple[ResultBlock, dict], owners: dict[int, _Sample], state):
@@ -662,29 +678,41 @@ class RolloutServer:
         self._recent = [(t, n) for t, n in self._recent if now - t <= 5.0] + [(now, produced)]
         return state
 
-    def _place(self, free: int, idle: bool) -> list[tuple[_Job, int]]:
+    def _place(self, free: int, occupied: int, in_flight: bool) -> list[tuple[_Job, int]]:
         """Which prefilled samples take the `free` slots: one slot at a time to the fairest
         lane's head job, so a light client's sample is placed ahead of a heavy client's
-        backlog. Waits briefly for work only when `idle` (running slots never wait)."""
+        backlog. Waits for work only while fewer than half the slots run: briefly when nothing
+        runs, and for the requests queued or in prefill (up to 0.5 s) until they can fill the
+        free slots, since a block run with few slots costs the device as much as a full one."""
         counts: dict[int, list] = {}
         dropped: list[_Job] = []
         with self._cond:
-            if idle and not len(self._ready):
-                self._cond.wait(0.02)
+            if free and 2 * occupied < self.engine.max_concurrent_decodes:
+                if self._inflight or len(self._waiting):
+                    deadline = time.monotonic() + 0.5
+                    while ((self._inflight or len(self._waiting)) and self._ready_samples < free
+                           and not self._stop.is_set()
+                           and (left := deadline - time.monotonic()) > 0):
+                        self._cond.wait(left)
+                elif not occupied and not in_flight and not len(self._ready):
+                    self._cond.wait(0.02)
             while free > 0 and (lane := self._ready.choose()) is not None:
                 job = self._ready.head(lane)
                 if job.handle.cancelled.is_set():  # its samples never take a slot
                     dropped.append(job)
                     taken = len(job.samples)
+                    self._ready_samples -= len(job.samples)
                 else:
                     self._ready.charge(lane, 1)
                     taken = counts.setdefault(id(job), [job, 0])[1] + 1
                     counts[id(job)][1] = taken
                     free -= 1
+                    self._ready_samples -= 1
                 if taken >= len(job.samples):
                     self._ready.pop(lane)
                     self._lane_jobs[lane] -= 1
-                    self._cond.notify_all()  # the lane may prefill another request
+            if counts or dropped:
+                self._cond.notify_all()  # the prefill thread may have room again
         for job in dropped:
             self._cancel(job.handle)
         return [(job, n) for job, n in counts.values()]
@@ -701,6 +729,10 @@ class RolloutServer:
         if sample.handle.done:
             with self._handles_lock:
                 self._handles.discard(sample.handle)
+
+
+def _samples(request: GenerateRequest) -> int:
+    return len(request.continue_from) if request.continue_from else request.n
 
 
 def _quantiles(values: list) -> dict:
