@@ -71,6 +71,21 @@ def test_greedy_cached_generation_equals_full_forward_argmax(engine, full_forwar
         np.testing.assert_array_equal(rec.logprobs, 0.0)
 
 
+def test_server_accepts_prompts_longer_than_max_prefill_length(engine, full_forward):
+    """37 prompt tokens on an engine whose prefill chunk is 16: prefilled in 3 chunks, then
+    decoded greedily as the full forward would."""
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 64, 37)]
+    with _serve(engine) as srv:
+        rec = srv.generate(GenerateRequest(prompt=prompt, max_tokens=8, temperature=0.0),
+                           timeout=120)[0]
+    seq = list(prompt)
+    for _ in range(8):
+        logits, _ = full_forward(seq)
+        seq.append(int(np.argmax(np.asarray(logits[len(seq) - 1]))))
+    assert rec.response_ids.tolist() == seq[37:]
+    assert rec.routing.shape[1] == 37 + 8 - 1
+
+
 def test_chunked_prefill_longer_than_max_prefill_length(engine, full_forward):
     prompt = list(np.random.default_rng(0).integers(0, 64, 37))  # 16 + 16 + 5 tokens
     prefix = engine.prefill(params=engine.load_params(), padded_tokens=prompt, true_length=37)
@@ -253,7 +268,7 @@ def test_stop_tokens_end_the_sample(engine):
     "options,message",
     [
         (dict(prompt=[]), "prompt is empty"),
-        (dict(prompt=[1] * 17), "exceeds max_prefill_length"),
+        (dict(prompt=[1] * 60, max_tokens=8), "prompt length 60 \\+ max_tokens 8"),
         (dict(prompt=[1, 2], max_tokens=0), "max_tokens=0"),
         (dict(prompt=[1, 2], n=0), "n=0"),
         (dict(prompt=[1, 2], n=-2), "n=-2"),

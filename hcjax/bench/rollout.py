@@ -385,7 +385,7 @@ def device_bound_reference(engine: Engine, scan, prompts, sampling: SamplingOpti
             sp = dataclasses.replace(sampling, seed=i)
             prefix = engine.prefill(params=params, padded_tokens=p, true_length=len(p),
                                     sampling=sp)
-            state = engine.insert(prefix, state, slot)
+            state = engine.bulk_insert(prefix, state, [slot])  # the server's insert program
         jax.block_until_ready(state)
         mid = time.perf_counter()
         tokens += int(scan(params, state))

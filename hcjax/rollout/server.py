@@ -455,11 +455,8 @@ class RolloutServer:
 
     def _check_limits(self, request: GenerateRequest) -> None:
         eng = self.engine
-        if not request.continue_from and len(request.prompt) > eng.max_prefill_length:
-            raise ValueError(
-                f"prompt length {len(request.prompt)} exceeds max_prefill_length="
-                f"{eng.max_prefill_length}"
-            )
+        # A prompt longer than max_prefill_length is prefilled in chunks of it (Engine.prefill):
+        # only prompt + max_tokens is bounded, by max_target_length.
         if len(request.prompt) + request.max_tokens > eng.max_target_length:
             raise ValueError(
                 f"prompt length {len(request.prompt)} + max_tokens {request.max_tokens} exceeds "
