@@ -251,13 +251,15 @@ class RolloutServer:
     block_steps (k): decode steps per device call. The host's cost per call (dispatch, one copy,
     the pass over the slots) is paid once per k steps; the price is latency: a sample is inserted,
     a weight swap takes effect, a cancel or a stop token frees its slot only at a block boundary.
-    Bound: a prefilled request that finds a free slot draws its first token within 2k decode
-    steps (the block in flight, then the one dispatched before its insert), 2 min_block_steps
-    (default k // 4) when it was sent while slots were free: blocks shrink to min_block_steps
-    while requests are being prefilled and slots are free. While prefilled work waits for slots,
-    a block ends when the first slot's token budget does (at least min_block_steps), so the
-    budgeted slot is refilled at once; a slot that ends on a stop token idles to its block's end
-    and waits one more block to be refilled.
+    Bound: blocks run min_block_steps (default k // 4) while a slot is free, so a prefilled
+    request that finds a free slot draws its first token within 2 min_block_steps decode steps
+    (the block in flight, then the one dispatched before its insert) and the host reads it
+    within 3 min_block_steps; one that waits for a slot, within 2k (3k) of the slot's release.
+    While fewer than half the slots run, the loop first waits (at most fill_wait_seconds) for
+    the requests already queued or in prefill, so that a burst starts together, not staggered.
+    While prefilled work waits for slots, a block ends when the first slot's token budget does
+    (at least min_block_steps), so the budgeted slot is refilled at once; a slot that ends on a
+    stop token idles to its block's end and waits one more block to be refilled.
     Weight versions are recorded per token exactly: a swap lands between blocks.
     """
 
@@ -273,6 +275,7 @@ class RolloutServer:
         min_step_seconds: float = 0.0,
         block_steps: int = 16,
         min_block_steps: int | None = None,
+        fill_wait_seconds: float = 1.0,
     ) -> None:
         if max_queue <= 0:
             raise ValueError(f"max_queue={max_queue} must be positive")
@@ -283,7 +286,10 @@ class RolloutServer:
         if not isinstance(min_block_steps, int) or not 1 <= min_block_steps <= block_steps:
             raise ValueError(
                 f"min_block_steps={min_block_steps!r} must be in [1, block_steps={block_steps}]")
+        if fill_wait_seconds < 0:
+            raise ValueError(f"fill_wait_seconds={fill_wait_seconds} must be >= 0")
         self.block_steps, self.min_block_steps = block_steps, min_block_steps
+        self.fill_wait_seconds = fill_wait_seconds
         if max_pending_prefills <= 0:
             raise ValueError(f"max_pending_prefills={max_pending_prefills} must be positive")
         self.engine = engine
@@ -618,19 +624,18 @@ class RolloutServer:
             return self._flat
 
     def _block_size(self, owners: dict[int, _Sample]) -> int:
-        """How many steps the next block runs: k; min_block_steps while slots are free and
-        requests are being prefilled (they join sooner); the steps to the first token budget's
-        end (at least min_block_steps) while prefilled work waits for a slot; never more than
-        the last budget's end."""
+        """How many steps the next block runs: min_block_steps while a slot is free (a request
+        that arrives joins sooner), the steps to the first token budget's end (at least
+        min_block_steps) while prefilled work waits for a slot, else k; never more than the
+        last budget's end."""
         left = [s.left for s in owners.values()]
         steps = min(self.block_steps, max(left))
         with self._cond:
             waiting = len(self._ready) > 0
-            filling = len(self._waiting) > 0 or any(n > 0 for n in self._lane_jobs.values())
-        if waiting:
-            steps = min(steps, max(self.min_block_steps, min(left)))
-        elif filling and self.engine.num_free_slots:
+        if self.engine.num_free_slots:
             steps = min(steps, self.min_block_steps)
+        elif waiting:
+            steps = min(steps, max(self.min_block_steps, min(left)))
         return max(1, steps)
 
     def _read(self, pending: tuple[ResultBlock, dict], owners: dict[int, _Sample], state):
@@ -679,16 +684,19 @@ class RolloutServer:
         """Which prefilled samples take the `free` slots: one slot at a time to the fairest
         lane's head job, so a light client's sample is placed ahead of a heavy client's
         backlog. Waits for work only while fewer than half the slots run: briefly when nothing
-        runs, and for the requests queued or in prefill (up to 0.5 s) until they can fill the
-        free slots, since a block run with few slots costs the device as much as a full one."""
+        runs, and for the requests queued or in prefill when it starts to wait (at most
+        fill_wait_seconds), since a block run with few slots costs the device as much as a full
+        one."""
         counts: dict[int, list] = {}
         dropped: list[_Job] = []
         with self._cond:
             if free and 2 * occupied < self.engine.max_concurrent_decodes:
                 if self._inflight or len(self._waiting):
-                    deadline = time.monotonic() + 0.5
-                    while ((self._inflight or len(self._waiting)) and self._ready_samples < free
-                           and not self._stop.is_set()
+                    # The samples queued or in prefill now (a request counted as one), not the
+                    # ones that arrive meanwhile: a client that resubmits must not hold it.
+                    target = min(free, self._ready_samples + self._inflight + len(self._waiting))
+                    deadline = time.monotonic() + self.fill_wait_seconds
+                    while (self._ready_samples < target and not self._stop.is_set()
                            and (left := deadline - time.monotonic()) > 0):
                         self._cond.wait(left)
                 elif not occupied and not in_flight and not len(self._ready):
