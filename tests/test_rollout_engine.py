@@ -214,7 +214,7 @@ def test_same_seed_same_tokens_and_bulk_insert_shares_one_prefill(engine):
 
 def test_weight_swap_mid_request_is_reflected_in_versions(engine, model):
     new_params = perturbed(nnx.state(model), seed=99, scale=0.5)
-    with _serve(engine, min_step_seconds=0.02, block_steps=8, min_block_steps=8) as srv:
+    with _serve(engine, min_step_seconds=0.05, block_steps=8, min_block_steps=8) as srv:
         handle = srv.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=40, seed=1))
         seen = 0
         for _event in handle.events(timeout=120):
