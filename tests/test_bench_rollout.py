@@ -17,3 +17,27 @@ def test_peaked_logits_heads():
     for bad in (0, 33):
         with pytest.raises(ValueError, match=f"head={bad}"):
             peaked_logits(jax.random.key(0), 2, vocab, head=bad)
+
+
+@pytest.mark.slow  # ~10-20 s: compiling a fresh engine's prefill, insert and decode programs
+def test_device_bound_section():
+    """The device-bound section at a toy size on the test model: both paths generate every
+    token, the figures are there; `--only device_bound` names a bad config clearly."""
+    import argparse
+    import dataclasses
+
+    from hcjax.bench.rollout import device_bound_comparison, main
+    from hcjax.rollout.testing import TINY_TEST_CONFIG
+
+    args = argparse.Namespace(db_slots=4, db_prompt=8, db_response=4, db_waves=1, db_repeats=1,
+                              db_light=1, db_block_steps=2)
+    # Two layers (one local, one global; one MoE, one dense): what compiles is the cost here.
+    cfg = dataclasses.replace(TINY_TEST_CONFIG, num_layers=2)
+    out = device_bound_comparison(cfg, "test", args)
+    # 4 steps when the four prefills are done before the first block (blocks of 2 steps); more
+    # if the server started decoding some while others were still prefilling.
+    assert out["tokens"] == 4 * 4 and out["server_steps"] >= 4 and out["server_blocks"] >= 2
+    assert out["server_tokens_per_s"] > 0 and out["reference_tokens_per_s"] > 0
+    assert out["params"] > 0 and out["insert_latency"]["server_insert_latency_s"]["n"] >= 1
+    with pytest.raises(ValueError, match="'huge'"):
+        main(["--only", "device_bound", "--db_configs", "huge"])

@@ -71,10 +71,14 @@ def full_forward(family: str):
 
 
 @functools.cache
-def served(family: str) -> dict:
-    """Records from the continuous-batching server: greedy 8 and 24 tokens, and 2 sampled."""
+def served(family: str, one_step_calls: bool = False) -> dict:
+    """Records from the continuous-batching server (decode blocks of up to 16 steps, or of one
+    step per device call, the same program): greedy 8 and 24 tokens, and 2 sampled."""
     prompt = golden(family, "input_ids")[0, :PROMPT_LEN].tolist()
-    with RolloutServer(engine(family)).start() as srv:
+    srv = RolloutServer(engine(family), block_steps=16)
+    if one_step_calls:
+        srv._block_size = lambda owners: 1
+    with srv.start():
         handles = {
             "greedy8": srv.submit(GenerateRequest(prompt=prompt, max_tokens=8, temperature=0.0)),
             "greedy": srv.submit(GenerateRequest(prompt=prompt, max_tokens=LONG, temperature=0.0)),
@@ -176,6 +180,22 @@ def test_cached_decoding_matches_full_forward(family):
         np.testing.assert_allclose(rec.raw_logprobs, raw[np.arange(LONG), rec.response_ids],
                                    atol=1e-4)
         assert np.mean(rec.n_kept > 1) > 0.5  # really sampled, from more than the argmax
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_blocks_do_not_change_records(family):
+    """One decode step per device call and blocks of 16 give the same records, greedy and
+    sampled: tokens, log-probs, top-p records, routing, versions, bit for bit (one compiled
+    program run 1 or 16 steps a call; that it equals the single-step `generate` is
+    test_rollout_engine's test_generate_block_equals_single_steps)."""
+    one, blocks = served(family, True), served(family)
+    for name in ("greedy8", "greedy", "sampled"):
+        for a, b in zip(one[name], blocks[name], strict=True):
+            for field in ("response_ids", "logprobs", "raw_logprobs", "n_kept",
+                          "threshold_logit", "routing", "versions"):
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field),
+                                              err_msg=f"{name}.{field}")
+            assert a.finish_reason == b.finish_reason
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -71,6 +71,21 @@ def test_greedy_cached_generation_equals_full_forward_argmax(engine, full_forwar
         np.testing.assert_array_equal(rec.logprobs, 0.0)
 
 
+def test_server_accepts_prompts_longer_than_max_prefill_length(engine, full_forward):
+    """37 prompt tokens on an engine whose prefill chunk is 16: prefilled in 3 chunks, then
+    decoded greedily as the full forward would."""
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 64, 37)]
+    with _serve(engine) as srv:
+        rec = srv.generate(GenerateRequest(prompt=prompt, max_tokens=8, temperature=0.0),
+                           timeout=120)[0]
+    seq = list(prompt)
+    for _ in range(8):
+        logits, _ = full_forward(seq)
+        seq.append(int(np.argmax(np.asarray(logits[len(seq) - 1]))))
+    assert rec.response_ids.tolist() == seq[37:]
+    assert rec.routing.shape[1] == 37 + 8 - 1
+
+
 def test_chunked_prefill_longer_than_max_prefill_length(engine, full_forward):
     prompt = list(np.random.default_rng(0).integers(0, 64, 37))  # 16 + 16 + 5 tokens
     prefix = engine.prefill(params=engine.load_params(), padded_tokens=prompt, true_length=37)
@@ -131,6 +146,47 @@ def test_bulk_insert_is_one_call_equal_to_inserting_slot_by_slot(engine):
         engine.bulk_insert(prefix, bulk, [0], sample_indices=[0, 1])
 
 
+def test_generate_block_equals_single_steps(engine):
+    """k steps in one call = k `generate` calls: every record field and the final state, with a
+    stop token, a token limit and an idle slot inside the block; a shorter block of the same
+    program gives the same first rows and invalid ones after."""
+    params = engine.load_params()
+    options = [([1, 5, 9, 3], SamplingOptions(temperature=0.8, top_p=0.9, seed=3, max_tokens=20,
+                                              stop_tokens=(7, 11))),
+               ([3, 1, 4], SamplingOptions(temperature=0.0, max_tokens=9)),
+               ([2, 2], SamplingOptions(top_p=0.97, seed=1, max_tokens=30))]
+
+    def fresh():
+        state = engine.init_decode_state()
+        for slot, (prompt, sp) in enumerate(options):
+            prefix = engine.prefill(params=params, padded_tokens=prompt,
+                                    true_length=len(prompt), sampling=sp)
+            state = engine.insert(prefix, state, slot)
+        return state
+
+    state, singles = fresh(), []
+    for _ in range(16):
+        state, result = engine.generate(params, state)
+        singles.append(jax.device_get(result))
+    block_state, block = engine.generate_block(engine.flatten_params(params), fresh(), 16)
+    block = jax.device_get(block)
+    assert int(block.steps) == 16 and not block.valid[:, 3].any()
+    assert block.done[:, 1].any() and block.valid[:, 1].sum() == 9  # its token limit, in-block
+    for i, r in enumerate(singles):
+        row = block.step(i)
+        for name in ("tokens", "valid", "lengths", "logprobs", "raw_logprobs", "n_kept",
+                     "threshold_logit", "routing", "positions", "versions", "done"):
+            np.testing.assert_array_equal(row[name], np.asarray(getattr(r, name)), err_msg=name)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state),
+                 jax.device_get(block_state))
+    _, short = engine.generate_block(params, fresh(), 5, max_steps=16)
+    short = jax.device_get(short)
+    np.testing.assert_array_equal(short.tokens[:5], block.tokens[:5])
+    assert not short.valid[5:].any()
+    with pytest.raises(ValueError, match="steps=17"):
+        engine.generate_block(params, fresh(), 17, max_steps=16)
+
+
 def test_same_seed_same_tokens_and_bulk_insert_shares_one_prefill(engine):
     calls = []
     original = engine.prefill
@@ -158,8 +214,8 @@ def test_same_seed_same_tokens_and_bulk_insert_shares_one_prefill(engine):
 
 def test_weight_swap_mid_request_is_reflected_in_versions(engine, model):
     new_params = perturbed(nnx.state(model), seed=99, scale=0.5)
-    with _serve(engine, min_step_seconds=0.02) as srv:
-        handle = srv.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=30, seed=1))
+    with _serve(engine, min_step_seconds=0.05, block_steps=8, min_block_steps=8) as srv:
+        handle = srv.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=40, seed=1))
         seen = 0
         for _event in handle.events(timeout=120):
             seen += 1
@@ -170,8 +226,11 @@ def test_weight_swap_mid_request_is_reflected_in_versions(engine, model):
     v = rec.versions
     assert v[0] == 0 and v[-1] == 1
     assert np.all(np.diff(v) >= 0)
-    # The swap lands between steps: tokens already streamed were drawn from version 0.
+    # The swap lands between blocks: tokens already streamed were drawn from version 0; a block's
+    # first token is drawn from the logits of the block before it, so the first version-1 token
+    # is the second of a block.
     assert np.all(v[:5] == 0)
+    assert int(np.argmax(v == 1)) % 8 == 1, v
 
 
 def test_partial_rollout_continued_equals_uninterrupted(engine):
@@ -209,7 +268,7 @@ def test_stop_tokens_end_the_sample(engine):
     "options,message",
     [
         (dict(prompt=[]), "prompt is empty"),
-        (dict(prompt=[1] * 17), "exceeds max_prefill_length"),
+        (dict(prompt=[1] * 60, max_tokens=8), "prompt length 60 \\+ max_tokens 8"),
         (dict(prompt=[1, 2], max_tokens=0), "max_tokens=0"),
         (dict(prompt=[1, 2], n=0), "n=0"),
         (dict(prompt=[1, 2], n=-2), "n=-2"),

@@ -90,7 +90,7 @@ def test_partial_rollout_continues_over_grpc(backend):
     "options,message",
     [
         ({"prompt": []}, "prompt is empty"),
-        ({"prompt": [1] * 40, "max_tokens": 4}, "max_prefill_length"),
+        ({"prompt": [1] * 40, "max_tokens": 30}, "max_target_length=64"),
         ({"prompt": [1], "max_tokens": 0}, "max_tokens=0"),
         ({"prompt": [1], "n": 0}, "n=0"),
         ({"prompt": [1], "beam_width": 4}, "unknown request options"),

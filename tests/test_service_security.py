@@ -124,7 +124,7 @@ def _message(options, continue_from=(), arrays=None):
     ({"group_id": [1]}, "group_id=[1] must be a string or an integer"),
     ({"request_id": 5}, "request_id=5 must be a string"),
     ({"token_budget": 0}, "token_budget=0 must be a positive integer"),
-    ({"prompt": list(range(40))}, "max_prefill_length"),
+    ({"prompt": list(range(40)), "max_tokens": 30}, "max_target_length=64"),
 ])
 def test_hostile_options_are_invalid_argument_and_the_server_keeps_serving(
         open_address, options, reason):

@@ -3,7 +3,10 @@ vs no KV cache on the tiny config, with a mixed response-length workload; KV-cac
 ring-buffer local layers vs full-length caches; and prefix reuse on 8-turn ReAct-style episodes
 (prefill tokens computed and rollout time with vs without reuse, outputs compared); and the cost of
 top-p sampling vs greedy vs the full-sort reference, alone and inside one engine decode step, at
-the tiny vocabulary and at large ones. Prints one JSON object last; asserts no timing.
+the tiny vocabulary and at large ones; and (`--only device_bound`) RolloutServer against a
+device-bound reference, the same batches decoded by one jitted scan with no host work between
+steps, at the tiny config and a ~40M-parameter one: tokens/s, the server's host time per step and
+its insert latency. Prints one JSON object last; asserts no timing.
 """
 
 from __future__ import annotations
@@ -349,10 +352,157 @@ def sampling_comparison(base_cfg: ModelConfig, vocabs, batch: int, top_p: float,
     return {"batch": batch, "top_p": top_p, "logits": "peaked_logits", "by_vocab": out}
 
 
+def model_40m(base: ModelConfig) -> ModelConfig:
+    """A ~40M-parameter config with the tiny one's layer pattern: d_model 512, 8 layers, 32000
+    ids (tied embeddings: 16.4M of the parameters)."""
+    return dataclasses.replace(
+        base, vocab_size=32000, d_model=512, num_layers=8, num_heads=8, num_kv_heads=4,
+        head_dim=64, d_ff=1536, moe_latent_dim=256, moe_d_ff=384, window=64)
+
+
+def _server_kwargs(block_steps: int | None) -> dict:
+    return {} if block_steps is None else {"block_steps": block_steps}
+
+
+def decode_scan(engine: Engine, response_len: int):
+    """One jitted `lax.scan` of `response_len` of the engine's decode steps (no host work between
+    steps): (params, state) -> tokens drawn."""
+    return jax.jit(lambda p, st: jax.lax.scan(
+        lambda st, _: engine._generate_impl(p, st, np.int32(0)), st, None,
+        length=response_len)[1].data[..., 1].sum())
+
+
+def device_bound_reference(engine: Engine, scan, prompts, sampling: SamplingOptions) -> dict:
+    """Batches of `slots` prompts: prefill and insert each, then `scan` (`decode_scan`). Seconds
+    of the prefills and of the decode apart."""
+    params, b = engine.load_params(), engine.max_concurrent_decodes
+    prefill_s = decode_s = 0.0
+    tokens = 0
+    for lo in range(0, len(prompts), b):
+        start = time.perf_counter()
+        state = engine.init_decode_state()
+        for slot, (i, p) in enumerate(zip(range(lo, lo + b), prompts[lo : lo + b])):
+            sp = dataclasses.replace(sampling, seed=i)
+            prefix = engine.prefill(params=params, padded_tokens=p, true_length=len(p),
+                                    sampling=sp)
+            state = engine.bulk_insert(prefix, state, [slot])  # the server's insert program
+        jax.block_until_ready(state)
+        mid = time.perf_counter()
+        tokens += int(scan(params, state))
+        end = time.perf_counter()
+        prefill_s, decode_s = prefill_s + mid - start, decode_s + end - mid
+    return {"tokens": tokens, "prefill_seconds": prefill_s, "decode_seconds": decode_s}
+
+
+def served_run(engine: Engine, prompts, sampling: SamplingOptions, response_len: int,
+               block_steps: int | None) -> dict:
+    """The same prompts submitted at once to a RolloutServer: seconds to the last record."""
+    with RolloutServer(engine, max_queue=len(prompts) + 1,
+                       **_server_kwargs(block_steps)) as srv:
+        start = time.perf_counter()
+        handles = [srv.submit(GenerateRequest(
+            prompt=p, max_tokens=response_len, temperature=sampling.temperature,
+            top_p=sampling.top_p, seed=i)) for i, p in enumerate(prompts)]
+        tokens = sum(r.response_len for h in handles for r in h.result(timeout=3600))
+        seconds = time.perf_counter() - start
+        m = srv.metrics()
+    return {"tokens": tokens, "seconds": seconds, "steps": m["generate_steps"],
+            "blocks": m.get("generate_blocks")}
+
+
+def insert_latency(engine: Engine, heavy_tokens: int, light: int,
+                   block_steps: int | None) -> dict:
+    """Half the slots kept busy by clients that resubmit long requests; `light` short requests
+    sent one after another from another client (each after the last one's record): seconds from
+    submit to the first token streamed, and the server's own figure (prefill done -> first token
+    read) when it reports one (the heavy requests' figures included)."""
+    b = engine.max_concurrent_decodes
+    first, stop = [], threading.Event()
+    with RolloutServer(engine, max_queue=b + light + 1, **_server_kwargs(block_steps)) as srv:
+        def heavy(i):
+            while not stop.is_set():
+                srv.generate(GenerateRequest(prompt=[1 + i % 200] * 8, max_tokens=heavy_tokens,
+                                             seed=i), timeout=600)
+
+        threads = [threading.Thread(target=heavy, args=(i,), daemon=True) for i in range(b // 2)]
+        for th in threads:
+            th.start()
+        while srv.metrics()["slots_occupied"] < b // 2:
+            time.sleep(0.005)
+        for i in range(light):
+            start = time.perf_counter()
+            h = srv.submit(GenerateRequest(prompt=[3, 4, 5, 6 + i], max_tokens=2, seed=i),
+                           client="light")
+            next(h.events(timeout=600))
+            first.append(time.perf_counter() - start)
+            h.result(timeout=600)
+        server_view = srv.metrics().get("insert_latency_s")
+        stop.set()
+        for th in threads:
+            th.join()
+    return {"first_token_s": {"p50": float(np.median(first)), "max": float(max(first))},
+            "server_insert_latency_s": server_view}
+
+
+def device_bound_comparison(cfg: ModelConfig, name: str, args, note=lambda item: None) -> dict:
+    """RolloutServer vs the device-bound reference on one config, `args.db_waves` batches of
+    `args.slots` requests of `args.db_prompt` prompt and `args.db_response` response tokens,
+    top-p 0.97 at temperature 1; best of `args.db_repeats` runs each, after a warm-up of each."""
+    slots, response = args.db_slots, args.db_response
+    max_len = args.db_prompt + response + 1
+    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, max_len))
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+    model = nnx.merge(graphdef, perturbed(state, 1))
+    engine = Engine(model, max_concurrent_decodes=slots, max_prefill_length=args.db_prompt,
+                    max_target_length=max_len)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, args.db_prompt).tolist()
+               for _ in range(args.db_waves * slots)]
+    sampling = SamplingOptions(temperature=1.0, top_p=0.97, max_tokens=response)
+    note(f"{name}: compiling")
+    scan = decode_scan(engine, response)
+    device_bound_reference(engine, scan, prompts[:slots], sampling)
+    served_run(engine, prompts[:slots], sampling, response, args.db_block_steps)
+    refs, runs = [], []
+    for r in range(args.db_repeats):  # interleaved: the host's slow spells hit both alike
+        note(f"{name}: timing, round {r + 1}/{args.db_repeats}")
+        refs.append(device_bound_reference(engine, scan, prompts, sampling))
+        runs.append(served_run(engine, prompts, sampling, response, args.db_block_steps))
+    ref = min(refs, key=lambda x: x["prefill_seconds"] + x["decode_seconds"])
+    run = min(runs, key=lambda x: x["seconds"])
+    ref_s = ref["prefill_seconds"] + ref["decode_seconds"]
+    steps = args.db_waves * response
+    step_s = ref["decode_seconds"] / steps
+    note(f"{name}: insert latency")
+    latency = insert_latency(engine, max_len - 9, args.db_light, args.db_block_steps)
+    return {
+        "params": params, "d_model": cfg.d_model, "num_layers": cfg.num_layers,
+        "vocab_size": cfg.vocab_size,
+        "reference_tokens_per_s": round(ref["tokens"] / ref_s, 1),
+        "reference_decode_tokens_per_s": round(ref["tokens"] / ref["decode_seconds"], 1),
+        "reference_prefill_seconds": round(ref["prefill_seconds"], 3),
+        "reference_step_ms": round(step_s * 1e3, 3),
+        "server_tokens_per_s": round(run["tokens"] / run["seconds"], 1),
+        "server_over_reference": round(ref_s / run["seconds"] * run["tokens"] / ref["tokens"], 3),
+        "server_over_reference_decode": round(
+            ref["decode_seconds"] / run["seconds"] * run["tokens"] / ref["tokens"], 3),
+        # What the server spends per decode step beyond the reference's whole run (prefill
+        # included), spread over the steps the reference ran.
+        "server_host_ms_per_step": round((run["seconds"] - ref_s) / steps * 1e3, 3),
+        "server_steps": run["steps"], "server_blocks": run["blocks"],
+        "tokens": run["tokens"],
+        "insert_latency": latency,
+        "insert_latency_p50_steps": round(latency["first_token_s"]["p50"] / step_s, 1),
+        "insert_latency_max_steps": round(latency["first_token_s"]["max"] / step_s, 1),
+    }
+
+
 EXAMPLES = """examples:
   python -m hcjax.bench.rollout                        # continuous vs static batching, ReAct, prefix cache
   python -m hcjax.bench.rollout --requests 64 --slots 16 --max_response 64
   python -m hcjax.bench.rollout --only sampling        # top-p vs greedy vs full sort, 3 vocabularies
+  python -m hcjax.bench.rollout --only device_bound    # RolloutServer vs one on-device loop, 64 slots
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -381,13 +531,42 @@ def main(argv=None) -> dict:
     parser.add_argument("--sampling_repeats", type=int, default=60,
                         help="interleaved rounds per case (medians); the full sort runs a fifth, "
                              "at most 3")
-    parser.add_argument("--only", choices=["all", "sampling"], default="all")
+    parser.add_argument("--only", choices=["all", "sampling", "device_bound"], default="all")
+    parser.add_argument("--db_configs", default="tiny,40m",
+                        help="device_bound section: comma-separated configs (tiny, 40m)")
+    parser.add_argument("--db_slots", type=int, default=64)
+    parser.add_argument("--db_prompt", type=int, default=16)
+    parser.add_argument("--db_response", type=int, default=64)
+    parser.add_argument("--db_waves", type=int, default=2, help="batches of db_slots requests")
+    parser.add_argument("--db_repeats", type=int, default=2)
+    parser.add_argument("--db_light", type=int, default=8,
+                        help="light requests timed for the insert latency")
+    parser.add_argument("--db_block_steps", type=int, default=None,
+                        help="RolloutServer block_steps (default: the server's)")
     parser.add_argument("--gin_file", action="append", default=None)
     args = parser.parse_args(argv)
     hcfg.bind(args.gin_file or ["tiny_cpu.gin"], [])
     cfg = ModelConfig()
     vocabs = [int(v) or cfg.vocab_size for v in args.sampling_vocabs.split(",") if v.strip()]
     phases = Phases("hcjax.bench.rollout")
+    device_bound = {}
+    if args.only in ("all", "device_bound"):
+        configs = {"tiny": cfg, "40m": model_40m(cfg)}
+        names = [c.strip() for c in args.db_configs.split(",") if c.strip()]
+        for c in names:
+            if c not in configs:
+                raise ValueError(f"--db_configs entry {c!r} is not one of {sorted(configs)}")
+        with phases.phase("RolloutServer vs a device-bound loop") as phase:
+            for c in names:
+                device_bound[c] = device_bound_comparison(configs[c], c, args, note=phase.now)
+    device_summary = {f"server_over_reference_{c}": r["server_over_reference"]
+                      for c, r in device_bound.items()}
+    if args.only == "device_bound":
+        out = {"bench": "rollout", "backend": jax.default_backend(), "slots": args.db_slots,
+               "response_tokens": args.db_response, "block_steps": args.db_block_steps,
+               **device_summary, "device_bound": device_bound}
+        print(json.dumps(out))
+        return out
     with phases.phase("top-p vs greedy vs full-sort sampling") as phase:
         sampling = sampling_comparison(cfg, vocabs, args.sampling_batch, 0.97,
                                        args.sampling_repeats, note=phase.now)
@@ -465,6 +644,8 @@ def main(argv=None) -> dict:
         "kv_cache_ring_over_full_128k": round(kv_128k["ring"] / kv_128k["full_length"], 4),
         "support_record_bytes_per_token": 8,  # n_kept int32 + threshold_logit float32
         "react_prefix_reuse": react,
+        **device_summary,
+        "device_bound": device_bound,
         **sampling_summary,
         "sampling": sampling,
     }

@@ -37,7 +37,9 @@ from hcjax.rollout.sampling import sample, sampling_keys
 __all__ = [
     "DecodeState",
     "Engine",
+    "FlatParams",
     "Prefix",
+    "ResultBlock",
     "ResultTokens",
     "SlotData",
     "TokenizerParameters",
@@ -59,9 +61,22 @@ class VersionedParams:
     version: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class FlatParams:
+    """Parameters flattened once (`Engine.flatten_params`): the leaves, their tree structure and
+    the weight version. `generate_block` takes them without walking the parameter tree (an
+    nnx.State of hundreds of leaves is flattened in Python) on every call."""
+
+    leaves: tuple
+    treedef: Any
+    version: int = 0
+
+
 def _split_params(params: Any) -> tuple[Any, int]:
     if isinstance(params, VersionedParams):
         return params.params, int(params.version)
+    if isinstance(params, FlatParams):
+        return jax.tree.unflatten(params.treedef, params.leaves), int(params.version)
     return params, 0
 
 
@@ -167,6 +182,31 @@ class Prefix:
     version: int = dataclasses.field(metadata=dict(static=True))
     sampling: SamplingOptions = dataclasses.field(metadata=dict(static=True))
     tokens: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResultBlock:
+    """`steps` decode steps of every slot (`Engine.generate_block`): [K, B] leaves, row i the
+    ResultTokens of step i (K = the block's compiled size; rows from `steps` on are invalid)."""
+
+    tokens: Any  # [K, B] int32
+    valid: Any  # [K, B] bool: the row's slot drew a token at this step
+    lengths: Any  # [K, B] int32: tokens the slot generated since its insert, this one included
+    logprobs: Any  # [K, B] f32
+    raw_logprobs: Any  # [K, B] f32
+    n_kept: Any  # [K, B] int32
+    threshold_logit: Any  # [K, B] f32
+    routing: Any  # [K, B, num_moe_layers, k] int32
+    positions: Any  # [K, B] int32
+    versions: Any  # [K, B] int32
+    done: Any  # [K, B] bool
+    steps: Any  # [] int32: steps run
+
+    def step(self, i: int) -> dict:
+        """Row i as a dict of the ResultTokens fields (tests compare it with `generate`)."""
+        return {f.name: getattr(self, f.name)[i] for f in dataclasses.fields(self)
+                if f.name != "steps"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -618,6 +658,7 @@ class Engine:
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(0,))
         self._bulk_insert_jit = jax.jit(self._bulk_insert_impl, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
+        self._block_jit = jax.jit(self._block_impl, static_argnums=(0, 4), donate_argnums=(2,))
         self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
         self._tables_jit = jax.jit(_update_tables, donate_argnums=(0,))
         self._pause_jit = jax.jit(_pause_row, donate_argnums=(0,))
@@ -1172,6 +1213,56 @@ class Engine:
         weights, version = _split_params(params)
         decode_state = self.reserve_pages(decode_state)
         return self._generate_jit(weights, decode_state, np.int32(version))
+
+    def _block_impl(self, treedef, leaves, state, version, max_steps, steps):
+        params = jax.tree.unflatten(treedef, leaves)
+        def zeros(x):
+            return jnp.zeros((max_steps, *x.shape), x.dtype)
+
+        def record(r: ResultTokens) -> dict:
+            return dict(tokens=r.data[:, 0], valid=r.data[:, 1] != 0, lengths=r.data[:, 2],
+                        logprobs=r.logprobs, raw_logprobs=r.raw_logprobs, n_kept=r.n_kept,
+                        threshold_logit=r.threshold_logit, routing=r.routing,
+                        positions=r.positions, versions=r.versions, done=r.done)
+
+        def body(i, carry):
+            st, buf = carry
+            st, r = self._generate_impl(params, st, version)
+            buf = jax.tree.map(lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, i, 0),
+                               buf, record(r))
+            return st, buf
+
+        shapes = jax.eval_shape(lambda: record(self._generate_impl(params, state, version)[1]))
+        buf = jax.tree.map(zeros, shapes)
+        state, buf = jax.lax.fori_loop(0, steps, body, (state, buf))
+        return state, ResultBlock(**buf, steps=steps)
+
+    def flatten_params(self, params: Any, version: int | None = None) -> FlatParams:
+        """`params` (bare, VersionedParams or FlatParams) flattened once for `generate_block`;
+        `version` overrides theirs."""
+        if isinstance(params, FlatParams):
+            return params if version is None else dataclasses.replace(params, version=version)
+        weights, v = _split_params(params)
+        leaves, treedef = jax.tree.flatten(weights)
+        return FlatParams(tuple(leaves), treedef, v if version is None else int(version))
+
+    def generate_block(self, params: Any, decode_state: DecodeState, steps: int, *,
+                       max_steps: int | None = None) -> tuple[DecodeState, ResultBlock]:
+        """`steps` decode steps in one device call (an hcjax extra; JetStream calls `generate`):
+        each step is `generate`'s, stop tokens, token limits and done flags evaluated per slot
+        on the device, so a slot that ends mid-block stays idle to its end, and the block's
+        records come back as [max_steps, slots] arrays, row i equal to the i-th of `steps` calls
+        of `generate`. One program per `max_steps` (default `steps`): any `steps` in
+        [1, max_steps] runs it, the rows from `steps` on are invalid. `params`: a FlatParams
+        (`flatten_params`, flattened once per weight version), a VersionedParams or bare."""
+        max_steps = steps if max_steps is None else max_steps
+        if not isinstance(max_steps, int | np.integer) or max_steps <= 0:
+            raise ValueError(f"max_steps={max_steps!r} must be a positive integer")
+        if not isinstance(steps, int | np.integer) or not 1 <= steps <= max_steps:
+            raise ValueError(f"steps={steps!r} must be in [1, max_steps={max_steps}]")
+        flat = self.flatten_params(params)
+        return self._block_jit(flat.treedef, list(flat.leaves), decode_state,
+                               np.int32(flat.version), int(max_steps), np.int32(steps))
 
 
 def _stack_routing(routing: tuple, b: int, t: int) -> jax.Array:

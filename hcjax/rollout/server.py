@@ -1,11 +1,15 @@
-"""The continuous-batching rollout server: admission by work, fair queues per client host, and
-JetStream-style prefill, generate and result threads around one `Engine`, with versioned weights
-and partial rollouts.
+"""The continuous-batching rollout server: admission by work, fair queues per client host, a
+prefill thread and a decode thread around one `Engine`, with versioned weights and partial
+rollouts.
 
-New samples join free slots between generate steps while others are still running; which
-waiting request is prefilled next, and which prefilled sample takes a freed slot, is decided by
-fair queueing across (client, priority) lanes (scheduler.py). Transport (gRPC) lives in
-service.py; this module is in-process and knows nothing of losses.
+The decode thread runs blocks of up to `block_steps` decode steps, each one device call
+(`Engine.generate_block`), and dispatches the next block before it reads the previous one, so
+the device never waits for the host in steady state: the host's work on a block (one copy, numpy
+over [steps, slots], events queued per sample and block) overlaps the next block. New samples
+join free slots between blocks while others are still running; which waiting request is
+prefilled next, and which prefilled sample takes a freed slot, is decided by fair queueing across
+(client, priority) lanes (scheduler.py). Transport (gRPC) lives in service.py; this module is
+in-process and knows nothing of losses.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import queue
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +28,7 @@ import jax
 import numpy as np
 
 from hcjax.finite import check_finite
-from hcjax.rollout.engine import Engine, VersionedParams
+from hcjax.rollout.engine import Engine, ResultBlock, VersionedParams
 from hcjax.rollout.request import GenerateRequest, SampledRollout, SamplingOptions, TokenEvent
 from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
 
@@ -36,6 +40,43 @@ class ServerStopped(RuntimeError):
 
 
 _DONE = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenBlock:
+    """The tokens one sample drew in one decode block, queued as one item (numpy columns) and
+    expanded into TokenEvents by whoever reads the handle's events."""
+
+    sample_index: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    raw_logprobs: np.ndarray
+    n_kept: np.ndarray
+    thresholds: np.ndarray
+    routing: np.ndarray  # [c, L, k]
+    positions: np.ndarray
+    versions: np.ndarray
+
+    def events(self) -> list[TokenEvent]:
+        i = self.sample_index
+        return [
+            TokenEvent(sample_index=i, token=t, logprob=lp, raw_logprob=raw, n_kept=n,
+                       threshold_logit=th, routing=r, position=pos, version=v)
+            for t, lp, raw, n, th, r, pos, v in zip(
+                self.tokens.tolist(), self.logprobs.tolist(), self.raw_logprobs.tolist(),
+                self.n_kept.tolist(), self.thresholds.tolist(), self.routing,
+                self.positions.tolist(), self.versions.tolist())
+        ]
+
+
+def _expand(items: list) -> list:
+    out = []
+    for item in items:
+        if isinstance(item, _TokenBlock):
+            out.extend(item.events())
+        else:
+            out.append(item)
+    return out
 
 
 class RequestHandle:
@@ -83,7 +124,10 @@ class RequestHandle:
                 if self._error is not None:
                     raise ServerStopped(self._error)
                 return
-            yield item
+            if isinstance(item, _TokenBlock):
+                yield from item.events()
+            else:
+                yield item
 
     def poll(self, timeout: float | None, wait: bool = True) -> tuple[list, bool]:
         """(events available now, waiting up to `timeout` for the first; request finished?).
@@ -104,7 +148,7 @@ class RequestHandle:
             batch.pop()
             if self._error is not None:
                 raise ServerStopped(self._error)
-        return batch, finished
+        return _expand(batch), finished
 
     def result(self, timeout: float | None = None) -> list[SampledRollout]:
         """The n records, ordered by sample index."""
@@ -130,8 +174,8 @@ class RequestHandle:
         if self._notify is not None:
             self._notify()
 
-    def _token(self, event: TokenEvent) -> None:
-        self._put(event)
+    def _tokens(self, block: _TokenBlock) -> None:
+        self._put(block)
 
     def _sample_done(self, record: SampledRollout) -> None:
         self._records[record.sample_index] = record
@@ -164,14 +208,20 @@ class _Sample:
     prompt_routing: np.ndarray  # [L, P', k] experts of everything prefilled (prompt + resumed)
     prior: SampledRollout | None  # the partial record being continued, if any
     sampling: SamplingOptions
-    tokens: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
-    raw_logprobs: list = dataclasses.field(default_factory=list)
-    n_kept: list = dataclasses.field(default_factory=list)
-    thresholds: list = dataclasses.field(default_factory=list)
-    versions: list = dataclasses.field(default_factory=list)
-    routing: list = dataclasses.field(default_factory=list)
+    blocks: list = dataclasses.field(default_factory=list)  # of _TokenBlock
     finished: bool = False
+    left: int = 0  # tokens it may still draw after the blocks dispatched so far (upper bound)
+    released: bool = False  # its slot went back to the pool (it cannot draw another token)
+    ready_at: float = 0.0  # when its prefill was done (monotonic seconds)
+    seen_first: bool = False
+
+    def column(self, name: str, dtype) -> np.ndarray:
+        parts = [getattr(b, name) for b in self.blocks]
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros((0,), dtype)
+
+    @property
+    def last_token(self) -> int | None:
+        return int(self.blocks[-1].tokens[-1]) if self.blocks else None
 
 
 @dataclasses.dataclass
@@ -193,8 +243,24 @@ class RolloutServer:
     scheduler.request_cost) and as many requests, in flight and queued; one client host holds
     at most `queue_share` of each (1.0: one client may fill the server; a shared server uses
     less, e.g. `python -m hcjax.serve`'s 0.5, which still lets one host fill every slot).
-    max_pending_prefills: prefilled requests waiting for slots, per lane. min_step_seconds
-    throttles the generate loop (a stand-in for a slower device in tests).
+    max_pending_prefills: prefilled requests waiting for slots, per lane; any lane may prefill
+    beyond it while fewer samples than slots are prefilled or in prefill (so a whole batch of
+    slots can be refilled at once: at most `slots` prefilled caches wait). min_step_seconds
+    throttles the decode loop per step (a stand-in for a slower device in tests).
+
+    block_steps (k): decode steps per device call. The host's cost per call (dispatch, one copy,
+    the pass over the slots) is paid once per k steps; the price is latency: a sample is inserted,
+    a weight swap takes effect, a cancel or a stop token frees its slot only at a block boundary.
+    Bound: blocks run min_block_steps (default k // 4) while a slot is free, so a prefilled
+    request that finds a free slot draws its first token within 2 min_block_steps decode steps
+    (the block in flight, then the one dispatched before its insert) and the host reads it
+    within 3 min_block_steps; one that waits for a slot, within 2k (3k) of the slot's release.
+    While fewer than half the slots run, the loop first waits (at most fill_wait_seconds) for
+    the requests already queued or in prefill, so that a burst starts together, not staggered.
+    While prefilled work waits for slots, a block ends when the first slot's token budget does
+    (at least min_block_steps), so the budgeted slot is refilled at once; a slot that ends on a
+    stop token idles to its block's end and waits one more block to be refilled.
+    Weight versions are recorded per token exactly: a swap lands between blocks.
     """
 
     def __init__(
@@ -207,9 +273,23 @@ class RolloutServer:
         queue_share: float = 1.0,
         max_pending_prefills: int = 2,
         min_step_seconds: float = 0.0,
+        block_steps: int = 16,
+        min_block_steps: int | None = None,
+        fill_wait_seconds: float = 1.0,
     ) -> None:
         if max_queue <= 0:
             raise ValueError(f"max_queue={max_queue} must be positive")
+        if not isinstance(block_steps, int) or block_steps <= 0:
+            raise ValueError(f"block_steps={block_steps!r} must be a positive integer")
+        if min_block_steps is None:
+            min_block_steps = max(1, block_steps // 4)
+        if not isinstance(min_block_steps, int) or not 1 <= min_block_steps <= block_steps:
+            raise ValueError(
+                f"min_block_steps={min_block_steps!r} must be in [1, block_steps={block_steps}]")
+        if fill_wait_seconds < 0:
+            raise ValueError(f"fill_wait_seconds={fill_wait_seconds} must be >= 0")
+        self.block_steps, self.min_block_steps = block_steps, min_block_steps
+        self.fill_wait_seconds = fill_wait_seconds
         if max_pending_prefills <= 0:
             raise ValueError(f"max_pending_prefills={max_pending_prefills} must be positive")
         self.engine = engine
@@ -227,9 +307,10 @@ class RolloutServer:
         self._waiting = FairQueue()
         self._ready = FairQueue()
         self._lane_jobs: Counter = Counter()  # jobs of a lane in prefill or waiting for slots
+        self._inflight = 0  # samples being prefilled
+        self._ready_samples = 0  # samples prefilled, waiting for a slot
         self._max_pending_prefills = max_pending_prefills
-        self._results: queue.Queue = queue.Queue(maxsize=2)  # bounds how far generate runs ahead
-        self._freed: queue.Queue = queue.Queue()
+        self._flat = None  # the served weights flattened for the engine, once per version
         self._min_step = min_step_seconds
         self._stop = threading.Event()
         self._error: str | None = None
@@ -239,19 +320,21 @@ class RolloutServer:
         self._occupied = 0
         self._tokens_total = 0
         self._steps = 0
+        self._blocks = 0
+        self._insert_latency: deque = deque(maxlen=256)  # prefill done -> first token read, s
         self._requests_total = 0
         self._started_at = time.monotonic()
         self._recent: list[tuple[float, int]] = []
 
     # Lifecycle -------------------------------------------------------------------------------
     def start(self) -> RolloutServer:
-        """Start the three threads (idempotent: `with RolloutServer(...).start()` is fine)."""
+        """Start the prefill and decode threads (idempotent: `with RolloutServer(...).start()`
+        is fine)."""
         if self._threads:
             return self
         for name, fn in [
             ("prefill", self._prefill_loop),
-            ("generate", self._generate_loop),
-            ("results", self._result_loop),
+            ("decode", self._decode_loop),
         ]:
             t = threading.Thread(target=self._guard(fn), name=f"rollout-{name}", daemon=True)
             t.start()
@@ -369,6 +452,8 @@ class RolloutServer:
             "tokens_total": self._tokens_total,
             "tokens_per_second": sum(n for _, n in recent) / window,
             "generate_steps": self._steps,
+            "generate_blocks": self._blocks,
+            "insert_latency_s": _quantiles(list(self._insert_latency)),
             "requests_total": self._requests_total,
             "version": self.version,
             "admission": self.admission.snapshot(),
@@ -376,11 +461,8 @@ class RolloutServer:
 
     def _check_limits(self, request: GenerateRequest) -> None:
         eng = self.engine
-        if not request.continue_from and len(request.prompt) > eng.max_prefill_length:
-            raise ValueError(
-                f"prompt length {len(request.prompt)} exceeds max_prefill_length="
-                f"{eng.max_prefill_length}"
-            )
+        # A prompt longer than max_prefill_length is prefilled in chunks of it (Engine.prefill):
+        # only prompt + max_tokens is bounded, by max_target_length.
         if len(request.prompt) + request.max_tokens > eng.max_target_length:
             raise ValueError(
                 f"prompt length {len(request.prompt)} + max_tokens {request.max_tokens} exceeds "
@@ -408,13 +490,16 @@ class RolloutServer:
         fewer than max_pending_prefills jobs prefilled or in prefill (None when stopping)."""
         with self._cond:
             while not self._stop.is_set():
+                room = (self._inflight + self._ready_samples
+                        < self.engine.max_concurrent_decodes)
                 lane = self._waiting.choose(
-                    lambda lane: self._lane_jobs[lane] < self._max_pending_prefills)
+                    lambda lane, room=room: room or self._lane_jobs[lane] < self._max_pending_prefills)
                 if lane is not None:
                     handle = self._waiting.head(lane)
                     self._waiting.charge(lane, handle.request.n)
                     self._waiting.pop(lane)
                     self._lane_jobs[lane] += 1  # in prefill
+                    self._inflight += _samples(handle.request)
                     return handle
                 self._cond.wait(0.05)
         return None
@@ -441,6 +526,7 @@ class RolloutServer:
             finally:
                 with self._cond:
                     self._lane_jobs[handle.lane] -= 1  # out of prefill
+                    self._inflight -= _samples(req)  # pushed ones are counted as ready
                     self._cond.notify_all()
 
     def _put_job(self, handle, sampling, tokens, indices, prior) -> None:
@@ -458,11 +544,14 @@ class RolloutServer:
         if handle.request.token_budget is not None:
             budget = min(budget, handle.request.token_budget)
         prompt = np.asarray(handle.request.prompt, np.int32)
-        samples = [_Sample(handle, i, prompt, routing, prior, sampling) for i in indices]
+        now = time.monotonic()
+        samples = [_Sample(handle, i, prompt, routing, prior, sampling, ready_at=now)
+                   for i in indices]
         with self._cond:
             self._ready.push(handle.lane, _Job(prefix, samples, budget, handle),
                              weight=2.0 ** handle.priority)
             self._lane_jobs[handle.lane] += 1  # waiting for slots
+            self._ready_samples += len(samples)
             self._cond.notify_all()
 
     def _cancel(self, handle: RequestHandle) -> None:
@@ -470,143 +559,172 @@ class RolloutServer:
         with self._handles_lock:
             self._handles.discard(handle)
 
-    # Generate thread -------------------------------------------------------------------------
-    def _generate_loop(self) -> None:
+    # Decode thread ---------------------------------------------------------------------------
+    def _decode_loop(self) -> None:
         owners: dict[int, _Sample] = {}
         try:
-            self._generate_steps(owners)
+            self._decode_blocks(owners)
         finally:  # the engine may be reused by another server: give its slots back
             for slot in owners:
                 self.engine.free_resource(slot)
 
-    def _generate_steps(self, owners: dict[int, _Sample]) -> None:
+    def _release(self, owners: dict[int, _Sample], slot: int) -> None:
+        owners.pop(slot).released = True
+        self.engine.free_resource(slot)
+
+    def _decode_blocks(self, owners: dict[int, _Sample]) -> None:
+        """Per iteration: place prefilled samples in free slots, dispatch the next block, then
+        read the previous one (the device runs the new block meanwhile). A slot whose token
+        budget ends inside a dispatched block is free for the block after it without waiting
+        for its tokens; one that stops on a stop token (or is cancelled) is freed when read."""
         eng = self.engine
         state = eng.init_decode_state()
+        pending: tuple[ResultBlock, dict] | None = None
         while not self._stop.is_set():
-            step_start = time.monotonic()
-            while True:  # slots the result thread has released
-                try:
-                    slot, deactivate = self._freed.get_nowait()
-                except queue.Empty:
-                    break
-                if deactivate:
-                    state = eng.deactivate(state, slot)
-                owners.pop(slot, None)
-                eng.free_resource(slot)
-            for job, count in self._place(eng.num_free_slots, idle=not owners):
+            started = time.monotonic()
+            for job, count in self._place(eng.num_free_slots, len(owners), pending is not None):
                 slots = eng.allocate_slots(count)
                 placed, job.samples = job.samples[:count], job.samples[count:]
                 state = eng.bulk_insert(
                     job.prefix, state, slots, sample_indices=[s.sample_index for s in placed],
                     max_tokens=job.budget,
                 )
-                owners.update(zip(slots, placed))
+                for slot, sample in zip(slots, placed):
+                    sample.left = job.budget
+                    owners[slot] = sample
             self._occupied = len(owners)
-            if not owners:
-                continue
-            # Swap weights right before the step (not at the top of the loop), so a request that
-            # was inserted while this thread waited idle is generated with the newest weights.
-            with self._weights_lock:
-                if self._pending_weights is not None:
-                    self._params, self._version = self._pending_weights
-                    self._pending_weights = None
-                params, version = self._params, self._version
-            state, result = eng.generate(VersionedParams(params, version), state)
-            self._steps += 1
-            self._put_result((result, dict(owners)))
-            if self._min_step:
-                time.sleep(max(0.0, self._min_step - (time.monotonic() - step_start)))
+            dispatched, steps = None, 0
+            if owners:
+                steps = self._block_size(owners)
+                state, block = eng.generate_block(self._served_params(), state, steps,
+                                                  max_steps=self.block_steps)
+                dispatched = (block, dict(owners))
+                self._steps += steps
+                self._blocks += 1
+                for slot, sample in list(owners.items()):
+                    sample.left -= steps
+                    if sample.left <= 0:  # certainly idle after this block
+                        self._release(owners, slot)
+            if pending is not None:
+                state = self._read(pending, owners, state)
+            pending = dispatched
+            if self._min_step and steps:
+                time.sleep(max(0.0, self._min_step * steps - (time.monotonic() - started)))
 
-    def _place(self, free: int, idle: bool) -> list[tuple[_Job, int]]:
+    def _served_params(self):
+        """The weights for the next block (a pending swap lands here, between blocks), flattened
+        once per version."""
+        with self._weights_lock:
+            if self._pending_weights is not None:
+                self._params, self._version = self._pending_weights
+                self._pending_weights = None
+                self._flat = None
+            if self._flat is None:
+                self._flat = self.engine.flatten_params(self._params, self._version)
+            return self._flat
+
+    def _block_size(self, owners: dict[int, _Sample]) -> int:
+        """How many steps the next block runs: min_block_steps while a slot is free (a request
+        that arrives joins sooner), the steps to the first token budget's end (at least
+        min_block_steps) while prefilled work waits for a slot, else k; never more than the
+        last budget's end."""
+        left = [s.left for s in owners.values()]
+        steps = min(self.block_steps, max(left))
+        with self._cond:
+            waiting = len(self._ready) > 0
+        if self.engine.num_free_slots:
+            steps = min(steps, self.min_block_steps)
+        elif waiting:
+            steps = min(steps, max(self.min_block_steps, min(left)))
+        return max(1, steps)
+
+    def _read(self, pending: tuple[ResultBlock, dict], owners: dict[int, _Sample], state):
+        """Copy a block to the host and hand each sample its tokens; returns the decode state
+        with cancelled slots deactivated."""
+        block, snapshot = pending
+        host = jax.device_get(block)
+        valid = np.asarray(host.valid)
+        counts = valid.sum(0).tolist()
+        ended = np.asarray(host.done).any(0).tolist()
+        now = time.monotonic()
+        produced = 0
+        for slot, sample in snapshot.items():
+            if sample.finished:
+                continue
+            if sample.handle.cancelled.is_set():
+                sample.finished = True
+                self._cancel(sample.handle)
+                if owners.get(slot) is sample:
+                    state = self.engine.deactivate(state, slot)
+                    self._release(owners, slot)
+                continue
+            c = counts[slot]
+            if not c:
+                continue
+            produced += c
+            if not sample.seen_first:
+                sample.seen_first = True
+                self._insert_latency.append(now - sample.ready_at)
+            tb = _TokenBlock(
+                sample.sample_index, host.tokens[:c, slot], host.logprobs[:c, slot],
+                host.raw_logprobs[:c, slot], host.n_kept[:c, slot],
+                host.threshold_logit[:c, slot], host.routing[:c, slot],
+                host.positions[:c, slot], host.versions[:c, slot])
+            sample.blocks.append(tb)
+            sample.handle._tokens(tb)
+            if ended[slot]:
+                self._finish(sample, self._finish_reason(sample))
+                if owners.get(slot) is sample:
+                    self._release(owners, slot)
+        self._tokens_total += produced
+        self._recent = [(t, n) for t, n in self._recent if now - t <= 5.0] + [(now, produced)]
+        return state
+
+    def _place(self, free: int, occupied: int, in_flight: bool) -> list[tuple[_Job, int]]:
         """Which prefilled samples take the `free` slots: one slot at a time to the fairest
         lane's head job, so a light client's sample is placed ahead of a heavy client's
-        backlog. Waits briefly for work only when `idle` (running slots never wait)."""
+        backlog. Waits for work only while fewer than half the slots run: briefly when nothing
+        runs, and for the requests queued or in prefill when it starts to wait (at most
+        fill_wait_seconds), since a block run with few slots costs the device as much as a full
+        one."""
         counts: dict[int, list] = {}
         dropped: list[_Job] = []
         with self._cond:
-            if idle and not len(self._ready):
-                self._cond.wait(0.02)
+            if free and 2 * occupied < self.engine.max_concurrent_decodes:
+                if self._inflight or len(self._waiting):
+                    # The samples queued or in prefill now (a request counted as one), not the
+                    # ones that arrive meanwhile: a client that resubmits must not hold it.
+                    target = min(free, self._ready_samples + self._inflight + len(self._waiting))
+                    deadline = time.monotonic() + self.fill_wait_seconds
+                    while (self._ready_samples < target and not self._stop.is_set()
+                           and (left := deadline - time.monotonic()) > 0):
+                        self._cond.wait(left)
+                elif not occupied and not in_flight and not len(self._ready):
+                    self._cond.wait(0.02)
             while free > 0 and (lane := self._ready.choose()) is not None:
                 job = self._ready.head(lane)
                 if job.handle.cancelled.is_set():  # its samples never take a slot
                     dropped.append(job)
                     taken = len(job.samples)
+                    self._ready_samples -= len(job.samples)
                 else:
                     self._ready.charge(lane, 1)
                     taken = counts.setdefault(id(job), [job, 0])[1] + 1
                     counts[id(job)][1] = taken
                     free -= 1
+                    self._ready_samples -= 1
                 if taken >= len(job.samples):
                     self._ready.pop(lane)
                     self._lane_jobs[lane] -= 1
-                    self._cond.notify_all()  # the lane may prefill another request
+            if counts or dropped:
+                self._cond.notify_all()  # the prefill thread may have room again
         for job in dropped:
             self._cancel(job.handle)
         return [(job, n) for job, n in counts.values()]
 
-    def _put_result(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._results.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
-
-    # Result thread ---------------------------------------------------------------------------
-    def _result_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                result, owners = self._results.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            host = jax.device_get(result)
-            # Python lists once per step: indexing numpy scalars per slot and field costs more
-            # than the step's whole host copy at 128 slots.
-            cols = _HostColumns(host)
-            produced = 0
-            for slot, sample in owners.items():
-                if sample.finished:
-                    continue
-                if sample.handle.cancelled.is_set():
-                    sample.finished = True
-                    self._cancel(sample.handle)
-                    self._freed.put((slot, True))
-                    continue
-                if not cols.valid[slot]:
-                    continue
-                produced += 1
-                self._append(sample, cols, slot)
-                if cols.done[slot]:
-                    self._finish(sample, self._finish_reason(sample))
-                    self._freed.put((slot, False))
-            self._tokens_total += produced
-            now = time.monotonic()
-            self._recent = [(t, n) for t, n in self._recent if now - t <= 5.0] + [(now, produced)]
-
-    def _append(self, sample: _Sample, cols: _HostColumns, slot: int) -> None:
-        event = TokenEvent(
-            sample_index=sample.sample_index,
-            token=cols.tokens[slot],
-            logprob=cols.logprobs[slot],
-            raw_logprob=cols.raw_logprobs[slot],
-            n_kept=cols.n_kept[slot],
-            threshold_logit=cols.threshold_logit[slot],
-            routing=cols.routing[slot],
-            position=cols.positions[slot],
-            version=cols.versions[slot],
-        )
-        sample.tokens.append(event.token)
-        sample.logprobs.append(event.logprob)
-        sample.raw_logprobs.append(event.raw_logprob)
-        sample.n_kept.append(event.n_kept)
-        sample.thresholds.append(event.threshold_logit)
-        sample.versions.append(event.version)
-        sample.routing.append(event.routing)
-        sample.handle._token(event)
-
     @staticmethod
     def _finish_reason(sample: _Sample) -> str:
-        if sample.tokens and sample.tokens[-1] in sample.sampling.stop_tokens:
+        if sample.blocks and sample.last_token in sample.sampling.stop_tokens:
             return "stop"
         return "length"
 
@@ -618,17 +736,14 @@ class RolloutServer:
                 self._handles.discard(sample.handle)
 
 
-class _HostColumns:
-    """One step's ResultTokens on the host as Python lists per field (routing stays an array:
-    one [layers, k] row per slot)."""
+def _samples(request: GenerateRequest) -> int:
+    return len(request.continue_from) if request.continue_from else request.n
 
-    __slots__ = ("tokens", "valid", "done", "logprobs", "raw_logprobs", "n_kept",
-                 "threshold_logit", "positions", "versions", "routing")
 
-    def __init__(self, host: Any) -> None:
-        for name in self.__slots__[:-1]:
-            setattr(self, name, np.asarray(getattr(host, name)).tolist())
-        self.routing = np.asarray(host.routing)
+def _quantiles(values: list) -> dict:
+    if not values:
+        return {"p50": None, "max": None, "n": 0}
+    return {"p50": float(np.median(values)), "max": float(max(values)), "n": len(values)}
 
 
 def _make_record(sample: _Sample, reason: str) -> SampledRollout:
@@ -639,16 +754,16 @@ def _make_record(sample: _Sample, reason: str) -> SampledRollout:
         old = np.zeros((0,), dtype) if prior is None else np.asarray(getattr(prior, name), dtype)
         return np.concatenate([old, np.asarray(new, dtype)])
 
-    response = joined("response_ids", sample.tokens, np.int32)
+    response = joined("response_ids", sample.column("tokens", np.int32), np.int32)
     total = response.size
     partial = reason == "length" and total < sp.max_tokens and not (
-        sample.tokens and sample.tokens[-1] in sp.stop_tokens
+        sample.blocks and sample.last_token in sp.stop_tokens
     )
     # The learner feeds prompt + response minus its last token: the prefill covered the prompt
     # (and any resumed tokens); each generated token's experts were recorded when it was fed, and
     # the last one is never an input. A model without MoE layers records [0, P + R - 1, 0]: an
     # empty record, not a missing one, so routing replay needs no special case for it.
-    new = [r[:, None, :] for r in sample.routing]
+    new = [np.transpose(b.routing, (1, 0, 2)) for b in sample.blocks]  # [L, c, k] each
     parts = [sample.prompt_routing] + new
     routing = np.concatenate(parts, axis=1)[:, : sample.prompt.size + total - 1]
     if prior is not None and prior.routing is not None:
@@ -658,16 +773,17 @@ def _make_record(sample: _Sample, reason: str) -> SampledRollout:
     raw_old = None if prior is None else prior.raw_logprobs
     raw = np.concatenate(
         [np.zeros((0,), np.float32) if raw_old is None else raw_old,
-         np.asarray(sample.raw_logprobs, np.float32)]
+         sample.column("raw_logprobs", np.float32)]
     )
     return SampledRollout(
         prompt_ids=sample.prompt,
         response_ids=response,
-        logprobs=joined("logprobs", sample.logprobs, np.float32),
-        n_kept=joined("n_kept", sample.n_kept, np.int32),
-        threshold_logit=joined("threshold_logit", sample.thresholds, np.float32),
+        logprobs=joined("logprobs", sample.column("logprobs", np.float32), np.float32),
+        n_kept=joined("n_kept", sample.column("n_kept", np.int32), np.int32),
+        threshold_logit=joined("threshold_logit", sample.column("thresholds", np.float32),
+                               np.float32),
         loss_mask=np.ones((total,), bool),
-        versions=joined("versions", sample.versions, np.int32),
+        versions=joined("versions", sample.column("versions", np.int32), np.int32),
         finish_reason=reason,
         routing=routing,
         temperature=sp.temperature,
