@@ -650,7 +650,8 @@ class Chaos:
         rep = self.replicas[1]
         state = _weights_state(rep.address) or {}
         armed = {"t": time.monotonic(), "served": len(state.get("served", [])),
-                 "failed": len(state.get("failed", [])), "polls": [], "stop": threading.Event()}
+                 "failed": len(state.get("failed", [])), "stop": threading.Event()}
+        armed["polls"] = [(armed["t"], state.get("version"), [], [])]
 
         def poll() -> None:
             while not armed["stop"].wait(0.05):
@@ -696,7 +697,7 @@ class Chaos:
         version, t_refused = fail["version"], fail["t"]
         served = armed["polls"][-1][3]
         installs = [s["mode"] for s in served if s["version"] == version]
-        earlier = [s["version"] for s in served if s["version"] < version]
+        earlier = [v for t, v, _, _ in armed["polls"] if t < t_refused]
         # Status polls after the refusal and before the version was installed: the version each
         # reported, and any poll that reported the refused version before its full push landed.
         after = [(v, sv) for t, v, _, sv in armed["polls"] if t >= t_refused]
@@ -723,7 +724,7 @@ class Chaos:
             "refused": fail["why"][:200], "climb_log": warning,
             "answered_data_loss": "DATA_LOSS" in warning and "ChecksumMismatch" in fail["why"],
             "installs_of_version": installs,
-            "previous_installed_version": earlier[-1] if earlier else None,
+            "version_reported_before": earlier[-1] if earlier else None,
             "reported_versions_while_refused": waiting,
             "polls_reporting_version_before_its_full_push": early,
             "never_served_half_applied": installs == ["full"] and early == 0
@@ -1014,12 +1015,14 @@ def run(settings: Settings, work: Path, scenarios: Sequence[str]) -> dict[str, A
         with phases.phase("injecting faults", total=len(scenarios)) as phase:
             for name in scenarios:
                 phase.now(name)
+                t_fault = time.monotonic()
                 try:
                     faults[name] = methods[name]()
                 except Exception as err:  # noqa: BLE001 - a hang or crash is a result
                     faults[name] = {"error": f"{type(err).__name__}: {err}"[:500],
                                     "climb_alive": chaos.climb.alive(),
                                     "climb_stderr": chaos.climb.stderr_tail(1500)}
+                faults[name]["fault_seconds"] = _round(time.monotonic() - t_fault, 1)
                 print(json.dumps({"fault": name, **faults[name]}), file=sys.stderr, flush=True)
                 phase.advance()
                 if not chaos.climb.alive():
