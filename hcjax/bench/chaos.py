@@ -1,10 +1,11 @@
 """`python -m hcjax.bench.chaos`: the tiny climb in the multi-process placement (a climb process and
-two `python -m hcjax.serve` replicas on 127.0.0.1, one shared token) with faults injected one at a
-time: SIGKILL a replica mid-generation (restarted on its port), SIGSTOP a replica, kill the learner
-during a weights transfer (restarted with the same command), corrupt the latest checkpoint before
-a restart, malformed and unauthenticated RPCs. For each fault it measures accepted rollouts lost,
-retries, time to recover and whether the climb kept stepping; one JSON object is the last stdout
-line, progress goes to stderr. It observes the climb only from outside (files, RPCs, signals) and
+two `python -m hcjax.serve` replicas on 127.0.0.1, one shared token; weights by delta sync) with
+faults injected one at a time: SIGKILL a replica mid-generation (restarted on its port), SIGSTOP a
+replica, kill the learner during a delta weights push (restarted with the same command), corrupt
+the latest checkpoint before a restart, malformed and unauthenticated RPCs together with a
+corrupted delta push to the other replica (its receiver's test hook flips a byte). For each fault
+it measures accepted rollouts lost, retries, time to recover and whether the climb kept stepping;
+one JSON object is the last stdout line, progress goes to stderr. It observes the climb only from outside (files, RPCs, signals) and
 never asserts: a loss or a hang is reported as measured."""
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class Replica(Process):
 
         env = _env(2, token)
         # The receiver's test hook: while this file exists, the next delta this replica receives
-        # arrives with a byte flipped (hcjax.transfer.remote); `corrupt_next_delta` creates it.
+        # arrives with a byte flipped (hcjax.transfer.remote); `Chaos._corrupt_next_delta` makes it.
         self.corrupt_trigger = logs / f"corrupt-next-delta.{name}"
         env[TEST_CORRUPT_NEXT_DELTA_ENV] = str(self.corrupt_trigger)
         super().__init__(name, cmd, env, logs)
