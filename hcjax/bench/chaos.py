@@ -5,8 +5,8 @@ replica, kill the learner during a delta weights push (restarted with the same c
 the latest checkpoint before a restart, malformed and unauthenticated RPCs together with a
 corrupted delta push to the other replica (its receiver's test hook flips a byte). For each fault
 it measures accepted rollouts lost, retries, time to recover and whether the climb kept stepping;
-one JSON object is the last stdout line, progress goes to stderr. It observes the climb only from outside (files, RPCs, signals) and
-never asserts: a loss or a hang is reported as measured."""
+one JSON object is the last stdout line, progress goes to stderr. It observes the climb only from
+outside (files, RPCs, signals) and never asserts: a loss or a hang is reported as measured."""
 
 from __future__ import annotations
 
