@@ -50,7 +50,7 @@ from hcjax.sharding import MeshConfig, make_mesh
 from hcjax.train.step import make_optimizer
 from hcjax.transfer import network
 
-__all__ = ["CHIP_SPECS", "ChipSpec", "PlanConfig", "collectives", "plan", "tpu_devices"]
+__all__ = ["CHIP_SPECS", "ChipSpec", "PlanConfig", "collectives", "kv_fit", "plan", "tpu_devices"]
 
 
 # Chip specs --------------------------------------------------------------------------------------
@@ -96,6 +96,11 @@ class PlanConfig:
     axes, no FSDP, data filling the inference chips).
     serve_dtype: the dtype the inference side holds its weights in (None = the learner's fp32
     masters, as the in-process engine does today).
+    mean_len, page_size: the decode report's KV fit (`kv_fit`) for sequences of kv_len tokens
+    at most and mean_len (capped at kv_len) on average, slot caches against pages of page_size.
+    kv_layout: the decode step's engine layout; "paged" compiles it with a pool of pages for
+    decode_batch sequences of mean_len plus a page each, and one kv_len sequence per batch shard
+    (then the report has no `kv_fit`: the compiled step's memory is the paged figure).
     """
 
     topology: str = "v5p:2x2x1"
@@ -111,13 +116,18 @@ class PlanConfig:
     train: bool = True
     decode: bool = True
     top_buffers: int = 8
+    mean_len: int = 4096
+    page_size: int = 16
+    kv_layout: str = "slot"
 
     def __post_init__(self) -> None:
         for name in ("global_batch_tokens", "seq_len", "decode_batch", "kv_len", "num_slices",
-                     "inference_num_slices"):
+                     "inference_num_slices", "mean_len", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"PlanConfig.{name}={value!r} must be a positive integer")
+        if self.kv_layout not in ("slot", "paged"):
+            raise ValueError(f"PlanConfig.kv_layout={self.kv_layout!r} is not 'slot' or 'paged'")
         if self.global_batch_tokens % self.seq_len:
             raise ValueError(
                 f"PlanConfig.global_batch_tokens={self.global_batch_tokens} is not a multiple of "
@@ -595,8 +605,14 @@ def _train_inputs(model_cfg, learner_cfg, pc: PlanConfig, mesh: Mesh):
 def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
     dtype = None if pc.serve_dtype is None else jnp.dtype(pc.serve_dtype)
     _, params, model = _abstract_params(model_cfg, mesh, dtype)
-    engine = Engine(model, mesh=mesh, max_concurrent_decodes=pc.decode_batch,
-                    max_target_length=pc.kv_len, max_prefill_length=max(1, pc.kv_len // 2))
+    kw = dict(mesh=mesh, max_concurrent_decodes=pc.decode_batch, max_target_length=pc.kv_len,
+              max_prefill_length=max(1, pc.kv_len // 2), kv_layout=pc.kv_layout)
+    engine = Engine(model, **kw)
+    if pc.kv_layout == "paged":
+        ways, mean = engine._pages.ways, min(pc.mean_len, pc.kv_len)
+        pages = -(-pc.decode_batch * (mean + pc.page_size) // pc.page_size)
+        per_shard = -(-pages // ways) + -(-pc.kv_len // pc.page_size) + 1
+        engine = Engine(model, page_size=pc.page_size, num_pages=ways * per_shard, **kw)
     state = jax.eval_shape(lambda: engine._init_decode_impl(model_cfg.vocab_size))
     shardings = engine.decode_state_shardings(model_cfg.vocab_size)
     state = _abstract(state, shardings)
@@ -606,6 +622,59 @@ def _decode_inputs(model_cfg, pc: PlanConfig, mesh: Mesh):
     # them from concrete arrays, which we do not have).
     fn = jax.jit(engine._generate_impl, donate_argnums=(1,), out_shardings=(shardings, None))
     return fn, (params, state, version), params
+
+
+def _chip_bytes(x) -> int:
+    """Bytes of one device's shard of an abstract array (the whole array without a sharding)."""
+    sharding = getattr(x, "sharding", None)
+    shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+
+def kv_fit(state, params, hbm_bytes: float, max_len: int, mean_len: int,
+           page_size: int) -> dict:
+    """Sequences that fit in the decode mesh at most `max_len` and on average `mean_len` tokens
+    each: slot caches (every global layer holds max_len positions a sequence) against the paged
+    layout (`Engine(kv_layout="paged")`: pages for the tokens held, mean_len plus one page of
+    slack a sequence, a page-table row per global layer, and one max_len sequence of pages per
+    batch shard kept back, the engine's guarantee that some sequence can always finish).
+
+    From the abstract, sharded decode state and weights the compiled step takes: a chip holds
+    its shard of the weights and of its batch shard's sequences; what HBM leaves after the
+    weights is divided by one sequence's bytes on that chip (global-layer cache entries, which
+    grow with the length, plus the rest: local rings, logits, sampling state), times the batch
+    shards. The step's temporaries are left out for both layouts alike.
+    """
+    weights = sum(_chip_bytes(x) for x in jax.tree.leaves(params))
+    batch = state.active.shape[0]
+    ways = batch // state.active.sharding.shard_shape(state.active.shape)[0]
+    per_chip = batch // ways
+    total = sum(_chip_bytes(x) for x in jax.tree.leaves(state))
+    glob = pos = layers = 0
+    for layer in state.cache:
+        if layer["pos"].shape[-1] != max_len:  # a ring buffer of a local layer
+            continue
+        layers += math.prod(layer["pos"].shape[:-2])
+        pos += _chip_bytes(layer["pos"])
+        glob += sum(_chip_bytes(x) for name, x in layer.items() if name != "pos")
+    rest = (total - glob - pos) / per_chip
+    per_token = glob / per_chip / max_len
+    max_pages = -(-max_len // page_size)
+    slot_seq = (glob + pos) / per_chip + rest
+    paged_seq = per_token * (mean_len + page_size) + layers * max_pages * 4 + rest
+    free = hbm_bytes - weights
+    reserve = per_token * max_len
+    slot = ways * max(0, int(free // slot_seq))
+    paged = ways * max(0, int((free - reserve) // paged_seq))
+    return {
+        "max_len": max_len, "mean_len": mean_len, "page_size": page_size,
+        "batch_shards": ways, "weight_bytes_per_chip": weights, "free_bytes_per_chip": free,
+        "global_kv_bytes_per_token_per_chip": per_token,
+        "slot_bytes_per_sequence_per_chip": slot_seq,
+        "paged_bytes_per_sequence_per_chip": paged_seq,
+        "slot_sequences": slot, "paged_sequences": paged,
+        "paged_over_slot": paged / slot if slot else float("inf"),
+    }
 
 
 def inference_mesh_config(learner: MeshConfig) -> MeshConfig:
@@ -831,6 +900,9 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
         roofline(step, inf_spec, len(inf_devices), split["total"])
         step["tokens_per_s_estimate"] = (
             pc.decode_batch / step["estimated_step_s"] if step["estimated_step_s"] else 0.0)
+        if pc.kv_layout == "slot":
+            step["kv_fit"] = kv_fit(args[1], params, inf_spec.hbm_bytes, pc.kv_len,
+                                    min(pc.mean_len, pc.kv_len), pc.page_size)
         result["decode_step"] = step
         # Weight transfer learner -> inference: every parameter once, in the serving dtype; each
         # inference device receives its shard at its full ICI bandwidth (a lower bound; across
@@ -910,6 +982,12 @@ def summary_table(result: dict) -> str:
             lines.append(f"  whole-weight all-gathers per step: {len(step['weight_all_gathers'])}")
         if "tokens_per_s_estimate" in step:
             lines.append(f"  decode: {step['tokens_per_s_estimate']:,.0f} tokens/s")
+        if fit := step.get("kv_fit"):
+            lines.append(
+                f"  sequences that fit at {fit['max_len']} tokens max, {fit['mean_len']} mean "
+                f"(weights {_gb(fit['weight_bytes_per_chip'])} a chip): slot caches "
+                f"{fit['slot_sequences']:,}, paged (pages of {fit['page_size']}) "
+                f"{fit['paged_sequences']:,} ({fit['paged_over_slot']:.1f}x)")
         for buf in step.get("largest_buffers", []):
             lines.append(f"    {_gb(buf['bytes'])}  {buf['shape']}  {buf['op_name']}")
     if "transfer" in result:

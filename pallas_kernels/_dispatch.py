@@ -26,6 +26,7 @@ AUTO: dict[str, dict[str, str]] = {
     # interpreted, so the jnp reference runs there.
     "flash_attention": _PALLAS_OFF_CPU,
     "decode_attention": _PALLAS_OFF_CPU,
+    "paged_decode_attention": _PALLAS_OFF_CPU,
     "gmm": _PALLAS_OFF_CPU,
     "tgmm": _PALLAS_OFF_CPU,
     # The projections' and dense SwiGLU's backward over tokens flattened to [N, .]: on XLA:CPU

@@ -1,7 +1,7 @@
 """`python -m hcjax.bench.precision --reduced` on CPU: the gap table has every (sampler dtype,
 learner dtype, routing replay, top-p replay) row with finite figures, matched dtypes with both
 replays reproduce the sampler's log-probs, and dropping top-p replay costs exactly the mass
-outside the nucleus."""
+outside the nucleus; served fp8 / int8 weights (quantise-on-sync) add a gap of their own."""
 
 import json
 import math
@@ -18,7 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_precision_reduced():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "hcjax.bench.precision", "--reduced"],
+    # One quantised format (fp8, the coarser) keeps the run to one extra sampler; int8's
+    # numerics are tests/test_transfer_quantize.py's.
+    proc = subprocess.run([sys.executable, "-m", "hcjax.bench.precision", "--reduced",
+                           "--quantize", "fp8_e4m3"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -57,6 +60,18 @@ def test_precision_reduced():
         row = rows[(dtype, dtype, True, False)]
         assert log_top_p - 1e-3 <= row["mean_dlogp"] < 0.0, row
         assert row["max_abs_dlogp"] <= -log_top_p + 1e-3, row
+
+    # Quantise-on-sync rows: the engine serving each format's round trip of the matmul kernels
+    # against the fp32 learner's masters, routing x top-p replay. The quantisation error is a
+    # gap of its own: above the fp32 pair's rounding-only gap even with both replays.
+    quantized = {(r["served"], r["replay_routing"], r["replay_top_p"]): r
+                 for r in out["quantized"]}
+    assert set(quantized) == {("fp8_e4m3", rr, rp) for rr in (True, False)
+                              for rp in (True, False)}
+    for key, row in quantized.items():
+        assert row["tokens"] > 0 and row["learner_dtype"] == "float32", key
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert row["mean_abs_dlogp"] > fp32, (key, row)
 
     # The rollout-correction table: bf16 sampler against an fp32 and a bf16 learner, replay x
     # TIS. |Δ| is the replay rows' (TIS leaves it alone); TIS leaves uncorrected only what lies

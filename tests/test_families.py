@@ -125,6 +125,27 @@ def test_server_greedy_reproduces_reference_tokens(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_paged_kv_gives_the_slot_layouts_tokens(family):
+    """The paged layout (pages of 4, a pool that holds three of the 36-token sequences, so
+    pages are taken as sequences grow) gives the slot layout's greedy and sampled tokens and
+    log-probs; every page comes back."""
+    eng = Engine(loaded(family)[0], max_concurrent_decodes=4, max_prefill_length=16,
+                 max_target_length=MAX_LEN, kv_layout="paged", page_size=4, num_pages=30)
+    prompt = golden(family, "input_ids")[0, :PROMPT_LEN].tolist()
+    with RolloutServer(eng).start() as srv:
+        greedy = srv.submit(GenerateRequest(prompt=prompt, max_tokens=LONG, temperature=0.0))
+        sampled = srv.submit(GenerateRequest(prompt=prompt, n=2, max_tokens=LONG,
+                                             temperature=TEMPERATURE, top_p=TOP_P, seed=5))
+        got = {"greedy": greedy.result(timeout=300), "sampled": sampled.result(timeout=300)}
+    for name, records in got.items():
+        for rec, want in zip(records, served(family)[name], strict=True):
+            assert rec.response_ids.tolist() == want.response_ids.tolist()
+            np.testing.assert_allclose(rec.logprobs, want.logprobs, atol=1e-4)
+    assert got["greedy"][0].response_ids[:8].tolist() == golden(family, "greedy")[0].tolist()
+    assert eng.page_stats()["in_use"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cached_decoding_matches_full_forward(family):
     """24 tokens past a 12-token prompt: GPT-OSS's window-8 ring buffer has wrapped 4 times."""
     fwd = full_forward(family)

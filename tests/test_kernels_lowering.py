@@ -72,3 +72,18 @@ def test_decode_lowers(platform, lowering):
 
     module = _lower(decode, q, cache, cache, lengths, platform=platform)
     assert ("triton" if platform == "cuda" else "tpu_custom_call") in module
+
+
+@pytest.mark.parametrize("platform,lowering", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_paged_decode_lowers(platform, lowering):
+    q = jax.ShapeDtypeStruct((4, HQ, D), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((64, 32, HKV, D), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def decode(q, k, v, table, n):
+        return pk.paged_decode_attention(q, k, v, table, n, impl="pallas", interpret=False,
+                                         lowering=lowering)
+
+    module = _lower(decode, q, pool, pool, table, lengths, platform=platform)
+    assert ("triton" if platform == "cuda" else "tpu_custom_call") in module

@@ -213,3 +213,39 @@ def test_two_slices_over_dcn_plan_with_data_across_them():
     assert step["compiled"] and step["fits"] and step["mesh"]["data"] == 2
     with pytest.raises(ValueError, match=r"MeshConfig.data=1 is not a multiple of num_slices=2"):
         plan_lib.plan(pc, model, mesh_cfg=MeshConfig(data=1, fsdp=4, tensor=2))
+
+
+def test_kv_fit_counts_slot_and_paged_sequences_by_hand():
+    """kv_fit on the decode state's shards (4 CPU devices: data 2 x tensor 2): the global
+    layer's K/V bytes a token on a chip, and the slot and paged fits, by hand."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, attention_pattern=("local", "global"), window=16,
+                      ffn_pattern=("dense",), d_ff=64, dtype="float32", max_seq_len=512)
+    pc = dataclasses.replace(SMALL, decode_batch=8, kv_len=512, serve_dtype=None)
+    mesh = plan_lib._mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4], "inference")
+    _, (params, state, _), _ = plan_lib._decode_inputs(cfg, pc, mesh)
+    fit = plan_lib.kv_fit(state, params, 2**24, max_len=512, mean_len=64, page_size=16)
+    per_token = 2 * 2 * 8 * 4 / 2  # k and v, 2 kv heads of 8 fp32 values, heads over tensor 2
+    assert fit["batch_shards"] == 2 and fit["global_kv_bytes_per_token_per_chip"] == per_token
+    weights = sum(x.size * 4 for x in jax.tree.leaves(params)) / 2  # about half on tensor 2
+    assert fit["weight_bytes_per_chip"] < weights * 1.5
+    # slot: 512 positions and their int32 `pos`; paged: 64 + 16 positions and 32 page ids.
+    rest = fit["slot_bytes_per_sequence_per_chip"] - (per_token + 4) * 512
+    assert fit["paged_bytes_per_sequence_per_chip"] == per_token * 80 + 32 * 4 + rest
+    free = 2**24 - fit["weight_bytes_per_chip"]
+    assert fit["slot_sequences"] == 2 * int(free // fit["slot_bytes_per_sequence_per_chip"])
+    assert fit["paged_sequences"] == 2 * int((free - per_token * 512)
+                                             // fit["paged_bytes_per_sequence_per_chip"])
+    assert fit["paged_over_slot"] > 3
+
+
+def test_paged_decode_step_compiles_the_paged_kernel_for_tpu():
+    """kv_layout="paged": the decode step on a pool of pages compiles with the paged Mosaic
+    kernel under shard_map (pages split with the batch over data, heads over tensor)."""
+    model = dataclasses.replace(_tiny(), num_layers=2, attention_pattern=("local", "global"),
+                                attention_impl="auto", moe_impl="auto")
+    pc = dataclasses.replace(SMALL, topology="v5p:2x2x1", train=False, kv_layout="paged",
+                             mean_len=64, page_size=16)
+    step = plan_lib.plan(pc, model, mesh_cfg=MeshConfig(fsdp=1, tensor=2))["decode_step"]
+    assert step["compiled"] and step["fits"] and "kv_fit" not in step
+    assert step["pallas_kernels"].get("paged_decode_attention_tpu", 0) >= 1, step["pallas_kernels"]

@@ -132,6 +132,48 @@ def bench_decode(b, s, hq, hkv, d, window, impls, repeats) -> list[dict]:
     return [_entry("decode_attention", shape, flops, timings)]
 
 
+def bench_paged_decode(b, s, hq, hkv, d, page_size, impls, repeats) -> list[dict]:
+    """Paged decode over a shuffled pool holding the same ragged keys as `bench_decode`'s full
+    caches, beside the full-cache reference ("slot_reference"); on CPU also the interpreted
+    Pallas kernel's largest error against the paged reference."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(keys[0], (b, hq, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
+    lengths = jax.random.randint(keys[3], (b,), 1, s + 1, jnp.int32)
+    pages = s // page_size
+    order = np.random.default_rng(0).permutation(b * pages)
+    table = jnp.asarray(order.reshape(b, pages), jnp.int32)
+    inverse = jnp.asarray(np.argsort(order))
+
+    def to_pool(x):  # pool[order[i]] = i-th page of the full caches
+        return x.reshape(b * pages, page_size, hkv, d)[inverse]
+
+    k_pool, v_pool = to_pool(k), to_pool(v)
+    flops = 4 * d * hq * int(np.asarray(lengths).sum())
+    timings = {
+        impl: _time(jax.jit(lambda q, kp, vp, t, n, impl=impl: pk.paged_decode_attention(
+            q, kp, vp, t, n, impl=impl)), q, k_pool, v_pool, table, lengths, repeats=repeats)
+        for impl in impls
+    }
+    timings["slot_reference"] = _time(
+        jax.jit(lambda q, k, v, n: pk.decode_attention(q, k, v, n, impl="reference")),
+        q, k, v, lengths, repeats=repeats)
+    shape = dict(B=b, S=s, Hq=hq, Hkv=hkv, D=d, page_size=page_size, dtype="bfloat16")
+    entry = _entry("paged_decode_attention", shape, flops, timings)
+    want = np.asarray(pk.paged_decode_attention(q, k_pool, v_pool, table, lengths,
+                                                impl="reference"), np.float32)
+    slot = np.asarray(pk.decode_attention(q, k, v, lengths, impl="reference"), np.float32)
+    entry["paged_vs_slot_reference_max_abs_diff"] = float(np.abs(want - slot).max())
+    if "pallas" not in impls:  # CPU: the kernels' numbers in interpret mode
+        for lowering in ("gpu", "tpu"):
+            got = np.asarray(pk.paged_decode_attention(
+                q, k_pool, v_pool, table, lengths, impl="pallas", interpret=True,
+                lowering=lowering), np.float32)
+            entry[f"{lowering}_kernel_interpret_max_abs_error"] = float(np.abs(got - want).max())
+    return [entry]
+
+
 def main(argv=None) -> None:
     backend = jax.default_backend()
     accelerated = backend in ("gpu", "tpu")
@@ -146,6 +188,7 @@ def main(argv=None) -> None:
             ("gmm M=16384 G=64", bench_gmm, (16384, 2048, 1024, 64)),
             ("decode S=8192 global", bench_decode, (64, 8192, 32, 8, 128, None)),
             ("decode S=512 window 512", bench_decode, (64, 512, 32, 8, 128, 512)),
+            ("paged decode S=8192 pages of 16", bench_paged_decode, (64, 8192, 32, 8, 128, 16)),
         ]
     else:  # shapes small enough for the references on a few CPU cores
         repeats = 3
@@ -153,6 +196,7 @@ def main(argv=None) -> None:
             ("attention T=1024 window 128", bench_attention, (1, 1024, 8, 2, 64, 128)),
             ("gmm M=2048 G=8", bench_gmm, (2048, 256, 512, 8)),
             ("decode S=1024 global", bench_decode, (8, 1024, 8, 2, 64, None)),
+            ("paged decode S=1024 pages of 16", bench_paged_decode, (8, 1024, 8, 2, 64, 16)),
         ]
     results = []
     with Phases("hcjax.bench.kernels").phase("timing kernels", total=len(cases)) as phase:

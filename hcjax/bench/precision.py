@@ -1,5 +1,6 @@
 """`python -m hcjax.bench.precision`: the train-inference log-prob gap, fp32 vs bf16 compute, with
-and without routing replay and top-p replay.
+and without routing replay and top-p replay, and the gap quantise-on-sync adds (served fp8 / int8
+weights against the fp32 learner).
 
 Rollouts are sampled by the rollout engine (cached decode, top-p, routing and kept-set records);
 the learner's log-probs of the same tokens are recomputed with its own forward (the packed batch,
@@ -24,12 +25,14 @@ from flax import nnx
 from hcjax import config as hcfg
 from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer
+from hcjax.model_io import load_model
 from hcjax.rl.batch import LearnerBatch, pack_rollouts
 from hcjax.rl.learner import token_logprobs
 from hcjax.rl.losses import LossConfig, rollout_correction
 from hcjax.rollout import Engine, generate
 from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.testing import perturbed
+from hcjax.transfer.quantize import DEFAULT_BLOCK, FORMATS, round_trip_tree
 
 # (sampler compute dtype, learner compute dtype): RECIPE §3 runs both in bf16; bf16 inference
 # against an fp32 learner is the other common setup.
@@ -42,6 +45,9 @@ CORRECTION_PAIRS = (("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 # |r - 1| above this counts as a visibly off-policy token; the loss's own clip interval
 # [1 - ε, 1/(1 - ε)] (RECIPE §3, ε = LossConfig.eps) is the other threshold reported.
 RATIO_TOLERANCE = 0.2
+# Quantise-on-sync rows (hcjax.transfer.quantize): the sampler serves these formats' round trip of
+# the fp32 masters (fp32 compute), the learner recomputes with the fp32 masters.
+QUANT_FORMATS = ("fp8_e4m3", "int8")
 
 
 def larger_config(cfg: ModelConfig) -> ModelConfig:
@@ -187,6 +193,9 @@ def logprob_gap(
     slots: int = 8,
     seed: int = 0,
     weight_noise: float = WEIGHT_NOISE,
+    quant_formats: Sequence[str] = QUANT_FORMATS,
+    quant_block: int = DEFAULT_BLOCK,
+    state: nnx.State | None = None,
     phases: Phases | None = None,
 ) -> dict:
     """Train-inference gap table. For each (sampler dtype, learner dtype) pair, same fp32 master
@@ -195,19 +204,31 @@ def logprob_gap(
 
     `weight_noise` perturbs the freshly initialised weights (as the rollout tests do): at init
     the attention output gains are 0 and the next-token distribution is nearly uniform.
-    Returns {"rows": [one dict per (pair, replay_routing, replay_top_p)], ...}.
+    `quant_formats`: per format, rollouts from the engine serving the round trip of the matmul
+    kernels (hcjax.transfer.quantize, blocks of `quant_block`) in fp32 compute, against the fp32
+    learner on the unquantised masters: the gap quantise-on-sync adds ("quantized" rows).
+    `state`: fp32 weights to use (e.g. a trained checkpoint's) instead of perturbed init ones.
+    Returns {"rows": [one dict per (pair, replay_routing, replay_top_p)], "quantized": [...],
+    ...}.
     """
     phases = phases or Phases("hcjax.bench.precision", mode="off")
     eps = LossConfig().eps
-    _, state = nnx.split(Transformer(dataclasses.replace(cfg, dtype="float32"),
-                                     rngs=nnx.Rngs(seed)))
-    state = perturbed(state, seed + 1, weight_noise)
+    noise = weight_noise if state is None else None  # None: given (e.g. trained) weights
+    if state is None:
+        _, state = nnx.split(Transformer(dataclasses.replace(cfg, dtype="float32"),
+                                         rngs=nnx.Rngs(seed)))
+        state = perturbed(state, seed + 1, weight_noise)
     models = {dtype: with_dtype(cfg, state, dtype) for pair in pairs for dtype in pair}
     recompute = {dtype: make_learner_logprobs(model) for dtype, model in models.items()}
     sampled: dict[str, tuple] = {}
     rows, corrections = [], []
     cap = LossConfig().is_cap
-    steps = len(set(s for s, _ in pairs)) + 2 * len(pairs)
+    for fmt in quant_formats:
+        if fmt not in FORMATS:
+            raise ValueError(f"quant_formats entry {fmt!r} is not one of {sorted(FORMATS)}")
+    if quant_formats and "float32" not in recompute:
+        recompute["float32"] = make_learner_logprobs(with_dtype(cfg, state, "float32"))
+    steps = len(set(s for s, _ in pairs)) + 2 * len(pairs) + 3 * len(quant_formats)
     with phases.phase("sampling and recomputing", total=steps) as ph:
         for sampler_dtype, learner_dtype in pairs:
             if sampler_dtype not in sampled:
@@ -252,14 +273,47 @@ def logprob_gap(
                 corrections += [{"sampler_dtype": sampler_dtype, "learner_dtype": learner_dtype,
                                  **cell}
                                 for cell in correction_cells(both_replays, neither, old, eps, cap)]
+        quantized = []
+        for fmt in quant_formats:
+            ph.now(f"sampling from {fmt} served weights")
+            served = with_dtype(cfg, round_trip_tree(state, fmt, quant_block), "float32")
+            t0 = time.perf_counter()
+            rollouts = sample_rollouts(served, prompts=prompts, prompt_len=prompt_len,
+                                       samples=samples, max_tokens=max_tokens,
+                                       temperature=temperature, top_p=top_p, slots=slots,
+                                       seed=seed)
+            packed = pack_rollouts(rollouts, seq_len=max(r.input_len for r in rollouts),
+                                   micro_batches=1, with_routing=True, mask_truncated=False)
+            mb = _first_micro_batch(packed)
+            sampled[f"{fmt} served"] = (mb, len(rollouts), time.perf_counter() - t0)
+            ph.advance()
+            mask, valid = np.asarray(mb.loss_mask), np.asarray(mb.segment_ids) > 0
+            old = np.asarray(mb.old_logp)[mask]
+            for replay_routing in (True, False):
+                ph.now(f"{fmt} served, fp32 learner, routing replay {replay_routing}")
+                with_top_p, miss, without_top_p, routing = jax.device_get(
+                    recompute["float32"](mb, replay_routing))
+                for replay_top_p, logp in ((True, with_top_p), (False, without_top_p)):
+                    row = {"served": fmt, "block": quant_block, "sampler_dtype": "float32",
+                           "learner_dtype": "float32", "replay_routing": replay_routing,
+                           "replay_top_p": replay_top_p, **gap_stats(logp[mask], old, eps)}
+                    if replay_top_p:
+                        row["support_miss_frac"] = float(np.mean(miss[mask]))
+                    if not replay_routing and routing is not None:
+                        row["routing_mismatch_frac"] = _routing_mismatch(routing, mb.routing,
+                                                                         valid)
+                    quantized.append(row)
+                ph.advance()
     return {
         "rows": rows,
+        # Quantise-on-sync: served fmt weights (fp32 compute) vs the fp32 learner's masters.
+        "quantized": quantized,
         # Replay only / TIS only / both / neither (correction_cells), C = LossConfig.is_cap.
         "corrections": corrections,
         "tis_cap": cap,
         "rollouts_per_sampler": {d: n for d, (_, n, _) in sampled.items()},
         "sample_s": {d: round(t, 3) for d, (_, _, t) in sampled.items()},
-        "weight_noise": weight_noise,
+        "weight_noise": noise,
         "ratio_tolerance": RATIO_TOLERANCE,
         "clip_interval": [1.0 - eps, 1.0 / (1.0 - eps)],
         "sampling": {"prompts": prompts, "prompt_len": prompt_len, "samples": samples,
@@ -271,6 +325,8 @@ EXAMPLES = """examples:
   python -m hcjax.bench.precision                      # tiny_cpu.gin model, fp32 and bf16
   python -m hcjax.bench.precision --larger --max_tokens 96
   python -m hcjax.bench.precision --reduced            # a few short rollouts (the test's run)
+  python -m hcjax.bench.precision --quantize int8      # served int8 rows only (default fp8, int8)
+  python -m hcjax.bench.precision --base_checkpoint runs/base   # a trained base's weights
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -293,17 +349,34 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight_noise", type=float, default=WEIGHT_NOISE)
+    parser.add_argument("--quantize", action="append", default=None, choices=sorted(FORMATS),
+                        help="served-weight formats of the quantise-on-sync rows (repeatable; "
+                        f"default {' and '.join(QUANT_FORMATS)})")
+    parser.add_argument("--quant_block", type=int, default=DEFAULT_BLOCK,
+                        help="values per scale along the last axis")
+    parser.add_argument("--base_checkpoint", default=None,
+                        help="run folder of trained weights (e.g. an hcjax.sft base) to measure "
+                        "instead of perturbed initial weights")
     args = parser.parse_args(argv)
     hcfg.bind(args.gin_file or ["tiny_cpu.gin"], [])
-    cfg = ModelConfig()
+    cfg, state = ModelConfig(), None
     if args.larger:
         cfg = larger_config(cfg)
+    if args.base_checkpoint and args.larger:
+        parser.error("--base_checkpoint and --larger exclude each other (the checkpoint's model "
+                     "is measured)")
+    if args.base_checkpoint:
+        model, cfg = load_model(args.base_checkpoint)
+        cfg = dataclasses.replace(cfg, dtype="float32")
+        state = nnx.state(model)
     sizes = dict(prompts=args.prompts, prompt_len=args.prompt_len, samples=args.samples,
                  max_tokens=args.max_tokens)
     if args.reduced:
         sizes = dict(prompts=2, prompt_len=8, samples=2, max_tokens=12)
     table = logprob_gap(cfg, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                        weight_noise=args.weight_noise, phases=Phases("hcjax.bench.precision"), **sizes)
+                        weight_noise=args.weight_noise, phases=Phases("hcjax.bench.precision"),
+                        quant_formats=tuple(args.quantize or QUANT_FORMATS),
+                        quant_block=args.quant_block, state=state, **sizes)
     out = {
         "bench": "precision",
         "backend": jax.default_backend(),
@@ -311,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "jax_version": jax.__version__,
         "config": {"d_model": cfg.d_model, "num_layers": cfg.num_layers,
                    "num_experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
-                   "vocab_size": cfg.vocab_size, "larger": args.larger},
+                   "vocab_size": cfg.vocab_size, "larger": args.larger,
+                   "base_checkpoint": args.base_checkpoint},
         "dtype_knob": "ModelConfig.dtype (compute dtype; fp32 master parameters in both)",
         **table,
     }

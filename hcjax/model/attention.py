@@ -11,7 +11,11 @@ The attention itself comes from `pallas_kernels.self_attention`: masks built fro
 generation; the full forward runs the implementation `ModelConfig.attention_impl` names (dense,
 blocked, the flash kernel; "auto" by platform). A cache layer holds per-position entries
 ([B, S, ...]) and `pos` ([B, S], -1 = empty); local layers keep a ring buffer of `window` slots
-(position p lives in slot p % window).
+(position p lives in slot p % window). With the engine's paged layout (`init_paged_layer_cache`),
+a global layer holds pages from one pool ([num_pages, page_size, ...] per entry) and a page table
+[B, max_pages]: position p of row b lives at page page_table[b, p // page_size], row
+p % page_size, so memory follows the tokens held; a row's positions are contiguous from 0, so the
+key positions are implied and no `pos` is kept.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig
 from hcjax.model.layers import RMSNorm, param, rope, rope_frequencies
 from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels.paged_attention import gather_pages, paged_decode_attention
 from pallas_kernels.projection import project
 from pallas_kernels.self_attention import (
     attention_mask,
@@ -146,6 +151,101 @@ def cached_attention(cache: dict, entries_bt: dict, pos_bt, ring: bool, attend):
     return out, new_cache
 
 
+def init_paged_layer_cache(batch: int, num_pages: int, page_size: int, max_pages: int,
+                           entries: dict, dtype) -> dict:
+    """Empty paged cache layer: one pool [num_pages, page_size, *shape] per entry and a page
+    table [batch, max_pages] of page 0 (the engine keeps page 0 as a scratch page it never
+    hands out: idle rows write there)."""
+    cache = {name: jnp.zeros((num_pages, page_size, *shape), dtype)
+             for name, shape in entries.items()}
+    cache["page_table"] = jnp.zeros((batch, max_pages), jnp.int32)
+    return cache
+
+
+def is_paged(cache: dict | None) -> bool:
+    return cache is not None and "page_table" in cache
+
+
+def write_pages(cache: dict, entries_bt: dict, pos_bt) -> dict:
+    """Scatter a chunk's per-position entries into the rows' pages (position < 0 dropped)."""
+    table = cache["page_table"]
+    name0 = next(iter(entries_bt))
+    num_pages, page_size = cache[name0].shape[:2]
+    max_pages = table.shape[1]
+    index = jnp.clip(pos_bt // page_size, 0, max_pages - 1)
+    page = jnp.take_along_axis(table, index, axis=1)
+    keep = (pos_bt >= 0) & (pos_bt < max_pages * page_size)
+    page = jnp.where(keep, page, num_pages)  # out of range -> dropped by the scatter
+    row = pos_bt % page_size
+    new = {name: cache[name].at[page, row].set(x.astype(cache[name].dtype), mode="drop")
+           for name, x in entries_bt.items()}
+    new["page_table"] = table
+    return new
+
+
+def paged_cached_attention(cache: dict, entries_bt: dict, pos_bt, attend):
+    """`cached_attention` over a paged layer: the chunk is written into its pages first, then
+    each row's leading pages are gathered ([B, n * page_size, ...], key position = index) and
+    attended with the causal mask; n is the smallest of `decode_buckets(max_pages)` that covers
+    the batch's largest position, so reads follow the longest sequence."""
+    new_cache = write_pages(cache, entries_bt, pos_bt)
+    table = new_cache["page_table"]
+    page_size = new_cache[next(iter(entries_bt))].shape[1]
+    b, max_pages = table.shape
+    sizes = decode_buckets(max_pages)
+
+    def read(n):
+        keys = {name: gather_pages(new_cache[name], table[:, :n]) for name in entries_bt}
+        k_pos = jnp.broadcast_to(jnp.arange(n * page_size, dtype=jnp.int32), (b, n * page_size))
+        return attend(keys, k_pos)
+
+    if len(sizes) == 1:
+        return read(sizes[0]), new_cache
+    need = jnp.max(pos_bt) // page_size + 1
+    index = sum((need > n).astype(jnp.int32) for n in sizes[:-1])
+    out = jax.lax.switch(index, [lambda n=n: read(n) for n in sizes])
+    return out, new_cache
+
+
+def paged_decode_on_local_shards(q, k, v, cache: dict, pos_bt, window, dtype):
+    """(out [B, Hq, D], new cache): write one token's k, v [B, 1, Hkv, D] into a paged layer and
+    attend on the paged Pallas kernel, under `shard_map` over the context mesh as
+    `on_local_shards` splits it: the batch (and the page table's rows) over the activation batch
+    axes, the pool's pages over the same axes, heads over tensor when they divide. The engine
+    gives a slot only pages of its own shard's range (`rollout.engine._PagePool`), so each shard
+    turns page ids into its local ones; entries outside the range (scratch) read its first page.
+    """
+    def run(q, k, v, k_pool, v_pool, table, pos, first_page):
+        local = table - first_page
+        local = jnp.where((local >= 0) & (local < k_pool.shape[0]), local, 0)
+        new = write_pages({"k": k_pool, "v": v_pool, "page_table": local}, {"k": k, "v": v}, pos)
+        lengths = jnp.maximum(pos[:, 0] + 1, 0)
+        out = paged_decode_attention(q, new["k"].astype(dtype), new["v"].astype(dtype), local,
+                                     lengths, window=window, impl="pallas")
+        return out, new["k"], new["v"]
+
+    args = (q, k, v, cache["k"], cache["v"], cache["page_table"], pos_bt)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.auto_axes or mesh.size == 1:
+        out, k_pool, v_pool = run(*args, 0)
+    else:
+        batch = shd.activation_spec(q.shape[:1], ("activation_batch",), mesh)[0]
+        q_heads = shd.activation_spec(q.shape[1:2], ("activation_heads",), mesh)[0]
+        kv_heads = shd.activation_spec(k.shape[2:3], ("activation_kv_heads",), mesh)[0]
+        heads = q_heads if q_heads == kv_heads else None
+        P = jax.sharding.PartitionSpec
+        q_spec, kv_spec, rows = P(batch, heads, None), P(batch, None, heads, None), P(batch, None)
+
+        def local(*xs):
+            first = 0 if batch is None else jax.lax.axis_index(batch) * xs[3].shape[0]
+            return run(*xs, first)
+
+        out, k_pool, v_pool = jax.shard_map(
+            local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, kv_spec, kv_spec, rows, rows),
+            out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*args)
+    return out, {"k": k_pool, "v": v_pool, "page_table": cache["page_table"]}
+
+
 class _Rope:
     """RoPE of one layer: the frequency table is a static tuple (hashable graph data)."""
 
@@ -222,6 +322,11 @@ class Attention(nnx.Module):
         new_cache = None
         if cache is None:
             out = self._attend_self(q, k, v, positions_bt, segment_ids_bt, sinks)
+        elif is_paged(cache) and self.use_kernel and q.shape[1] == 1:
+            # One-token decode over the page pool on the paged Pallas kernel, per shard.
+            out, new_cache = paged_decode_on_local_shards(q[:, 0], k, v, cache, positions_bt,
+                                                          self.window, dt)
+            out = out[:, None]
         elif self.use_kernel and q.shape[1] == 1:
             # One-token decode on the Pallas kernel: store first, then attend over the cache.
             new_cache = write_cache(cache, {"k": k, "v": v}, positions_bt, ring=ring)
@@ -236,7 +341,12 @@ class Attention(nnx.Module):
                 return gqa_attention(q, keys["k"].astype(dt), keys["v"].astype(dt), mask,
                                      sinks_h=sinks)
 
-            out, new_cache = cached_attention(cache, {"k": k, "v": v}, positions_bt, ring, attend)
+            if is_paged(cache):
+                out, new_cache = paged_cached_attention(cache, {"k": k, "v": v}, positions_bt,
+                                                        attend)
+            else:
+                out, new_cache = cached_attention(cache, {"k": k, "v": v}, positions_bt, ring,
+                                                  attend)
         out = shd.constrain(out, _Q_BTHD)
         y = project(out.astype(dt), self.wo[...].astype(dt), 2)
         if self.has_bias:
@@ -341,8 +451,11 @@ class MLAttention(nnx.Module):
                     mask, scale=self.scale,
                 )
 
-            out_lat, new_cache = cached_attention(cache, entries, positions_bt,
-                                                  self.kind == "local", attend)
+            if is_paged(cache):  # the latent pages through the gather path (see README)
+                out_lat, new_cache = paged_cached_attention(cache, entries, positions_bt, attend)
+            else:
+                out_lat, new_cache = cached_attention(cache, entries, positions_bt,
+                                                      self.kind == "local", attend)
             out = jnp.einsum("bthr,rhv->bthv", out_lat.astype(dt), wkv_b[..., self.nope :])
         out = shd.constrain(out, _Q_BTHD)
         y = jnp.einsum("bthv,hvd->btd", out.astype(dt), self.wo[...].astype(dt))

@@ -30,7 +30,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from hcjax import sharding as shd
-from hcjax.model.attention import attention_cache_entries, init_layer_cache, make_attention
+from hcjax.model.attention import (
+    attention_cache_entries,
+    init_layer_cache,
+    init_paged_layer_cache,
+    make_attention,
+)
 from hcjax.model.config import ModelConfig
 from hcjax.model.layers import DenseMLP, RMSNorm, dropout, param
 from hcjax.model.moe import MoE, correction_bias_step, load_balance_loss_from_stats
@@ -462,6 +467,11 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> t
         slots = min(cfg.window, max_len) if cfg.attention_kind(i) == "local" else max_len
         return init_layer_cache(batch_size, slots, entries, dtype)
 
+    return _cache_layout(cfg, layer)
+
+
+def _cache_layout(cfg: ModelConfig, layer) -> tuple:
+    """The cache tuple of `layer(i)` dicts: one per layer, or stacked per period position."""
     if not cfg.scan_layers:
         return tuple(layer(i) for i in range(cfg.num_layers))
     unrolled, periodic, trailing = _scan_groups(list(range(cfg.num_layers)), cfg)
@@ -470,6 +480,28 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> t
         jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), layer(ids[0])) for ids in periodic
     ]
     return tuple(layer(i) for i in unrolled) + tuple(stacked) + tuple(layer(i) for i in trailing)
+
+
+def init_paged_cache(cfg: ModelConfig, batch_size: int, max_len: int, num_pages: int,
+                     page_size: int, dtype=None) -> tuple:
+    """`init_cache` with the global layers paged: each holds a pool of `num_pages` pages of
+    `page_size` positions and a page table [batch_size, ceil(max_len / page_size)] (see
+    attention.init_paged_layer_cache); local layers keep their ring buffers. Scanned layers are
+    stacked per period position as in `init_cache`."""
+    for name, value in [("batch_size", batch_size), ("max_len", max_len),
+                        ("num_pages", num_pages), ("page_size", page_size)]:
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"init_paged_cache: {name}={value!r} must be a positive integer")
+    dtype = dtype or cfg.compute_dtype
+    entries = attention_cache_entries(cfg)
+    max_pages = -(-max_len // page_size)
+
+    def layer(i):
+        if cfg.attention_kind(i) == "local":
+            return init_layer_cache(batch_size, min(cfg.window, max_len), entries, dtype)
+        return init_paged_layer_cache(batch_size, num_pages, page_size, max_pages, entries, dtype)
+
+    return _cache_layout(cfg, layer)
 
 
 def cache_bytes(cache) -> int:

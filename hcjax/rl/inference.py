@@ -5,12 +5,14 @@ Router for requests, reshard plans over gRPC for weights). Training and evaluati
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hcjax.model import shard_state
@@ -18,7 +20,8 @@ from hcjax.rollout import Engine, RolloutServer
 from hcjax.rollout.router import Router
 from hcjax.rollout.service import wait_ready
 from hcjax.transfer import LocalTransfer, VersionedWeights, make_plan
-from hcjax.transfer.weights_service import WeightPublisher
+from hcjax.transfer.quantize import check_format, dequantize_tree, quantize_tree, wire_layout
+from hcjax.transfer.weights_service import WeightPublisher, WeightSyncConfig
 
 __all__ = ["LocalInference", "RemoteInference"]
 
@@ -26,13 +29,25 @@ __all__ = ["LocalInference", "RemoteInference"]
 class LocalInference:
     """Replicas on this process's inference meshes. `params()` is the learner's current params
     tree; `publish(version)` moves it to every replica (each replica's LocalTransfer runs its
-    plan once per push)."""
+    plan once per push).
+
+    quantize / quant_block (default: the gin WeightSyncConfig's): serve quantised weights. Each
+    push quantises the learner's matmul kernels once on its devices
+    (hcjax.transfer.quantize.quantize_tree), the plans move the one-byte values and their
+    scales, and each replica dequantises them into its parameter dtype and serves those values:
+    the sampler's log-probs are the served weights'. `wire_bytes` is what one push moves to one
+    replica."""
 
     def __init__(self, model: Any, meshes: Sequence[Any], params: Callable[[], Any], *,
                  max_concurrent_decodes: int, max_prefill_length: int, max_target_length: int,
-                 max_queue: int = 4096) -> None:
+                 max_queue: int = 4096, quantize: str | None = None,
+                 quant_block: int | None = None) -> None:
         self._params = params
         self._lock = threading.Lock()
+        defaults = WeightSyncConfig()
+        self.quantize = check_format(defaults.quantize if quantize is None else quantize)
+        self.quant_block = defaults.quant_block if quant_block is None else quant_block
+        check_format(self.quantize, self.quant_block)
         graphdef, state = nnx.split(model)
         self.replicas: list[dict[str, Any]] = []
         for mesh in meshes:
@@ -41,18 +56,38 @@ class LocalInference:
                             max_concurrent_decodes=max_concurrent_decodes,
                             max_prefill_length=max_prefill_length,
                             max_target_length=max_target_length)
-            plan = make_plan(params(), jax.tree.map(lambda x: x.sharding, engine.load_params()))
+            served = engine.load_params()
+            if self.quantize is None:
+                plan = make_plan(params(), jax.tree.map(lambda x: x.sharding, served))
+            else:  # the wire trees: quantised values and scales on each side's devices
+                plan = make_plan(wire_layout(params(), self.quantize, self.quant_block),
+                                 {p: v.sharding for p, v in wire_layout(
+                                     served, self.quantize, self.quant_block).items()})
+            template = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), served)
             self.replicas.append({"engine": engine, "transfer": LocalTransfer(plan), "inflight": 0,
-                                  "served": VersionedWeights(None, -1),
+                                  "served": VersionedWeights(None, -1), "template": template,
                                   "server": RolloutServer(engine, max_queue=max_queue)})
+        self.wire_bytes = sum(  # per replica and push: what its plan moves
+            math.prod(s.shape) * np.dtype(s.dtype).itemsize
+            for s in self.replicas[0]["transfer"].plan.src_leaves.values()) if meshes else 0
 
     @property
     def engines(self) -> list[Any]:
         return [r["engine"] for r in self.replicas]
 
+    def _build(self, r: dict[str, Any], source: Any) -> Any:
+        """The tree replica `r` serves, from the learner's params or their wire tree."""
+        if self.quantize is None:
+            return r["transfer"](source)
+        return dequantize_tree(r["transfer"](source), r["template"], self.quant_block)
+
     def publish(self, version: int) -> None:
+        source = self._params()
+        if self.quantize is not None:  # once per push, on the learner's devices
+            source = quantize_tree(source, self.quantize, self.quant_block)
         for r in self.replicas:
-            tree = r["served"].update(lambda r=r: r["transfer"](self._params()), version)
+            tree = r["served"].update(lambda r=r: self._build(r, source), version)
             r["server"].update_weights(tree, version)
 
     def start(self, version: int) -> None:

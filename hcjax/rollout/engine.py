@@ -5,7 +5,9 @@ inside the jitted step, so one host copy per step carries everything, and prefix
 requests (prefix_cache.py).
 
 It runs on the model's KV-cache path: one cache row per decode slot, rows independent, local layers
-in ring buffers. It knows nothing of requests, threads or losses; the server (server.py) does.
+in ring buffers; global layers either hold max_target_length positions per slot (kv_layout="slot")
+or share a pool of pages that slots take as they grow (kv_layout="paged", `_PagePool`). It knows
+nothing of requests, threads or losses; the server (server.py) does.
 JetStream is optional: when it imports, `Engine` and `ResultTokens` are registered as virtual
 subclasses of its abstract classes (`register_with_jetstream`); hcjax never needs it.
 """
@@ -25,8 +27,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hcjax import sharding as shd
 from hcjax.data.tokenizer import load_tokenizer
-from hcjax.model import init_cache
+from hcjax.model import init_cache, init_paged_cache
 from hcjax.rollout import prefix_cache as pc
 from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.sampling import sample, sampling_keys
@@ -235,6 +238,263 @@ def _batch_axes(init_cache_fn: Callable[[int, int], Any], max_len: int) -> Any:
     return jax.tree.map(axis, one, two)
 
 
+def _pool_axes(mesh: Mesh | None, slots: int) -> tuple[str, ...]:
+    """Mesh axes the paged pool's pages are split over: the decode batch's activation axes, as
+    the model's paged kernel (`attention.paged_decode_on_local_shards`) splits it."""
+    if mesh is None:
+        return ()
+    entry = shd.activation_spec((slots,), ("activation_batch",), mesh)[0]
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+class _PagePool:
+    """Host-side bookkeeping of the paged layout: free lists, each slot's pages, and the page
+    table changes not yet applied on device. With the decode batch split over `ways` devices,
+    the pool's page axis is split the same way and a slot only takes pages of its own shard
+    (each shard's first page is its scratch page). The engine's lock guards every call."""
+
+    def __init__(self, slots: int, max_len: int, page_size: int, num_pages: int | None,
+                 ways: int) -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size={page_size!r} must be a positive integer")
+        self.page_size, self.ways, self.slots = page_size, ways, slots
+        self.max_pages = -(-max_len // page_size)
+        if num_pages is None:
+            num_pages = slots * self.max_pages + ways
+        if not isinstance(num_pages, int) or num_pages < 2 * ways or num_pages % ways:
+            raise ValueError(f"num_pages={num_pages!r} must be a multiple of {ways} (the decode "
+                             f"batch shards) with at least 2 pages each")
+        self.num_pages = num_pages
+        self.per_shard = num_pages // ways
+        self.usable = num_pages - ways
+        self._free = [list(range((w + 1) * self.per_shard - 1, w * self.per_shard, -1))
+                      for w in range(ways)]  # popped from the end: lowest ids first
+        self.owned: dict[int, list[int]] = {}
+        self.refs: dict[int, int] = {}  # page -> slots holding it (a prompt's pages are shared)
+        self.next_pos: dict[int, int] = {}  # next position each occupied slot feeds
+        self.limit: dict[int, int] = {}  # one past the last position it may feed
+        self._reset: dict[int, int] = {}  # slot -> scratch page its row goes back to
+        self._new: list[tuple[int, int, int]] = []  # (slot, page index, page)
+        self.paused: set[int] = set()  # slots waiting for a page
+        self.waits = 0  # times a slot was paused for want of a page
+
+    def shard_of(self, slot: int) -> int:
+        return slot // (self.slots // self.ways)
+
+    def scratch(self, slot: int) -> int:
+        return self.shard_of(slot) * self.per_shard
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def free_counts(self) -> list[int]:
+        return [len(f) for f in self._free]
+
+    def admit(self, slots: Sequence[int], length: int, budget: int) -> np.ndarray:
+        """Pages for a `length`-token prompt in each of `slots`: [len(slots), max_pages] page
+        rows (unused entries = num_pages, which the insert's scatter drops). The slots of one
+        shard share the prompt's full pages (read-only: every write is at a position past the
+        prompt) and each gets its own copy of a partly filled last page. Raises when a shard has
+        too few pages free, or when admitting could leave no sequence able to finish."""
+        full, part = divmod(length, self.page_size)
+        part = int(part > 0)
+        limit = min(length + budget, self.max_pages * self.page_size)
+        for slot in slots:
+            if slot in self.owned:
+                raise ValueError(f"slot={slot} still holds pages (free_resource it first)")
+        by_shard: dict[int, list[int]] = {}
+        for slot in slots:
+            by_shard.setdefault(self.shard_of(slot), []).append(slot)
+        for shard, group in by_shard.items():
+            want = full + part * len(group)
+            if want > len(self._free[shard]):
+                raise RuntimeError(
+                    f"paged KV: {want} pages needed for {len(group)} x a {length}-token prompt, "
+                    f"{len(self._free[shard])} free in shard {shard} "
+                    f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
+            held = full + part if len(group) == 1 else part  # pages only this slot would free
+            new = [(self.pages_for(limit) - full - part, held)] * len(group)
+            if not self._safe(len(self._free[shard]) - want, self._holdings(shard) + new):
+                raise RuntimeError(
+                    f"paged KV: admitting {len(group)} more {length}-token prompts (budget "
+                    f"{budget}) could leave shard {shard} without pages for any sequence to "
+                    f"finish (num_pages={self.num_pages}); admit fewer sequences or raise "
+                    "num_pages")
+        rows = np.full((len(slots), self.max_pages), self.num_pages, np.int32)
+        index = {slot: i for i, slot in enumerate(slots)}
+        for shard, group in by_shard.items():
+            free = self._free[shard]
+            shared = [free.pop() for _ in range(full)]
+            for slot in group:
+                pages = shared + [free.pop() for _ in range(part)]
+                for page in pages:
+                    self.refs[page] = self.refs.get(page, 0) + 1
+                self.owned[slot] = pages
+                self.next_pos[slot] = length
+                self.limit[slot] = limit
+                self._reset.pop(slot, None)  # the insert rewrites the row
+                self._new = [u for u in self._new if u[0] != slot]
+                rows[index[slot], : len(pages)] = pages
+        return rows
+
+    def _need(self, slot: int) -> int:
+        """Pages `slot` may still take before its token budget runs out (its worst case)."""
+        return self.pages_for(self.limit[slot]) - len(self.owned[slot])
+
+    def _holdings(self, shard: int) -> list[tuple[int, int]]:
+        """(worst-case need, pages it alone holds) of each sequence of the shard: a shared page
+        only comes back with its last holder, so it counts for none (the test stays safe)."""
+        return [(self._need(s), sum(1 for page in p if self.refs[page] == 1))
+                for s, p in self.owned.items() if self.shard_of(s) == shard]
+
+    @staticmethod
+    def _safe(free: int, holdings: list[tuple[int, int]]) -> bool:
+        """Whether every sequence can still finish in some order (the banker's test, one
+        resource): taken by smallest worst-case need, each fits in what is free plus the pages
+        of those finished before it."""
+        for need, held in sorted(holdings):
+            if need > free:
+                return False
+            free += held
+        return True
+
+    def admissible(self, shard: int, free_slots: int, prompt: int) -> int:
+        """How many more sequences of a `prompt`-token prompt and the longest budget the shard
+        can admit and stay safe (binary search; safety only gets harder with more)."""
+        held = self.pages_for(prompt)
+        new = (self.max_pages - held, held)
+        free, base = len(self._free[shard]), self._holdings(shard)
+        lo, hi = 0, min(free_slots, free // max(1, held))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._safe(free - mid * held, base + [new] * mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def grow(self, steps: int) -> tuple[list[int], list[int]]:
+        """Pages for the next `steps` positions of every occupied slot (up to its limit), in
+        admission order. A page is granted only while every sequence can still finish (the
+        banker's test, `_safe`), so some sequence always can; a slot refused one waits (paused)
+        until pages come back. Returns (slots to pause, paused slots to resume)."""
+        pause, resume = [], []
+        most = {}  # per shard, an upper bound of the needs (they only shrink while granting)
+        for slot in self.owned:
+            shard = self.shard_of(slot)
+            most[shard] = max(most.get(shard, 0), self._need(slot))
+        for slot, pages in self.owned.items():
+            last = min(self.next_pos[slot] + steps, self.limit[slot]) - 1
+            shard = self.shard_of(slot)
+            free = self._free[shard]
+            k = max(0, -(-(last + 1) // self.page_size) - len(pages))
+            granted = k <= len(free) and (
+                k == 0 or len(free) - k >= most[shard]
+                or self._safe(len(free) - k, [(n - k, h + k) if s == slot else (n, h) for s, (n, h)
+                                              in zip(self._shard_slots(shard),
+                                                     self._holdings(shard))]))
+            if not granted:
+                if slot not in self.paused:
+                    self.paused.add(slot)
+                    pause.append(slot)
+                    self.waits += 1
+                continue
+            for _ in range(k):
+                pages.append(free.pop())
+                self.refs[pages[-1]] = 1
+                self._new.append((slot, len(pages) - 1, pages[-1]))
+            if slot in self.paused:
+                self.paused.discard(slot)
+                resume.append(slot)
+            self.next_pos[slot] = min(self.next_pos[slot] + steps, self.limit[slot])
+        return pause, resume
+
+    def _shard_slots(self, shard: int) -> list[int]:
+        return [s for s in self.owned if self.shard_of(s) == shard]
+
+    def release(self, slot: int) -> None:
+        pages = self.owned.pop(slot, None)
+        if pages is None:
+            return
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                del self.refs[page]
+                self._free[self.shard_of(slot)].append(page)
+        del self.next_pos[slot], self.limit[slot]
+        self._new = [u for u in self._new if u[0] != slot]
+        self._reset[slot] = self.scratch(slot)
+        self.paused.discard(slot)
+
+    def take_updates(self):
+        """(reset [B] bool, scratch [B], slots [M], page index [M], pages [M]) for
+        `_update_tables`, M padded to a multiple of the slots (few shapes compile); None when
+        nothing changed."""
+        if not self._reset and not self._new:
+            return None
+        reset = np.zeros((self.slots,), bool)
+        scratch = np.zeros((self.slots,), np.int32)
+        for slot, page in self._reset.items():
+            reset[slot], scratch[slot] = True, page
+        m = max(1, -(-len(self._new) // self.slots)) * self.slots
+        upd = np.full((3, m), self.slots, np.int32)  # slot = B: dropped
+        for i, (slot, index, page) in enumerate(self._new):
+            upd[:, i] = (slot, index, page)
+        self._reset, self._new = {}, []
+        return reset, scratch, upd[0], upd[1], upd[2]
+
+
+def _update_tables(state, reset, scratch, slots, index, pages):
+    """Page-table changes on every paged layer: rows of freed slots back to their scratch page,
+    then single entries set (slot index B = padding, dropped)."""
+    def layer(c):
+        if not isinstance(c, dict) or "page_table" not in c:
+            return c
+        table = c["page_table"]  # [*lead, B, P]
+        table = jnp.where(reset[:, None], scratch[:, None], table)
+        table = table.at[..., slots, index].set(pages, mode="drop")
+        return {**c, "page_table": table}
+
+    return dataclasses.replace(state, cache=tuple(layer(c) for c in state.cache))
+
+
+def _pause_row(state, slot):
+    """(state with `slot` inactive, its logits row, its active flag): an inactive row does not
+    advance, but the step overwrites its logits, which resuming puts back."""
+    active = state.active[slot]
+    return (dataclasses.replace(state, active=state.active.at[slot].set(False)),
+            state.logits[slot], active)
+
+
+def _resume_row(state, slot, logits, active):
+    return dataclasses.replace(state, logits=state.logits.at[slot].set(logits),
+                               active=state.active.at[slot].set(active))
+
+
+def _put_paged(layer: dict, row: dict, axis: int, slot, pages_row) -> dict:
+    """Insert one prefilled row (slot layout, batch axis `axis`) into a paged layer: the row's
+    positions page by page into the pool at `pages_row` (entries >= num_pages dropped) and the
+    slot's page-table row (dropped entries -> 0)."""
+    table = layer["page_table"]
+    lead = table.ndim - 2
+    max_pages = table.shape[-1]
+    new = {}
+    for name, pool in layer.items():
+        if name == "page_table":
+            continue
+        num_pages, page_size = pool.shape[lead], pool.shape[lead + 1]
+        x = jnp.squeeze(row[name], axis)  # [*lead, max_len, ...]
+        pad = max_pages * page_size - x.shape[lead]
+        if pad:
+            x = jnp.pad(x, [(0, 0)] * lead + [(0, pad)] + [(0, 0)] * (x.ndim - lead - 1))
+        x = x.reshape(*x.shape[:lead], max_pages, page_size, *x.shape[lead + 1:])
+        at = (slice(None),) * lead + (pages_row,)
+        new[name] = pool.at[at].set(x.astype(pool.dtype), mode="drop")
+    kept = jnp.where(pages_row < num_pages, pages_row, 0)
+    new["page_table"] = table.at[(slice(None),) * lead + (slot,)].set(kept)
+    return new
+
+
 @gin.configurable
 class Engine:
     """JetStream engine over an NNX model with the hcjax forward contract.
@@ -248,6 +508,16 @@ class Engine:
     tokenizer: "byte" or a Hugging Face model folder, for get_tokenizer / build_tokenizer.
     prefix_cache_blocks: blocks of prompt KV kept for reuse across requests (0 = no reuse);
       prefix_block_size tokens each (prefix_cache.py).
+    kv_layout: "slot" (every global layer keeps max_target_length positions per slot) or
+      "paged" (global layers share a pool of `num_pages` pages of `page_size` positions; a slot
+      takes pages for its prompt on insert and one more each time it crosses a page boundary,
+      and gives them back on `free_resource`; the samples of one `bulk_insert` share the
+      prompt's full pages; local layers keep their ring buffers). num_pages
+      None = enough for every slot at max_target_length (no saving; size it to the load). Page 0
+      of each batch shard is scratch that idle rows write to. Admission (`num_free_slots`) counts
+      pages as well as slots; a page is granted only while every sequence can still finish, and
+      a slot refused one pauses until pages come back. Prefill and the prefix cache keep the slot
+      layout (batch 1): a prefix-cache hit is copied into pages, not shared.
     """
 
     def __init__(
@@ -264,8 +534,15 @@ class Engine:
         tokenizer: str = "byte",
         prefix_cache_blocks: int = 0,
         prefix_block_size: int = 16,
+        kv_layout: str = "slot",
+        page_size: int = 16,
+        num_pages: int | None = None,
     ) -> None:
         cfg = getattr(model, "config", None)
+        if kv_layout not in ("slot", "paged"):
+            raise ValueError(f"kv_layout={kv_layout!r} is not 'slot' or 'paged'")
+        if kv_layout == "paged" and (cfg is None or init_cache_fn is not None):
+            raise ValueError("kv_layout='paged' needs a model with .config and no init_cache_fn")
         if init_cache_fn is None:
             init_cache_fn = lambda b, n: init_cache(cfg, b, n)
         if max_target_length is None:
@@ -309,6 +586,15 @@ class Engine:
         self._stats = {"prompt_tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "prefills": 0}
         self._free = list(range(max_concurrent_decodes))
         self._free_lock = threading.Lock()
+        self._pages = None if kv_layout == "slot" else _PagePool(
+            max_concurrent_decodes, max_target_length, page_size, num_pages,
+            int(np.prod([mesh.shape[a] for a in _pool_axes(mesh, max_concurrent_decodes)])))
+        if self._pages is not None:
+            pool = self._pages
+            self._decode_cache_fn = lambda b, n: init_paged_cache(
+                cfg, b, n, pool.num_pages, pool.page_size)
+        else:
+            self._decode_cache_fn = init_cache_fn
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._prefill_jit = jax.jit(self._prefill_impl, donate_argnums=(1,))
         self._init_prefill_jit = jax.jit(
@@ -333,6 +619,10 @@ class Engine:
         self._bulk_insert_jit = jax.jit(self._bulk_insert_impl, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
+        self._tables_jit = jax.jit(_update_tables, donate_argnums=(0,))
+        self._pause_jit = jax.jit(_pause_row, donate_argnums=(0,))
+        self._resume_jit = jax.jit(_resume_row, donate_argnums=(0,))
+        self._paused_rows: dict[int, tuple] = {}
         self._init_decode_jit = {}  # by vocab size: jit with the state's shardings
 
     # JetStream Engine API: properties ---------------------------------------------------------
@@ -422,24 +712,76 @@ class Engine:
         return taken
 
     def free_resource(self, slot: int) -> None:
-        """Return a slot whose sample has finished (or been deactivated) to the free pool."""
+        """Return a slot whose sample has finished (or been deactivated) to the free pool, and
+        its pages to the page pool (paged layout)."""
         if not 0 <= slot < self._num_slots:
             raise ValueError(f"slot={slot} is not in [0, {self._num_slots})")
         with self._free_lock:
             if slot in self._free:
                 raise ValueError(f"slot={slot} is already free")
             self._free.append(slot)
+            if self._pages is not None:
+                self._pages.release(slot)
+                self._paused_rows.pop(slot, None)
 
     @property
     def num_free_slots(self) -> int:
+        """Free slots; with the paged layout, no more than the free pages admit: each new
+        sequence counted at a max_prefill_length prompt and a budget to max_target_length, and
+        admitted only while every sequence in flight can still finish (`_PagePool.admissible`).
+        Sequences take pages as they grow, so this is not a reservation of their budget."""
         with self._free_lock:
-            return len(self._free)
+            if self._pages is None:
+                return len(self._free)
+            pool = self._pages
+            return sum(pool.admissible(shard, sum(1 for s in self._free if pool.shard_of(s) == shard),
+                                       self._max_prefill)
+                       for shard in range(pool.ways))
+
+    @property
+    def kv_layout(self) -> str:
+        return "slot" if self._pages is None else "paged"
+
+    def page_stats(self) -> dict:
+        """Pages of the paged layout: total, free, in use, and `waits` (times a sequence was
+        paused for want of a page); empty for the slot layout."""
+        if self._pages is None:
+            return {}
+        with self._free_lock:
+            free = sum(self._pages.free_counts())
+        return {"num_pages": self._pages.num_pages, "page_size": self._pages.page_size,
+                "free": free, "in_use": self._pages.usable - free, "waits": self._pages.waits}
+
+    def _sync_tables(self, state: DecodeState) -> DecodeState:
+        """Apply the host's pending page-table changes (freed rows back to scratch, new pages)
+        to every paged layer of the decode state."""
+        with self._free_lock:
+            update = self._pages.take_updates()
+        if update is None:
+            return state
+        return self._tables_jit(state, *update)
+
+    def reserve_pages(self, decode_state: DecodeState, steps: int = 1) -> DecodeState:
+        """Give every occupied slot the pages its next `steps` fed tokens need (paged layout;
+        `generate` calls it with steps=1). A slot never takes pages past its token budget."""
+        if self._pages is None:
+            return decode_state
+        with self._free_lock:
+            pause, resume = self._pages.grow(steps)
+        for slot in pause:  # keeps its logits and active flag; the step leaves the rest alone
+            decode_state, logits, active = self._pause_jit(decode_state, np.int32(slot))
+            self._paused_rows[slot] = (logits, active)
+        decode_state = self._sync_tables(decode_state)  # its new page before it runs again
+        for slot in resume:
+            logits, active = self._paused_rows.pop(slot)
+            decode_state = self._resume_jit(decode_state, np.int32(slot), logits, active)
+        return decode_state
 
     # Decode state ----------------------------------------------------------------------------
     def _init_decode_impl(self, vocab: int):
         b = self._num_slots
         return DecodeState(
-            cache=self._init_cache_fn(b, self._max_len),
+            cache=self._decode_cache_fn(b, self._max_len),
             logits=jnp.zeros((b, vocab), jnp.float32),
             logits_version=jnp.zeros((b,), jnp.int32),
             positions=jnp.zeros((b,), jnp.int32),
@@ -492,7 +834,26 @@ class Engine:
                 spec[b + 2] = "tensor"
             return NamedSharding(mesh, PartitionSpec(*spec))
 
-        cache = jax.tree.map(one, state.cache, self._batch_axes)
+        pool_axes = _pool_axes(mesh, self._num_slots)
+
+        def paged(layer):  # pages split like the activation batch, heads over tensor (_PagePool)
+            lead = layer["page_table"].ndim - 2
+            out = {"page_table": one(layer["page_table"], lead)}
+            for name, x in layer.items():
+                if name != "page_table":
+                    spec = [None] * x.ndim
+                    if pool_axes:
+                        spec[lead] = pool_axes
+                    if x.ndim == lead + 4 and tensor > 1 and x.shape[lead + 2] % tensor == 0:
+                        spec[lead + 2] = "tensor"
+                    out[name] = NamedSharding(mesh, PartitionSpec(*spec))
+            return out
+
+        if self._pages is None:
+            cache = jax.tree.map(one, state.cache, self._batch_axes)
+        else:
+            cache = tuple(paged(c) if "page_table" in c else jax.tree.map(one, c, a)
+                          for c, a in zip(state.cache, self._batch_axes))
         rest = {f.name: jax.tree.map(lambda x: one(x, 0), getattr(state, f.name))
                 for f in dataclasses.fields(state) if f.name != "cache"}
         return dataclasses.replace(state, cache=cache, **rest)
@@ -605,17 +966,23 @@ class Engine:
 
     # Insert ----------------------------------------------------------------------------------
     def _insert_impl(self, state, cache, logits, version, length, slot, sample_index, seed,
-                     temperature, top_p, remaining, stop_tokens):
+                     temperature, top_p, remaining, stop_tokens, pages=None):
         def put(full, one, axis):
             start = [0] * full.ndim
             start[axis] = slot
             return jax.lax.dynamic_update_slice(full, one.astype(full.dtype), start)
 
+        def put_layer(full, one, axes):
+            if "page_table" in full:
+                return _put_paged(full, one, axes["pos"], slot, pages)
+            return jax.tree.map(put, full, one, axes)
+
         def row(arr, value):
             return arr.at[slot].set(value)
 
         return DecodeState(
-            cache=jax.tree.map(put, state.cache, cache, self._batch_axes),
+            cache=(jax.tree.map(put, state.cache, cache, self._batch_axes) if pages is None
+                   else tuple(map(put_layer, state.cache, cache, self._batch_axes))),
             logits=row(state.logits, logits),
             logits_version=row(state.logits_version, version),
             positions=row(state.positions, length),
@@ -630,12 +997,12 @@ class Engine:
         )
 
     def _bulk_insert_impl(self, state, cache, logits, version, length, slots, sample_indices,
-                          count, seed, temperature, top_p, remaining, stop_tokens):
+                          count, seed, temperature, top_p, remaining, stop_tokens, pages=None):
         """`_insert_impl` for slots[:count] (one loop inside one call, in place)."""
         def body(i, state):
             return self._insert_impl(state, cache, logits, version, length, slots[i],
                                      sample_indices[i], seed, temperature, top_p, remaining,
-                                     stop_tokens)
+                                     stop_tokens, None if pages is None else pages[i])
 
         return jax.lax.fori_loop(0, count, body, state)
 
@@ -681,12 +1048,22 @@ class Engine:
         """
         budget, stop, seed = self._check_insert(prefix, [slot], max_tokens)
         sp = prefix.sampling
+        decode_state, pages = self._admit_pages(decode_state, prefix, [slot], budget)
         return self._insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), np.int32(slot), np.int32(sample_index),
             seed, np.float32(sp.temperature), np.float32(sp.top_p),
-            np.int32(budget), stop,
+            np.int32(budget), stop, None if pages is None else pages[0],
         )
+
+    def _admit_pages(self, state, prefix, slots, budget):
+        """(state with pending page-table changes applied, page rows for `slots`) in the paged
+        layout; (state, None) in the slot layout."""
+        if self._pages is None:
+            return state, None
+        with self._free_lock:
+            rows = self._pages.admit(slots, prefix.length, budget)
+        return self._sync_tables(state), rows
 
     def bulk_insert(
         self,
@@ -714,11 +1091,16 @@ class Engine:
         padded = np.zeros((2, self._num_slots), np.int32)  # one shape: compiled once
         padded[0, : len(slots)] = slots
         padded[1, : len(slots)] = sample_indices
+        decode_state, rows = self._admit_pages(decode_state, prefix, slots, budget)
+        pages = None
+        if rows is not None:
+            pages = np.full((self._num_slots, rows.shape[1]), self._pages.num_pages, np.int32)
+            pages[: len(slots)] = rows
         return self._bulk_insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), padded[0], padded[1], np.int32(len(slots)),
             seed, np.float32(sp.temperature), np.float32(sp.top_p),
-            np.int32(budget), stop,
+            np.int32(budget), stop, pages,
         )
 
     def _deactivate_impl(self, state, slot):
@@ -726,6 +1108,9 @@ class Engine:
 
     def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Stop a slot before it finishes by itself (cancelled request)."""
+        if slot in self._paused_rows:  # waiting for a page: it must not come back active
+            logits, _ = self._paused_rows[slot]
+            self._paused_rows[slot] = (logits, np.bool_(False))
         return self._deactivate_jit(decode_state, np.int32(slot))
 
     # Generate --------------------------------------------------------------------------------
@@ -785,6 +1170,7 @@ class Engine:
         """One decode step for every slot: sample from each row's logits, feed the token. Tokens
         are tagged with the version of `params` (a VersionedParams; bare params are version 0)."""
         weights, version = _split_params(params)
+        decode_state = self.reserve_pages(decode_state)
         return self._generate_jit(weights, decode_state, np.int32(version))
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -52,6 +53,7 @@ from hcjax.rpc.auth import open_channel
 from hcjax.rpc.server import blocking
 from hcjax.transfer.delta import ENCODINGS
 from hcjax.transfer.local import TransferError
+from hcjax.transfer.quantize import check_format, dequantize_tree, quantize_tree, wire_layout
 from hcjax.transfer.remote import (
     CHECKED_DELTA,
     CHECKED_FULL,
@@ -100,11 +102,22 @@ class WeightSyncConfig:
     only what changed since the replica's version, a CRC-32 per entry; see the module doc).
     full_every: with delta sync, a full push after this many deltas in a row (0: never forced).
     encoding: the delta encoding (hcjax.transfer.delta.ENCODINGS).
+    quantize: serve quantised weights (hcjax.transfer.quantize.FORMATS: "fp8_e4m3", "int8",
+      "bfloat16"; None: as trained): the push quantises the matmul kernels on the learner's
+      devices, one byte per value plus a float32 scale per `quant_block` values of the last axis
+      travel, and each replica serves their dequantised values in its own parameter dtype.
+      Both paths: in-process replicas (hcjax.rl.inference.LocalInference) and WeightPublisher
+      (the plan and a delta then cover the quantised values and scales).
     """
 
     sync: str = "full"
     full_every: int = 16
     encoding: str = "sparse"
+    quantize: str | None = None
+    quant_block: int = 128
+
+    def __post_init__(self) -> None:
+        check_format(self.quantize, self.quant_block)
 
 
 class Unreached(RuntimeError):
@@ -349,11 +362,18 @@ class WeightPublisher:
         sync: str | None = None,
         full_every: int | None = None,
         encoding: str | None = None,
+        quantize: str | None = None,
+        quant_block: int | None = None,
     ) -> None:
         defaults = WeightSyncConfig()
         sync = defaults.sync if sync is None else sync
         full_every = defaults.full_every if full_every is None else full_every
         encoding = defaults.encoding if encoding is None else encoding
+        self.quantize = check_format(defaults.quantize if quantize is None else quantize)
+        self.quant_block = defaults.quant_block if quant_block is None else quant_block
+        check_format(self.quantize, self.quant_block)
+        if self.quantize is not None:  # every push sends the wire tree (quantised on our devices)
+            params = functools.partial(_quantized, params, self.quantize, self.quant_block)
         if sync not in ("full", "delta"):
             raise ValueError(f"sync={sync!r} must be 'full' or 'delta'")
         if full_every < 0:
@@ -427,7 +447,8 @@ class WeightPublisher:
     def _handshake(self, address: str, process: int, channel) -> _Replica:
         request = {"layout": self.layout, "process_index": process,
                    "transfer_address": self.backend.address,
-                   "max_bytes_per_pull": self.max_bytes_per_pull}
+                   "max_bytes_per_pull": self.max_bytes_per_pull,
+                   "quantize": self.quantize, "quant_block": self.quant_block}
         reply = _rpc(channel, "Handshake", self.timeout)(request)
         check_same_parameters(self.layout, reply["layout"])
         key = json.dumps(reply["layout"], sort_keys=True)
@@ -630,6 +651,11 @@ class WeightPublisher:
             replica.channel.close()
 
 
+def _quantized(params: Callable[[], Any], fmt: str, block: int) -> dict[str, Any]:
+    """The wire tree of the learner's current params (hcjax.transfer.quantize)."""
+    return quantize_tree(params(), fmt, block)
+
+
 class _NoLock:
     def __enter__(self) -> None:
         return None
@@ -651,6 +677,8 @@ class WeightsServicer:
 
     def __init__(self, server: Any, params_template: Any, host: str = "127.0.0.1") -> None:
         self.server, self.host = server, host
+        self.template = params_template
+        self.quant: tuple[str, int] | None = None  # (format, block) of the session's pushes
         self.layout = describe_layout(params_template)
         self.paths = [p for p, _ in _flat(params_template)]
         self.treedef = jax.tree.structure(params_template)
@@ -671,8 +699,13 @@ class WeightsServicer:
 
     def handshake(self, data: bytes, context) -> bytes:
         request = json.loads(data)
+        quant, layout = None, self.layout
         try:
-            plan = build_plan(request["layout"], self.layout)
+            if request.get("quantize") is not None:  # the learner sends quantised values
+                quant = (check_format(request["quantize"], request["quant_block"]),
+                         int(request["quant_block"]))
+                layout = describe_layout(wire_layout(self.template, *quant))
+            plan = build_plan(request["layout"], layout)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         process = int(request["process_index"])
@@ -698,11 +731,12 @@ class WeightsServicer:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
             self._indices_used.add(process)
             self.expected_bytes = sum(e.nbytes for e in entries)
+            self.quant = quant
             self.weights = VersionedWeights()  # a new learner session
             # whose first version may be older than the one served (the learner restarted from
             # a checkpoint): the server takes it back.
             self._new_session = True
-        return json.dumps({"layout": self.layout, "transfer_address": self.backend.address,
+        return json.dumps({"layout": layout, "transfer_address": self.backend.address,
                            "expected_bytes": self.expected_bytes,
                            "plan_fingerprint": plan_fingerprint(plan)}).encode()
 
@@ -714,7 +748,7 @@ class WeightsServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"mode={request.get('mode')!r}")
         base = request.get("base")
         with self._lock:
-            receiver = self.receiver
+            receiver, quant = self.receiver, self.quant
             if receiver is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"pull of version {version} before any Handshake")
@@ -723,7 +757,10 @@ class WeightsServicer:
             def build():
                 result = self._receive(receiver, version, context, mode, base)
                 received["bytes"] = result.bytes_moved
-                tree = jax.tree.unflatten(self.treedef, [result.leaves[p] for p in self.paths])
+                if quant is not None:  # serve the dequantised values, in our params' dtypes
+                    tree = dequantize_tree(result.leaves, self.template, quant[1])
+                else:
+                    tree = jax.tree.unflatten(self.treedef, [result.leaves[p] for p in self.paths])
                 if self._new_session and version < getattr(self.server, "version", version):
                     self.server.update_weights(tree, version, rollback=True)
                 else:
