@@ -738,10 +738,10 @@ class Chaos:
 
     # (3) ---------------------------------------------------------------------------------------
     def kill_learner_in_transfer(self) -> dict[str, Any]:
-        """SIGKILL the climb inside a delta weights push: right after one replica installs the
-        new version the learner is frozen (SIGSTOP); if the other replica still lacks it a second
-        later and is pulling it as a delta (its pull waits on the frozen learner) the learner is
-        killed, else resumed and the next push tried. Then the same command is restarted; it
+        """SIGKILL the climb inside a delta weights push: as soon as a replica installs the new
+        version or starts pulling it as a delta, the learner is frozen (SIGSTOP); if a replica
+        still lacks it a second later and is pulling it as a delta (its pull waits on the frozen
+        learner) the learner is killed, else resumed and the next push tried. Then the same command is restarted; it
         holds no base version, so its first push to that replica is a full one."""
         # after the flags: --help stays fast (this loads JAX)
         from hcjax.transfer.weights_service import WEIGHTS_SERVICE
@@ -749,11 +749,18 @@ class Chaos:
         channels = {r.address: open_channel(r.address) for r in self.replicas}
         status = {a: c.unary_unary(f"/{WEIGHTS_SERVICE}/Status") for a, c in channels.items()}
 
-        def version_of(address: str) -> int | None:
+        def state_of(address: str) -> dict:
             try:
-                return int(json.loads(status[address](b"{}", timeout=2.0))["version"])
+                return json.loads(status[address](b"{}", timeout=2.0))
             except grpc.RpcError:
-                return None
+                return {}
+
+        def version_of(address: str) -> int | None:
+            return state_of(address).get("version")
+
+        def pulling_delta(state: dict, version: int) -> bool:
+            pulling = state.get("pulling") or {}
+            return pulling.get("mode") == "delta" and pulling.get("version") == version
 
         attempt, tries = None, 0
         try:
@@ -772,19 +779,25 @@ class Chaos:
                 frozen = False
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline and self.watch.last_step() == target:
-                    if any(version_of(a) == version + 1 for a in status):
+                    # a replica has the new version, or has started pulling it as a delta
+                    states = [state_of(a) for a in status]
+                    if any(st.get("version") == version + 1 or pulling_delta(st, version + 1)
+                           for st in states):
                         self.climb.signal(signal.SIGSTOP)
                         frozen = True
                         break
                 if not frozen:
                     continue
                 time.sleep(1.0)
-                versions = {a: version_of(a) for a in status}
-                behind = [a for a, v in versions.items() if v == version]
-                state = (_weights_state(behind[0]) or {}) if behind else {}
+                states = {a: state_of(a) for a in status}
+                versions = {a: st.get("version") for a, st in states.items()}
+                # the replicas still on the old version whose delta pull of the new one waits on
+                # the frozen learner
+                behind = [a for a, st in states.items()
+                          if st.get("version") == version and pulling_delta(st, version + 1)]
+                state = states[behind[0]] if behind else {}
                 pulling = state.get("pulling") or {}
-                if (behind and self.watch.last_step() == target and pulling.get("mode") == "delta"
-                        and pulling.get("version") == version + 1):
+                if behind and self.watch.last_step() == target:
                     ahead = [a for a in versions if a not in behind]
                     attempt = {"after_step": target, "old_version": version,
                                "new_version": version + 1, "tries": tries,
