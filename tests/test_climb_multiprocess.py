@@ -104,8 +104,8 @@ def test_publisher_moves_every_version_and_drops_failed_replicas():
         assert status_a["expected_bytes"] == 8 * 16 * 4 + 4 * 8 * 4
         assert status_b["expected_bytes"] == 8 * 16 * 4 + 2 * 8 * 4
         for status in (status_a, status_b):
-            assert status["served"] == [{"version": v, "bytes": status["expected_bytes"]}
-                                        for v in (0, 1)]
+            assert status["served"] == [{"version": v, "bytes": status["expected_bytes"],
+                                         "mode": "plain"} for v in (0, 1)]
         # B fails installing version 2: dropped (the router would stop sending to it); A goes on.
         current["params"] = params(learner_mesh, ("fsdp", None), seed=2)
         publisher(2)
@@ -293,7 +293,7 @@ def test_multi_process_climb_moves_weights_by_plan(tmp_path):
     assert plan.bytes_moved == plan.ideal_bytes > param_bytes  # some leaves replicated twice
     for status in statuses:
         assert status["expected_bytes"] == plan.bytes_moved
-        assert status["served"] == [{"version": v, "bytes": plan.bytes_moved}
+        assert status["served"] == [{"version": v, "bytes": plan.bytes_moved, "mode": "plain"}
                                     for v in range(final_version + 1)]
         assert status["version"] == final_version
         # What the replica serves after the final push is the learner's final params, exactly.

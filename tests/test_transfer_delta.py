@@ -153,10 +153,11 @@ def test_a_corrupted_delta_fails_its_checksum_and_keeps_the_base():
     assert receiver.base_version == 1
 
 
-def test_the_publisher_sends_deltas_and_falls_back_to_full_pushes():
+def test_the_publisher_sends_deltas_and_falls_back_to_full_pushes(monkeypatch, tmp_path):
     """Through the gRPC weights service in one process: full, then deltas; a corrupted delta and
     a replica that lost its base each get the same version whole, and no replica ever serves a
-    version whose checksums failed; a full push on request and after `full_every` deltas."""
+    version whose checksums failed; a full push on request and after `full_every` deltas. The
+    receiver's chaos test hook corrupts exactly one delta; Status tells each pull's kind."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -222,6 +223,29 @@ def test_the_publisher_sends_deltas_and_falls_back_to_full_pushes():
         publisher.request_full()
         assert push(9, change=False)["fulls"] == 1
         assert push(10, change=False)["changed_fraction"] == 0.0
+        # hcjax.bench.chaos's hook: the next delta received after the trigger file appears
+        # arrives with a byte flipped (refused, then whole), once
+        from hcjax.transfer.remote import TEST_CORRUPT_NEXT_DELTA_ENV
+
+        trigger = tmp_path / "corrupt-next-delta"
+        monkeypatch.setenv(TEST_CORRUPT_NEXT_DELTA_ENV, str(trigger))
+        assert push(11)["fallbacks"] == {}  # no trigger file: untouched
+        trigger.touch()
+        before = len(installed)
+        twelfth = push(12)
+        assert list(twelfth["fallbacks"].values())[0].startswith("DATA_LOSS")
+        assert (twelfth["fulls"], len(installed), trigger.exists()) == (1, before + 1, False)
+        assert push(13)["deltas"] == 1 and publisher.history[-1]["fallbacks"] == {}
+        status = weights_status(address)
+        assert [(f["version"], f["mode"], f["base"], f["why"].split(":")[0])
+                for f in status["failed"]] == [(3, "delta", 2, "ChecksumMismatch"),
+                                               (4, "delta", 3, "BaseMismatch"),
+                                               (12, "delta", 11, "ChecksumMismatch")]
+        assert [(s["version"], s["mode"]) for s in status["served"]] == [
+            (1, "full"), (2, "delta"), (3, "full"), (4, "full"), (5, "delta"), (6, "delta"),
+            (7, "delta"), (8, "full"), (9, "full"), (10, "delta"), (11, "delta"), (12, "full"),
+            (13, "delta")]
+        assert status["pulling"] is None
         publisher.close()
     finally:
         grpc_server.stop(None)

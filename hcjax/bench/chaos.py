@@ -1,11 +1,12 @@
 """`python -m hcjax.bench.chaos`: the tiny climb in the multi-process placement (a climb process and
-two `python -m hcjax.serve` replicas on 127.0.0.1, one shared token) with faults injected one at a
-time: SIGKILL a replica mid-generation (restarted on its port), SIGSTOP a replica, kill the learner
-during a weights transfer (restarted with the same command), corrupt the latest checkpoint before
-a restart, malformed and unauthenticated RPCs. For each fault it measures accepted rollouts lost,
-retries, time to recover and whether the climb kept stepping; one JSON object is the last stdout
-line, progress goes to stderr. It observes the climb only from outside (files, RPCs, signals) and
-never asserts: a loss or a hang is reported as measured."""
+two `python -m hcjax.serve` replicas on 127.0.0.1, one shared token; weights by delta sync) with
+faults injected one at a time: SIGKILL a replica mid-generation (restarted on its port), SIGSTOP a
+replica, kill the learner during a delta weights push (restarted with the same command), corrupt
+the latest checkpoint before a restart, malformed and unauthenticated RPCs together with a
+corrupted delta push to the other replica (its receiver's test hook flips a byte). For each fault
+it measures accepted rollouts lost, retries, time to recover and whether the climb kept stepping;
+one JSON object is the last stdout line, progress goes to stderr. It observes the climb only from
+outside (files, RPCs, signals) and never asserts: a loss or a hang is reported as measured."""
 
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ CLIMB = [
 # lags the step a learner is killed at, and the restarted learner redoes steps the killed one
 # logged (the comparison of "its next step equals an uninterrupted run's").
 SYNC, CKPT = 2, 3
+# Weights move by delta sync (hcjax.transfer.weights_service.WeightSyncConfig): only what changed
+# since the replica's version, with a full push after FULL_EVERY deltas in a row, so the pushes
+# the faults meet are mostly deltas.
+FULL_EVERY = 3
 # The learner-step metrics compared between the killed learner and the restarted one.
 COMPARED = ("loss", "policy_loss", "grad_norm", "entropy", "logp_gap_mean", "reward_mean",
             "ratio_mean", "k")
@@ -180,7 +185,15 @@ class Replica(Process):
                "--max_target_length", str(MAX_PROMPT + MAX_TOKENS + 8),
                "--max_concurrent_decodes", "16", "--version", "-1", "--max_queue", "4096",
                "--max_request_mb", "1024", "--status_every", "3600", *_gin(MODEL)]
-        super().__init__(name, cmd, _env(2, token), logs)
+        # after the flags: --help stays fast (this loads JAX)
+        from hcjax.transfer.remote import TEST_CORRUPT_NEXT_DELTA_ENV
+
+        env = _env(2, token)
+        # The receiver's test hook: while this file exists, the next delta this replica receives
+        # arrives with a byte flipped (hcjax.transfer.remote); `Chaos._corrupt_next_delta` makes it.
+        self.corrupt_trigger = logs / f"corrupt-next-delta.{name}"
+        env[TEST_CORRUPT_NEXT_DELTA_ENV] = str(self.corrupt_trigger)
+        super().__init__(name, cmd, env, logs)
         self.address = f"127.0.0.1:{port}"
 
     def wait_serving(self, timeout: float = 300.0) -> None:
@@ -353,6 +366,26 @@ def _weights_version(address: str, timeout: float = 2.0) -> int | None:
         return None
 
 
+def _weights_state(address: str, digests: bool = False,
+                   timeout: float = 5.0) -> dict[str, Any] | None:
+    """A replica's weights Status: version, served (installed pushes and their kind: full or
+    delta), failed (pulls that installed nothing, and why), pulling (the pull in progress)."""
+    # after the flags: --help stays fast (this loads JAX)
+    from hcjax.transfer.weights_service import weights_status
+
+    try:
+        return weights_status(address, digests=digests, timeout=timeout)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _push_kinds(served: list[dict]) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for s in served:
+        kinds[s.get("mode", "?")] = kinds.get(s.get("mode", "?"), 0) + 1
+    return kinds
+
+
 def _good_request(address: str, timeout: float = 60.0) -> dict[str, Any]:
     """One authenticated greedy request; its outcome and the weight versions that produced it."""
     # after the flags: --help stays fast (this loads JAX)
@@ -390,7 +423,8 @@ class Chaos:
                "--base_checkpoint", str(self.base),
                *_gin([*MODEL, *CLIMB, f"ClimbConfig.eval_every = {settings.eval_every}",
                       f"ClimbConfig.checkpoint_every = {CKPT}",
-                      f"ControllerConfig.sync_every = {SYNC}"]),
+                      f"ControllerConfig.sync_every = {SYNC}", "WeightSyncConfig.sync = 'delta'",
+                      f"WeightSyncConfig.full_every = {FULL_EVERY}"]),
                *[arg for r in self.replicas for arg in ("--inference_address", r.address)]]
         self.climb = Process("climb", cmd, _env(2, self.token), self.logs)
         self.watch: ClimbWatch | None = None
@@ -534,7 +568,8 @@ class Chaos:
     # (5) ---------------------------------------------------------------------------------------
     def bad_rpcs(self) -> dict[str, Any]:
         """Malformed and unauthenticated RPCs to replica a during the climb; after each, one good
-        authenticated request."""
+        authenticated request. Meanwhile replica b receives a corrupted delta push
+        (`corrupted_delta`, checked after the RPCs)."""
         # after the flags: --help stays fast (this loads JAX)
         from hcjax.rollout import GenerateRequest
         from hcjax.rollout.service import _request_to_bytes
@@ -576,6 +611,7 @@ class Chaos:
              auth, "INVALID_ARGUMENT"),
         ]
         t_fault = self._mark("bad_rpcs")
+        armed = self._corrupt_next_delta()
         results = []
         with grpc.insecure_channel(rep.address) as channel:
             for what, method, payload, metadata, expected in cases:
@@ -605,26 +641,126 @@ class Chaos:
             "good_request_succeeded_after_each": all(r["good_request_after"] for r in results),
             "replica_serving_after": health.get("status") == "SERVING",
             "cases": results,
+            "corrupted_delta": self._check_corrupted_delta(armed),
             **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+        }
+
+    def _corrupt_next_delta(self) -> dict[str, Any]:
+        """Arm replica b's test hook (its next delta arrives with a byte flipped) and watch its
+        weights Status from a thread until `_check_corrupted_delta`."""
+        rep = self.replicas[1]
+        state = _weights_state(rep.address) or {}
+        armed = {"t": time.monotonic(), "served": len(state.get("served", [])),
+                 "failed": len(state.get("failed", [])), "stop": threading.Event()}
+        armed["polls"] = [(armed["t"], state.get("version"), [], [])]
+
+        def poll() -> None:
+            while not armed["stop"].wait(0.05):
+                st = _weights_state(rep.address, timeout=2.0)
+                if st is not None:
+                    armed["polls"].append((time.monotonic(), st["version"],
+                                           st["failed"][armed["failed"]:],
+                                           st["served"][armed["served"]:]))
+
+        rep.corrupt_trigger.touch()
+        armed["thread"] = threading.Thread(target=poll, daemon=True, name="corrupt-delta-watch")
+        armed["thread"].start()
+        return armed
+
+    def _check_corrupted_delta(self, armed: dict[str, Any]) -> dict[str, Any]:
+        """The replica refused the corrupted delta (DATA_LOSS), kept serving its previous version
+        and installed the same version from the full push that followed; it and the other
+        replica then hold the same weights at the same version, and generation goes on."""
+        rep, other = self.replicas[1], self.replicas[0]
+
+        def refused() -> dict | None:
+            for t, _, failed, _ in list(armed["polls"]):
+                for f in failed:
+                    if f["mode"] == "delta":
+                        return {"t": t, **f}
+            return None
+
+        def reinstalled() -> bool:
+            f = refused()
+            return f is not None and any(s["version"] == f["version"]
+                                         for _, _, _, served in armed["polls"][-1:]
+                                         for s in served)
+
+        try:
+            self.watch.wait(reinstalled, self.s.timeout,
+                            "a corrupted delta refused and its version installed whole",
+                            self.climb.alive)
+        finally:
+            armed["stop"].set()
+            armed["thread"].join(5)
+            self.replicas[1].corrupt_trigger.unlink(missing_ok=True)
+        fail = refused()
+        version, t_refused = fail["version"], fail["t"]
+        served = armed["polls"][-1][3]
+        installs = [s["mode"] for s in served if s["version"] == version]
+        earlier = [v for t, v, _, _ in armed["polls"] if t < t_refused]
+        # Status polls after the refusal and before the version was installed: the version each
+        # reported, and any poll that reported the refused version before its full push landed.
+        after = [(v, sv) for t, v, _, sv in armed["polls"] if t >= t_refused]
+        waiting = sorted({v for v, sv in after if not any(s["version"] == version for s in sv)})
+        early = sum(1 for v, sv in after if v == version
+                    and not any(s["version"] == version and s["mode"] == "full" for s in sv))
+        warning = next((line.strip()[:300] for line in self.climb.stderr_text().splitlines()
+                        if f"weights version {version}: the delta to {rep.address} was refused"
+                        in line), "")
+        # Both replicas at one version (they usually are between pushes): the same weights.
+        same = None
+        for _ in range(20):
+            sa, sb = _weights_state(other.address, True), _weights_state(rep.address, True)
+            if sa and sb and sa["version"] == sb["version"] >= version:
+                same = {"version": sb["version"], "equal": sa["digests"] == sb["digests"]}
+                break
+            time.sleep(0.1)
+        self.watch.wait(lambda: bool(self.watch.steps_after(t_refused))
+                        and bool(self.watch.groups_after(t_refused)), self.s.timeout,
+                        "a learner step and a group after the corrupted delta", self.climb.alive)
+        answer = _good_request(rep.address)
+        return {
+            "replica": rep.name, "version": version, "base": fail.get("base"),
+            "refused": fail["why"][:200], "climb_log": warning,
+            "answered_data_loss": "DATA_LOSS" in warning and "ChecksumMismatch" in fail["why"],
+            "installs_of_version": installs,
+            "version_reported_before": earlier[-1] if earlier else None,
+            "reported_versions_while_refused": waiting,
+            "polls_reporting_version_before_its_full_push": early,
+            "never_served_half_applied": installs == ["full"] and early == 0
+                                         and all(v < version for v in waiting),
+            "same_weights_as_other_replica": same,
+            "learner_steps_after": len(self.watch.steps_after(t_refused)),
+            "groups_after": len(self.watch.groups_after(t_refused)),
+            "good_request_after": answer["ok"], "its_answer_versions": answer.get("versions"),
         }
 
     # (3) ---------------------------------------------------------------------------------------
     def kill_learner_in_transfer(self) -> dict[str, Any]:
-        """SIGKILL the climb inside a weights push: right after one replica installs the new
-        version the learner is frozen (SIGSTOP); if the other replica still lacks it a second
-        later (its pull waits on the frozen learner) the learner is killed, else resumed and the
-        next push tried. Then the same command is restarted."""
+        """SIGKILL the climb inside a delta weights push: as soon as a replica installs the new
+        version or starts pulling it as a delta, the learner is frozen (SIGSTOP); if a replica
+        still lacks it a second later and is pulling it as a delta (its pull waits on the frozen
+        learner) the learner is killed, else resumed and the next push tried. Then the same command is restarted; it
+        holds no base version, so its first push to that replica is a full one."""
         # after the flags: --help stays fast (this loads JAX)
         from hcjax.transfer.weights_service import WEIGHTS_SERVICE
 
         channels = {r.address: open_channel(r.address) for r in self.replicas}
         status = {a: c.unary_unary(f"/{WEIGHTS_SERVICE}/Status") for a, c in channels.items()}
 
-        def version_of(address: str) -> int | None:
+        def state_of(address: str) -> dict:
             try:
-                return int(json.loads(status[address](b"{}", timeout=2.0))["version"])
+                return json.loads(status[address](b"{}", timeout=2.0))
             except grpc.RpcError:
-                return None
+                return {}
+
+        def version_of(address: str) -> int | None:
+            return state_of(address).get("version")
+
+        def pulling_delta(state: dict, version: int) -> bool:
+            pulling = state.get("pulling") or {}
+            return pulling.get("mode") == "delta" and pulling.get("version") == version
 
         attempt, tries = None, 0
         try:
@@ -643,20 +779,36 @@ class Chaos:
                 frozen = False
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline and self.watch.last_step() == target:
-                    if any(version_of(a) == version + 1 for a in status):
+                    # a replica has the new version, or has started pulling it as a delta
+                    states = [state_of(a) for a in status]
+                    if any(st.get("version") == version + 1 or pulling_delta(st, version + 1)
+                           for st in states):
                         self.climb.signal(signal.SIGSTOP)
                         frozen = True
                         break
                 if not frozen:
                     continue
                 time.sleep(1.0)
-                versions = {a: version_of(a) for a in status}
-                behind = [a for a, v in versions.items() if v == version]
+                states = {a: state_of(a) for a in status}
+                versions = {a: st.get("version") for a, st in states.items()}
+                # the replicas still on the old version whose delta pull of the new one waits on
+                # the frozen learner
+                behind = [a for a, st in states.items()
+                          if st.get("version") == version and pulling_delta(st, version + 1)]
+                state = states[behind[0]] if behind else {}
+                pulling = state.get("pulling") or {}
                 if behind and self.watch.last_step() == target:
                     ahead = [a for a in versions if a not in behind]
                     attempt = {"after_step": target, "old_version": version,
                                "new_version": version + 1, "tries": tries,
-                               "behind": behind[0], "ahead": ahead[0] if ahead else None}
+                               "interrupted_push": {
+                                   "replica": next(r.name for r in self.replicas
+                                                   if r.address == behind[0]),
+                                   "version": pulling["version"], "mode": pulling["mode"],
+                                   "base": pulling.get("base")},
+                               "behind": behind[0], "ahead": ahead[0] if ahead else None,
+                               "served_before": len(state.get("served", [])),
+                               "failed_before": len(state.get("failed", []))}
                 else:
                     self.climb.signal(signal.SIGCONT)  # the push had finished: try the next
         finally:
@@ -671,6 +823,7 @@ class Chaos:
         # The push failed mid-way: the replica that never got the new version serves the old
         # one (checked again 5 s later: its pull fails with the learner gone).
         behind, ahead = attempt.pop("behind"), attempt.pop("ahead")
+        served0, failed0 = attempt.pop("served_before"), attempt.pop("failed_before")
         time.sleep(1.0)
         served_b = _weights_version(behind)
         good_b = _good_request(behind)
@@ -682,6 +835,18 @@ class Chaos:
         self.climb.start()
         restart = self._await_restart(t_restart)
         redone = self._compare_redone(killed_steps, restart, t_restart)
+        # The replica's record of the interrupted pull, and of the pushes since the restart.
+        try:
+            self.watch.wait(lambda: len((_weights_state(behind) or {}).get("served", []))
+                            > served0, self.s.timeout, "a push after the restart",
+                            self.climb.alive)
+        except (TimeoutError, RuntimeError):
+            pass  # reported as no push
+        state = _weights_state(behind) or {}
+        new = state.get("served", [])[served0:]
+        attempt["interrupted_push"]["pull_failed"] = [
+            {"version": f["version"], "mode": f["mode"], "why": f["why"][:160]}
+            for f in state.get("failed", [])[failed0:]]
         return {
             **attempt,
             "during_failed_transfer": {
@@ -694,6 +859,9 @@ class Chaos:
                                               and good_b.get("versions") ==
                                               [attempt["old_version"]]),
             },
+            "first_push_after_restart": ({"version": new[0]["version"], "mode": new[0]["mode"]}
+                                         if new else None),
+            "pushes_after_restart": _push_kinds(new),
             **restart,
             "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
             "next_step_equals_uninterrupted": redone,
@@ -794,6 +962,14 @@ class Chaos:
         from hcjax.rl.store import read_groups
 
         self._after(time.monotonic(), self.s.final_steps)
+        # Each replica's installed pushes by kind since it (re)started, and its failed pulls.
+        pushes = {}
+        for r in self.replicas:
+            state = _weights_state(r.address) or {}
+            pushes[r.name] = {"installed": _push_kinds(state.get("served", [])),
+                              "failed": [{"version": f["version"], "mode": f["mode"],
+                                          "why": f["why"].split(":")[0]}
+                                         for f in state.get("failed", [])]}
         self.climb.signal(signal.SIGINT)
         code = self.climb.wait(600)
         self.watch.close()
@@ -821,6 +997,7 @@ class Chaos:
                  for e in summary.get("evals", [])]
         return {
             "climb_exit_code": code,
+            "weight_pushes": pushes,
             "steps": summary.get("steps"),
             "base_pass_at_1": summary.get("base_pass_at_1"),
             "final_pass_at_1": summary.get("final_pass_at_1"),
@@ -852,12 +1029,14 @@ def run(settings: Settings, work: Path, scenarios: Sequence[str]) -> dict[str, A
         with phases.phase("injecting faults", total=len(scenarios)) as phase:
             for name in scenarios:
                 phase.now(name)
+                t_fault = time.monotonic()
                 try:
                     faults[name] = methods[name]()
                 except Exception as err:  # noqa: BLE001 - a hang or crash is a result
                     faults[name] = {"error": f"{type(err).__name__}: {err}"[:500],
                                     "climb_alive": chaos.climb.alive(),
                                     "climb_stderr": chaos.climb.stderr_tail(1500)}
+                faults[name]["fault_seconds"] = _round(time.monotonic() - t_fault, 1)
                 print(json.dumps({"fault": name, **faults[name]}), file=sys.stderr, flush=True)
                 phase.advance()
                 if not chaos.climb.alive():

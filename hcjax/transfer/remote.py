@@ -38,6 +38,26 @@ _PROCESS_BITS, _CHUNK_BITS = 10, 16
 TRUSTED_PEERS_ENV = "HCJAX_TRUSTED_PEERS"
 
 
+# Test hook (hcjax.bench.chaos only): when this variable names a file and that file exists, the
+# next delta this process receives has the last byte of its payload flipped on arrival (so it
+# fails its checksum, or does not decode: both are a ChecksumMismatch) and the file is removed.
+# Unset, as in production, nothing changes.
+TEST_CORRUPT_NEXT_DELTA_ENV = "HCJAX_TEST_CORRUPT_NEXT_DELTA"
+
+
+def _test_corrupt_next_delta(body: np.ndarray) -> np.ndarray:
+    trigger = os.environ.get(TEST_CORRUPT_NEXT_DELTA_ENV)
+    if not trigger or body.size == 0:
+        return body
+    try:
+        os.remove(trigger)  # one delta only, whichever pull removes it first
+    except FileNotFoundError:
+        return body
+    body = body.copy()
+    body[-1] ^= 0xFF
+    return body
+
+
 class UntrustedPeer(PermissionError):
     """A weights pull was asked to go to an address the receiving side does not trust."""
 
@@ -448,6 +468,8 @@ class PlanReceiver:
                 raise TransferError(
                     f"pull of version {version} chunk {c} from process {src} failed: {err}"
                 ) from err
+            if mode == CHECKED_DELTA:
+                body = _test_corrupt_next_delta(body)
             if mode == CHECKED_DELTA and (base is None or base != self.base_version):
                 raise BaseMismatch(f"version {version} is a delta against version {base}, but "
                                    f"this receiver holds base version {self.base_version}")

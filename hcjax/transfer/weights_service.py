@@ -686,7 +686,9 @@ class WeightsServicer:
         self.receiver: PlanReceiver | None = None
         self.weights = VersionedWeights()
         self.expected_bytes = 0
-        self.served: list[dict] = []
+        self.served: list[dict] = []  # installed: version, bytes, mode (plain, full, delta)
+        self.failed: list[dict] = []  # pulls that installed nothing: version, mode, base, why
+        self.pulling: dict | None = None  # the pull in progress: version, mode, base
         self._new_session = False  # no version pulled since the last Handshake
         # Transfer process indices handed out by this replica's Handshakes so far. A learner
         # killed inside a push leaves a pull of that push's ack ids pending on this process's
@@ -765,9 +767,13 @@ class WeightsServicer:
                     self.server.update_weights(tree, version)
                 return tree
 
+            kind = {"version": version, "mode": request.get("mode") or "plain", "base": base}
+            self.pulling = kind
             try:
                 self.weights.update(build, version)
             except Exception as err:  # the previous version keeps serving
+                self.pulling = None
+                self.failed.append({**kind, "why": _why(err.__cause__ or err)[:300]})
                 if mode != PLAIN:  # a session's pushes are all plain or all checked
                     receiver.drop_pending()
                 if isinstance(err.__cause__, NonFiniteWeights):  # the learner's fault, not ours
@@ -778,10 +784,12 @@ class WeightsServicer:
                 if isinstance(err.__cause__, BaseMismatch):
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
                 context.abort(grpc.StatusCode.INTERNAL, str(err))
+            self.pulling = None
             if mode != PLAIN:
                 receiver.commit_base(version)
             self._new_session = False
-            self.served.append({"version": version, "bytes": received["bytes"]})
+            self.served.append({"version": version, "bytes": received["bytes"],
+                                "mode": kind["mode"]})
         return json.dumps({"version": version, "bytes": received["bytes"]}).encode()
 
     def _receive(self, receiver: PlanReceiver, version: int, context, mode: int = PLAIN,
@@ -806,7 +814,8 @@ class WeightsServicer:
     def status(self, data: bytes, context) -> bytes:
         request = json.loads(data or b"{}")
         version, tree = self.weights.current()
-        reply = {"version": version, "served": self.served, "expected_bytes": self.expected_bytes}
+        reply = {"version": version, "served": self.served, "expected_bytes": self.expected_bytes,
+                 "failed": self.failed, "pulling": self.pulling}
         if request.get("digests") and tree is not None:
             reply["digests"] = param_digests(tree)
         return json.dumps(reply).encode()
