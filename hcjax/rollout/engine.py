@@ -1261,6 +1261,9 @@ class Engine:
         if not isinstance(steps, int | np.integer) or not 1 <= steps <= max_steps:
             raise ValueError(f"steps={steps!r} must be in [1, max_steps={max_steps}]")
         flat = self.flatten_params(params)
+        # Paged layout: every occupied slot gets the pages its next `steps` tokens write before
+        # the block runs (a slot refused one waits paused, as under `generate`).
+        decode_state = self.reserve_pages(decode_state, int(steps))
         return self._block_jit(flat.treedef, list(flat.leaves), decode_state,
                                np.int32(flat.version), int(max_steps), np.int32(steps))
 

@@ -580,6 +580,7 @@ class RolloutServer:
         eng = self.engine
         state = eng.init_decode_state()
         pending: tuple[ResultBlock, dict] | None = None
+        can_pause = getattr(eng, "kv_layout", "slot") == "paged"
         while not self._stop.is_set():
             started = time.monotonic()
             for job, count in self._place(eng.num_free_slots, len(owners), pending is not None):
@@ -601,7 +602,10 @@ class RolloutServer:
                 dispatched = (block, dict(owners))
                 self._steps += steps
                 self._blocks += 1
-                for slot, sample in list(owners.items()):
+                # The slot layout runs every active slot each step, so a budget is spent on the
+                # host's count; under the paged layout a slot waiting for a page skips steps,
+                # and is released only when its block is read with it done.
+                for slot, sample in list(owners.items()) if not can_pause else ():
                     sample.left -= steps
                     if sample.left <= 0:  # certainly idle after this block
                         self._release(owners, slot)
