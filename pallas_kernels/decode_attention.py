@@ -149,6 +149,17 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, cfg: 
     l_ref[...] = denom
 
 
+
+def merge_splits(acc, m, denom, group: int, d: int) -> jax.Array:
+    """One result from the GPU kernels' key splits ([b, hkv, splits, gp, dp] sums, [.., gp]
+    maxima and denominators): each split's sums rescaled to the common max (empty splits have
+    denom = 0); returns [b, hkv, group, d] in f32."""
+    m_max = m.max(axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)
+    l_tot = (denom * w).sum(axis=2)
+    out = (acc * w[..., None]).sum(axis=2) / jnp.where(l_tot == 0, 1.0, l_tot)[..., None]
+    return out[:, :, :group, :d]
+
 def _decode_gpu(
     q,
     k_cache,
@@ -223,12 +234,7 @@ def _decode_gpu(
         interpret=interpret,
         name="decode_attention",
     )(lengths.astype(jnp.int32), q, k_cache, v_cache)
-    # Merge splits: rescale each split's sums to the common max (empty splits have denom = 0).
-    m_max = m.max(axis=2, keepdims=True)
-    w = jnp.exp(m - m_max)
-    l_tot = (denom * w).sum(axis=2)
-    out = (acc * w[..., None]).sum(axis=2) / jnp.where(l_tot == 0, 1.0, l_tot)[..., None]
-    return out[:, :, :group, :d].reshape(b, hq, d).astype(q.dtype)
+    return merge_splits(acc, m, denom, group, d).reshape(b, hq, d).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from pallas_kernels.decode_attention import (
     _decode_tpu_kernel,
     _valid_range,
     decode_attention_reference,
+    merge_splits,
 )
 
 
@@ -170,11 +171,7 @@ def _paged_gpu(q, k_pages, v_pages, page_table, lengths, *, window, num_splits, 
         interpret=interpret,
         name="paged_decode_attention",
     )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), q, k_flat, v_flat)
-    m_max = m.max(axis=2, keepdims=True)
-    w = jnp.exp(m - m_max)
-    l_tot = (denom * w).sum(axis=2)
-    out = (acc * w[..., None]).sum(axis=2) / jnp.where(l_tot == 0, 1.0, l_tot)[..., None]
-    return out[:, :, :group, :d].reshape(b, hq, d).astype(q.dtype)
+    return merge_splits(acc, m, denom, group, d).reshape(b, hq, d).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
