@@ -327,3 +327,24 @@ def test_task_builder_template_observations(qwen3):
         TaskBuilder(suite, ByteTokenizer(), template_observations=True)
     with pytest.raises(ValueError, match="chat template for observations but no tools"):
         Task("x", [1], lambda ids: None, chat=task.chat)
+
+
+def test_a_template_that_refuses_the_history_is_drift_without_position(tmp_path):
+    folder = tmp_path / "refuses"
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(FIXTURES / "qwen3" / f, folder / f)
+    # ChatML that refuses a tool message after the third message (a long history).
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'tool' and loop.index0 > 2 %}"
+        "{{ raise_exception('history too long') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = HFTokenizer.from_pretrained(folder)
+    chat = react.ChatTemplateTurns(tok, QUESTION)
+    policy = Scripted(tok, [CALL, "5"], [tok.eos_id])
+    traj = react.run_episode(chat.prompt_ids(), policy, tok, calc_tools(), chat=chat)
+    t1, t2 = policy.sampled
+    assert traj.response_ids == t1 + tok.encode("\n<|im_start|>tool\n5<|im_end|>\n"
+                                                "<|im_start|>assistant\n") + t2
+    assert traj.template_drift is True and traj.template_drift_at is None

@@ -183,9 +183,14 @@ class ChatTemplateTurns:
         """Render `traj.messages` whole and compare with the sampled sequence: drift when the
         sampled ids are not a prefix of the rendered ids (the rendering may go on past them: the
         end of a last turn that was never sampled). Sets `template_drift`/`template_drift_at`;
-        the trajectory's ids are left exactly as they were."""
+        the trajectory's ids are left exactly as they were. A template that refuses to render the
+        conversation (its raise_exception) is drift with no position."""
         ends_on_turn = traj.messages[-1]["role"] == "assistant"
-        rendered = self.tokenizer.encode(self.render(traj.messages, not ends_on_turn))
+        try:
+            rendered = self.tokenizer.encode(self.render(traj.messages, not ends_on_turn))
+        except ValueError:  # ChatTemplateError: the history cannot be re-rendered at all
+            traj.template_drift, traj.template_drift_at = True, None
+            return
         actual = traj.prompt_ids + traj.response_ids
         n = 0
         for a, b in zip(actual, rendered):
