@@ -233,6 +233,15 @@ def test_llama31_tool_episode_without_think(llama):
     assert traj.template_drift is False  # Llama 3.1 re-renders plain turns as they were
 
 
+def test_end_of_turn_is_the_stop_token_the_template_writes(tmp_path):
+    tok = tokenizer_with("qwen3", tmp_path)
+    gen = Path(tok.name) / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": [0, 2]}))  # <|endoftext|>, then <|im_end|>
+    tok = HFTokenizer.from_pretrained(tok.name)
+    assert tok.eos_id == 0
+    assert react.ChatTemplateTurns(tok, QUESTION).end_of_turn == "<|im_end|>"
+
+
 def test_chat_turns_validation(qwen3):
     with pytest.raises(ValueError, match="role='assistant'"):
         react.ChatTemplateTurns(qwen3, QUESTION, role="assistant")

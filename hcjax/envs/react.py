@@ -110,8 +110,10 @@ class ChatTemplateTurns:
     tools: JSON-schema tool descriptions handed to the template (None: none).
     role: the role of observation messages: "tool" (one message per tool result), or e.g.
       "user" for an environment that answers as the user (one message, results joined by lines).
-    end_of_turn: the text of the token that ends a sampled assistant turn (default: the
-      tokenizer's eos token); a turn that ends without it gets it from the observation.
+    end_of_turn: the text of the token that ends a sampled assistant turn (default: the first
+      of the tokenizer's eos tokens that the template writes after an assistant message, e.g.
+      Llama 3.1's <|eot_id|> among its three); a turn that ends without it gets it from the
+      observation.
     template_kwargs: further template variables (e.g. enable_thinking).
 
     An observation's tokens are the template's rendering of the observation messages after an
@@ -131,8 +133,12 @@ class ChatTemplateTurns:
         if not isinstance(self.role, str) or not self.role or self.role == "assistant":
             raise ValueError(f"role={self.role!r}; expected a non-assistant role such as 'tool'")
         eot = self.end_of_turn
-        if eot is None:
-            eot = self.tokenizer.decode([self.tokenizer.eos_id])
+        if eot is None:  # the stop token whose text the template writes after an assistant turn
+            tok = self.tokenizer
+            stops = [tok.decode([i]) for i in getattr(tok, "eos_ids", None) or (tok.eos_id,)]
+            turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+            after = self.render(turn, False).rpartition(_SENTINEL)[2]
+            eot = next((t for t in stops if t and after.startswith(t)), stops[0])
         if not isinstance(eot, str) or not eot:
             raise ValueError(f"end_of_turn={self.end_of_turn!r}; expected a non-empty string")
         object.__setattr__(self, "end_of_turn", eot)
