@@ -79,6 +79,9 @@ class ClimbConfig:
       later turns carry the earlier ones (None: prompt + the episode budget's turns).
     checkpoint_every: learner steps between the climb's checkpoints (its other checkpoint
       settings, keep and async_save, are the gin CheckpointConfig's).
+    template_observations: tool episodes append the tokenizer's chat-template wrapping of tool
+      messages (an HFTokenizer's template) instead of plain-text observations, and count the
+      episodes whose whole re-rendering drifts from the sampled tokens (report.md).
     """
 
     suite: Any = None
@@ -105,6 +108,7 @@ class ClimbConfig:
     seed: int = 0
     max_prompt_len: int | None = None
     max_prefill_length: int | None = None
+    template_observations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "group", "early_group", "max_tokens", "eval_every",
@@ -308,7 +312,8 @@ class Climb:
         self.max_prompt_len = self.lengths.max_prompt_len
         self.prefill_length = self.lengths.max_prefill_length
         self.builder = TaskBuilder(self.suite, self.tok, max_prompt_len=self.max_prompt_len,
-                                   max_context=self.prefill_length, shaping=shaping)
+                                   max_context=self.prefill_length, shaping=shaping,
+                                   template_observations=cfg.template_observations)
         learner = Learner(model, self.learner_cfg, learner_mesh)
         self.learner = learner
         # Several learner processes: process 0 sends every learner call to the others, which

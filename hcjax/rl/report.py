@@ -135,6 +135,12 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
     lines.append(f"| same, Ĥ averaged over 10 steps | {smoothed:.3g} |")
     lines.append(f"| mean train-inference log-prob gap | "
                  f"{(float(np.mean(gaps)) if gaps else float('nan')):.3g} |")
+    worker = summary.get("worker_stats") or {}
+    if worker.get("template_episodes"):
+        # Trained on the tokens sampled either way; drift says a re-rendered history differs.
+        lines.append(f"| tool episodes whose chat-template re-rendering differs from the sampled "
+                     f"tokens (template drift) | {worker.get('template_drift', 0)} of "
+                     f"{worker['template_episodes']} |")
     lines += ["", "## Held-out pass@1", "", "| step | wall (s) | pass@1 |", "|---|---|---|"]
     lines += [f"| {e['step']} | {e['wall']:.1f} | {e['pass_at_1']:.3f} |" for e in evals]
     categories = summary.get("categories") or {}
@@ -184,6 +190,9 @@ def step_record(report, entropy_target: float, stats, counters, step_seconds: fl
         "full_dropped": stats.full_dropped,
         "failures": stats.failures,
     }
+    if getattr(stats, "template_episodes", 0):  # tool episodes under a chat template so far
+        record["template_episodes"] = stats.template_episodes
+        record["template_drift"] = stats.template_drift
     # The learner's own diagnostics (clip fractions, ratio statistics, support misses, LB; the
     # rollout correction's when one is on: hcjax.rl.losses.rollout_correction).
     for key in ("clip_low_frac", "clip_high_frac", "clip_outer_frac", "ratio_mean", "ratio_max",

@@ -14,7 +14,7 @@ import gin
 import numpy as np
 
 from hcjax.data.template import messages_prompt_ids
-from hcjax.envs.react import Budget
+from hcjax.envs.react import Budget, ChatTemplateTurns
 from hcjax.rewards.types import Grade
 from hcjax.rl.curriculum import PRIORITY_RULES, PrioritizedSampler
 from hcjax.rl.workers import GroupResult, Task
@@ -66,11 +66,19 @@ class TaskBuilder:
       a prefill of everything before it, which must fit the engine.
     budget: the ReAct episode budget for problems with tools (hcjax.envs.react.Budget).
     shaping(suite) -> the group reward shaping of a problem's suite, or None (hcjax.rewards.spec).
+    template_observations: tool episodes take their observations from the tokenizer's chat
+      template (tool messages, hcjax.envs.react.ChatTemplateTurns) and count template drift;
+      needs a tokenizer with a chat template (an HFTokenizer). False: plain-text observations.
     """
 
     def __init__(self, suite: Any, tok: Any, *, max_prompt_len: int | None = None,
                  max_context: int | None = None, budget: Any = None,
-                 shaping: Callable[[Any], Any] | None = None) -> None:
+                 shaping: Callable[[Any], Any] | None = None,
+                 template_observations: bool = False) -> None:
+        if template_observations and not hasattr(tok, "render_chat_template"):
+            raise ValueError(f"template_observations=True needs a tokenizer with a chat template "
+                             f"(an HFTokenizer), got {type(tok).__name__}")
+        self.template_observations = template_observations
         self.suite, self.tok = suite, tok
         self.max_prompt_len = max_prompt_len
         self.max_context = max_context
@@ -109,6 +117,8 @@ class TaskBuilder:
                      "category": problem.category},
                     tools=tools, tokenizer=tok if tools is not None else None,
                     budget=budget,
+                    chat=(ChatTemplateTurns(tok, problem.messages)
+                          if tools is not None and self.template_observations else None),
                     shaping=self.shaping(owner) if self.shaping is not None else None)
 
     def longest_prompt(self, scan: int = 2000) -> int:

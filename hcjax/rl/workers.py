@@ -52,6 +52,9 @@ class Task:
     tools: Callable[[Any], Any] | None = None
     tokenizer: Any = None
     budget: Any = None
+    # Observations as the model's chat template writes tool messages (react.ChatTemplateTurns),
+    # with a template-drift check per episode; None: plain-text observations.
+    chat: Any = None
     # Group reward shaping (hcjax.rewards.spec through hcjax.rl.sources): graded rollouts of a
     # kept group -> the same rollouts with composed rewards, before advantages. None: as graded.
     shaping: Callable[[list[Rollout]], list[Rollout]] | None = None
@@ -62,6 +65,8 @@ class Task:
             raise ValueError(f"task {self.id!r} has an empty prompt")
         if self.tools is not None and self.tokenizer is None:
             raise ValueError(f"task {self.id!r} has tools but no tokenizer for observations")
+        if self.chat is not None and self.tools is None:
+            raise ValueError(f"task {self.id!r} has a chat template for observations but no tools")
 
 
 @dataclasses.dataclass
@@ -77,6 +82,10 @@ class WorkerStats:
     early_dropped: int = 0
     full_dropped: int = 0
     kept: int = 0
+    # Tool episodes under a chat template whose drift was checked, and those whose whole
+    # re-rendering differs from the tokens sampled (react.Trajectory.template_drift).
+    template_episodes: int = 0
+    template_drift: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -255,10 +264,13 @@ class RolloutWorker:
 
         budget = task.budget or react.Budget()
         try:
-            traj = react.run_episode(task.prompt_ids, policy, task.tokenizer, task.tools, budget)
+            traj = react.run_episode(task.prompt_ids, policy, task.tokenizer, task.tools, budget,
+                                     chat=task.chat)
         except _Failed:
             self.stats.add(gave_up=1)
             traj = None
+        if traj is not None and traj.template_drift is not None:
+            self.stats.add(template_episodes=1, template_drift=int(traj.template_drift))
         if traj is None or traj.aborted or not traj.response_ids:
             one = np.zeros(1)
             return Rollout(prompt_ids=task.prompt_ids, response_ids=[0], logprobs=one,
