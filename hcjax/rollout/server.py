@@ -500,10 +500,15 @@ class RolloutServer:
         room = self._inflight + self._ready_samples < self.engine.max_concurrent_decodes
         return room or self._lane_jobs[lane] < self._max_pending_prefills
 
-    def _take(self, lane) -> RequestHandle:
-        handle = self._waiting.head(lane)
-        self._waiting.charge(lane, handle.request.n)
-        self._waiting.pop(lane)
+    def _take(self, lane, handle: RequestHandle | None = None) -> RequestHandle:
+        """Take `handle` (default: the lane's head) out of the waiting queue into prefill."""
+        if handle is None:
+            handle = self._waiting.head(lane)
+        self._waiting.charge(lane, handle.request.n)  # before the lane may empty and go
+        if handle is self._waiting.head(lane):
+            self._waiting.pop(lane)
+        else:
+            self._waiting.remove(lane, handle)
         self._lane_jobs[lane] += 1  # in prefill
         self._inflight += _samples(handle.request)
         return handle
@@ -521,9 +526,10 @@ class RolloutServer:
 
     def _next_requests(self) -> list[RequestHandle] | None:
         """The waiting requests to prefill next (None when stopping): the fairest eligible
-        lane's head, then, while their prompts number fewer than prefill_batch, the next fairest
-        eligible lane's head among those whose prompts fall in the same bucket (each charged to
-        its lane as if taken alone)."""
+        lane's head, then, while their prompts number fewer than prefill_batch, from the fairest
+        eligible lane that has one, its first request whose prompts fall in the same bucket
+        (each charged to its lane as if taken alone). A lane's head always goes first, so a
+        request in another bucket waits at most until it is its lane's head."""
         with self._cond:
             while not self._stop.is_set():
                 lane = self._waiting.choose(self._eligible)
@@ -534,12 +540,15 @@ class RolloutServer:
                 bucket = self._prefill_bucket(taken[0].request)
                 prompts = _samples(taken[0].request) if taken[0].request.continue_from else 1
                 while bucket is not None and prompts < self.prefill_batch:
+                    def match(handle, bucket=bucket):
+                        return self._prefill_bucket(handle.request) == bucket
+
                     lane = self._waiting.choose(
-                        lambda lane, bucket=bucket: self._eligible(lane) and self._prefill_bucket(
-                            self._waiting.head(lane).request) == bucket)
+                        lambda lane, match=match: self._eligible(lane)
+                        and self._waiting.first(lane, match) is not None)
                     if lane is None:
                         break
-                    taken.append(self._take(lane))
+                    taken.append(self._take(lane, self._waiting.first(lane, match)))
                     req = taken[-1].request
                     prompts += len(req.continue_from) if req.continue_from else 1
                 return taken
