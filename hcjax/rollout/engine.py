@@ -665,8 +665,8 @@ class Engine:
                                       self._batch_axes, *rows),
             out_shardings=replicated,
         )
-        self._row_jit = jax.jit(lambda wide, i: jax.tree.map(
-            lambda x, a: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=a), wide, self._batch_axes))
+        self._row_jit = jax.jit(self._row_impl)
+        self._split_rows_jit = jax.jit(self._split_rows_impl)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(0,))
         self._bulk_insert_jit = jax.jit(self._bulk_insert_impl, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
@@ -1077,6 +1077,18 @@ class Engine:
                 out[i] = prefix
         return out
 
+    def _row_impl(self, wide, i):
+        """Row `i` of a batched cache (a batch-1 cache)."""
+        return jax.tree.map(lambda x, a: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=a),
+                            wide, self._batch_axes)
+
+    def _split_rows_impl(self, wide, logits, lengths):
+        """Each row of a batched prefill as (its cache in the decode layout, its logits)."""
+        return tuple(
+            (pc.to_decode_layout(self._row_impl(wide, i), lengths[i], self._row_shapes,
+                                 self._batch_axes), logits[i])
+            for i in range(lengths.shape[0]))
+
     def _prefill_rows(self, weights, version, rows) -> list[Prefix]:
         """One batched chunk for rows of (index, tokens, sampling, prefix-cache chain, tokens
         reused), each computing at most max_prefill_length tokens."""
@@ -1099,19 +1111,22 @@ class Engine:
         else:
             cache = self._init_rows_jit(b)
         cache, logits, routing = self._prefill_rows_jit(weights, cache, chunk, starts, lengths)
+        totals = np.ones((b,), np.int32)
+        totals[: len(rows)] = [int(t.shape[0]) for _, t, _, _, _ in rows]
+        split = self._split_rows_jit(cache, logits, totals)
         routing = np.asarray(routing)  # [b, L, width, k]
         out = []
         for r, (_, tokens, sp, chain, done) in enumerate(rows):
             total = int(tokens.shape[0])
-            row = self._row_jit(cache, np.int32(r))
             routed = np.concatenate([block.routing for block in chain]
                                     + [routing[r][:, : total - done]], axis=1)
             if self.prefix_cache is not None:
-                self._store_blocks(row, tokens, version, chain, routed)
+                self._store_blocks(self._row_jit(cache, np.int32(r)), tokens, version, chain,
+                                   routed)
             self._count_prefill(total, done)
             out.append(Prefix(
-                cache=self._fold_jit(row, np.int32(total)),
-                logits=logits[r],
+                cache=split[r][0],
+                logits=split[r][1],
                 routing=routed,
                 length=total,
                 version=version,
