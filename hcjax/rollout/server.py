@@ -247,6 +247,10 @@ class RolloutServer:
     beyond it while fewer samples than slots are prefilled or in prefill (so a whole batch of
     slots can be refilled at once: at most `slots` prefilled caches wait). min_step_seconds
     throttles the decode loop per step (a stand-in for a slower device in tests).
+    prefill_batch: prompts prefilled per engine call (`Engine.bulk_prefill`): the prefill thread
+    takes the fairest waiting request, then more waiting requests whose prompts fall in its
+    length bucket, up to this many prompts, each lane within its pending-prefill limit; a
+    prompt longer than max_prefill_length is prefilled alone in chunks. 1: one call a prompt.
 
     block_steps (k): decode steps per device call. The host's cost per call (dispatch, one copy,
     the pass over the slots) is paid once per k steps; the price is latency: a sample is inserted,
