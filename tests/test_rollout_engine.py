@@ -351,12 +351,16 @@ def test_engine_on_an_inference_mesh_matches_default_device(engine):
     nnx.update(sharded, perturbed(nnx.state(sharded), 1))
     meshed = Engine(sharded, mesh=mesh, max_concurrent_decodes=2, max_prefill_length=16,
                     max_target_length=64)
-    req = GenerateRequest(prompt=PROMPTS[1], max_tokens=8, temperature=0.0)
-    with _serve(meshed) as srv:
-        got = srv.generate(req, timeout=120)[0]
-    with _serve(engine) as srv:
-        want = srv.generate(req, timeout=120)[0]
-    assert got.response_ids.tolist() == want.response_ids.tolist()
+    def run(eng):  # two prompts of one bucket, waiting together: one batched prefill call
+        srv = RolloutServer(eng)
+        handles = [srv.submit(GenerateRequest(prompt=p, max_tokens=8, temperature=0.0))
+                   for p in (PROMPTS[1], [2, 9, 4])]
+        with srv.start():
+            tokens = [h.result(timeout=120)[0].response_ids.tolist() for h in handles]
+            return tokens, srv.metrics()["prefill_calls"]
+
+    got, calls = run(meshed)
+    assert got == run(engine)[0] and calls == 1
 
 
 def test_a_failing_prefill_fails_only_its_request(engine):
