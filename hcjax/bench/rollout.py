@@ -6,7 +6,9 @@ top-p sampling vs greedy vs the full-sort reference, alone and inside one engine
 the tiny vocabulary and at large ones; and (`--only device_bound`) RolloutServer against a
 device-bound reference, the same batches decoded by one jitted scan with no host work between
 steps, at the tiny config and a ~40M-parameter one: tokens/s, the server's host time per step and
-its insert latency. Prints one JSON object last; asserts no timing.
+its insert latency; and (`--only prefill`) prefill throughput with one prompt per call vs
+`--prefill_batch` per call, on the engine and through the server. Prints one JSON object last;
+asserts no timing.
 """
 
 from __future__ import annotations

@@ -557,7 +557,8 @@ class Engine:
       of each batch shard is scratch that idle rows write to. Admission (`num_free_slots`) counts
       pages as well as slots; a page is granted only while every sequence can still finish, and
       a slot refused one pauses until pages come back. Prefill and the prefix cache keep the slot
-      layout (batch 1): a prefix-cache hit is copied into pages, not shared.
+      layout (batch 1, or one row a prompt in `bulk_prefill`): a prefix-cache hit is copied into
+      pages, not shared.
     """
 
     def __init__(
