@@ -99,6 +99,28 @@ def test_reused_prefill_equals_full_prefill(plain, reusing):
     assert reusing.prefill_stats()["reused_tokens"] == stats["reused_tokens"]
 
 
+def test_bulk_prefill_reuses_blocks_per_row(plain, reusing):
+    """One batched call whose rows reuse 2, 4 and 0 blocks (each row starts where its hit ends):
+    every Prefix equals the plain prefill, and the blocks it computed are stored for reuse."""
+    rng = np.random.default_rng(2)
+    head = rng.integers(0, 64, 16).tolist()
+    params = reusing.load_params()
+    reusing.prefill(params=params, padded_tokens=head, true_length=16)  # 4 blocks of 4
+    prompts = [head[:8] + rng.integers(0, 64, 6).tolist(), head + rng.integers(0, 64, 5).tolist(),
+               rng.integers(0, 64, 9).tolist()]
+    before = reusing.prefill_stats()
+    got = reusing.bulk_prefill(params=params, prompts=prompts)
+    after = reusing.prefill_stats()
+    assert after["reused_tokens"] - before["reused_tokens"] == 8 + 16
+    assert after["computed_tokens"] - before["computed_tokens"] == 6 + 5 + 9
+    for prefix, prompt in zip(got, prompts, strict=True):
+        _assert_same_prefix(prefix, plain.prefill(params=params, padded_tokens=prompt,
+                                                  true_length=len(prompt)))
+    longer = prompts[1] + [1, 2, 3, 4]  # its fifth block came from the batched call
+    reusing.prefill(params=params, padded_tokens=longer, true_length=len(longer))
+    assert reusing.prefill_stats()["reused_tokens"] - after["reused_tokens"] == 20
+
+
 def test_existing_prefix_appends_tokens(plain, reusing):
     params = plain.load_params()
     head = plain.prefill(params=params, padded_tokens=[5, 6, 7, 8, 9, 10], true_length=6)

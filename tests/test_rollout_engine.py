@@ -351,12 +351,16 @@ def test_engine_on_an_inference_mesh_matches_default_device(engine):
     nnx.update(sharded, perturbed(nnx.state(sharded), 1))
     meshed = Engine(sharded, mesh=mesh, max_concurrent_decodes=2, max_prefill_length=16,
                     max_target_length=64)
-    req = GenerateRequest(prompt=PROMPTS[1], max_tokens=8, temperature=0.0)
-    with _serve(meshed) as srv:
-        got = srv.generate(req, timeout=120)[0]
-    with _serve(engine) as srv:
-        want = srv.generate(req, timeout=120)[0]
-    assert got.response_ids.tolist() == want.response_ids.tolist()
+    def run(eng):  # two prompts of one bucket, waiting together: one batched prefill call
+        srv = RolloutServer(eng)
+        handles = [srv.submit(GenerateRequest(prompt=p, max_tokens=8, temperature=0.0))
+                   for p in (PROMPTS[1], [2, 9, 4])]
+        with srv.start():
+            tokens = [h.result(timeout=120)[0].response_ids.tolist() for h in handles]
+            return tokens, srv.metrics()["prefill_calls"]
+
+    got, calls = run(meshed)
+    assert got == run(engine)[0] and calls == 1
 
 
 def test_a_failing_prefill_fails_only_its_request(engine):
@@ -373,3 +377,127 @@ def test_a_failing_prefill_fails_only_its_request(engine):
             del engine.prefill  # back to the class method
         assert srv.health()["ok"]
         assert srv.generate(GenerateRequest(prompt=[1, 2], max_tokens=2), timeout=60)
+
+
+# Several prompts per prefill call ---------------------------------------------------------
+MIXED = [[1, 5, 9, 3, 7, 2, 11, 4, 6, 8, 10, 12, 13], [3, 1, 4, 1, 5], [7] * 9, [2, 9, 4],
+         list(range(1, 31))]  # 13, 5, 9 and 3 tokens in buckets 16 and 8; 30 > max_prefill_length
+
+
+def _assert_same_prefix(got, want):
+    assert (got.length, got.tokens, got.sampling, got.version) == (
+        want.length, want.tokens, want.sampling, want.version)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
+    np.testing.assert_array_equal(got.routing, want.routing)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5),
+                 got.cache, want.cache)
+
+
+def test_bulk_prefill_equals_each_prompt_prefilled_alone(engine):
+    """Four prompts of 3-13 tokens in one call (rows of 16 tokens), the 30-token one alone in
+    chunks: each Prefix is the lone prefill's (cache entries, logits, routing), and decoding
+    from them gives the same greedy and sampled tokens."""
+    params = engine.load_params()
+    options = [SamplingOptions(max_tokens=12, temperature=t, top_p=0.9, seed=i)
+               for i, t in enumerate([0.0, 1.0, 0.0, 1.0, 1.0])]
+    alone = [engine.prefill(params=params, padded_tokens=p, true_length=len(p), sampling=o)
+             for p, o in zip(MIXED, options)]
+    before = engine.prefill_stats()
+    bulk = engine.bulk_prefill(params=params, prompts=MIXED, samplings=options)
+    after = engine.prefill_stats()
+    assert after["prefills"] - before["prefills"] == 5
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(map(len, MIXED))
+    for got, want in zip(bulk, alone, strict=True):
+        _assert_same_prefix(got, want)
+
+    def decode(prefixes):
+        state = engine.init_decode_state()
+        for slot, prefix in enumerate(prefixes[:4]):
+            state = engine.bulk_insert(prefix, state, [slot])
+        _, block = engine.generate_block(params, state, 12, max_steps=16)  # the server's
+        return jax.device_get(block)
+
+    got, want = decode(bulk), decode(alone)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.routing, want.routing)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    assert len(set(map(tuple, got.tokens.T.tolist()))) == 4  # four different continuations
+
+
+def test_bulk_prefill_errors_name_the_prompt(engine):
+    params = engine.load_params()
+    with pytest.raises(ValueError, match=r"prompts\[1\]: token id 64 is not in \[0, vocab"):
+        engine.bulk_prefill(params=params, prompts=[[1, 2], [3, 64]])
+    with pytest.raises(ValueError, match="1 sampling options for 2 prompts"):
+        engine.bulk_prefill(params=params, prompts=[[1, 2], [3]], samplings=[None])
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"prefill_batch={bad!r} must be a positive"):
+            RolloutServer(engine, prefill_batch=bad)
+
+
+def _mixed_records(engine, prefill_batch):
+    """MIXED as greedy and sampled requests, queued before the server starts (so the prefill
+    thread finds them waiting together)."""
+    srv = RolloutServer(engine, prefill_batch=prefill_batch)
+    handles = [srv.submit(GenerateRequest(prompt=p, n=1 + i % 2, max_tokens=10,
+                                          temperature=[0.0, 1.0][i % 2], top_p=0.9, seed=i))
+               for i, p in enumerate(MIXED * 2)]
+    with srv.start():
+        records = [h.result(timeout=120) for h in handles]
+    return records, srv.metrics()
+
+
+@pytest.mark.parametrize("layout", ["slot", pytest.param("paged", marks=pytest.mark.slow)])
+def test_server_prefill_batch_gives_the_records_of_prompts_prefilled_alone(engine, model, layout):
+    """10 mixed greedy and sampled requests (n = 1 or 2) of 3-30 tokens waiting together:
+    prefill_batch=4 prefills them in fewer calls and gives prefill_batch=1's records; the paged
+    layout (~14 s: its own engine's programs) inserts the batched prefixes alike."""
+    eng = engine if layout == "slot" else Engine(
+        model, max_concurrent_decodes=4, max_prefill_length=16, max_target_length=64,
+        kv_layout="paged", page_size=8)
+    want, alone = _mixed_records(eng, 1)
+    got, batched = _mixed_records(eng, 4)
+    assert alone["prefill_calls"] == alone["prefilled_prompts"] == 10
+    # Buckets 16 (13, 9 tokens), 8 (5, 3) and the 30-token prompt alone, in fair order.
+    assert batched["prefilled_prompts"] == 10 and batched["prefill_calls"] < 10
+    for got_recs, want_recs in zip(got, want, strict=True):
+        for g, w in zip(got_recs, want_recs, strict=True):
+            assert g.response_ids.tolist() == w.response_ids.tolist()
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+            np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, atol=1e-5)
+            np.testing.assert_array_equal(g.n_kept, w.n_kept)
+            np.testing.assert_array_equal(g.routing, w.routing)
+    if layout == "paged":
+        assert eng.page_stats()["in_use"] == 0
+
+
+def test_a_failing_batched_prefill_falls_back_to_prompts_alone(engine):
+    """The batched call fails (a device error): each prompt is prefilled alone, and only the
+    request whose own prefill fails fails, with its error."""
+    real = engine.prefill
+
+    def bulk(**kw):
+        raise RuntimeError("simulated device error")
+
+    def alone(**kw):
+        if kw["padded_tokens"][0] == 63:
+            raise RuntimeError("bad prompt")
+        return real(**kw)
+
+    engine.bulk_prefill, engine.prefill = bulk, alone
+    try:
+        srv = RolloutServer(engine, prefill_batch=4)
+        prompts = [[1, 2, 3], [63, 2], [4, 5, 6, 7]]
+        handles = [srv.submit(GenerateRequest(prompt=p, max_tokens=3, temperature=0.0))
+                   for p in prompts]
+        with srv.start():
+            with pytest.raises(ServerStopped, match="bad prompt"):
+                handles[1].result(timeout=60)
+            ok = [handles[0].result(timeout=60), handles[2].result(timeout=60)]
+            assert srv.health()["ok"]
+    finally:
+        del engine.bulk_prefill, engine.prefill  # back to the class methods
+    for h, recs in zip([handles[0], handles[2]], ok):
+        want = generate(None, [h.request.prompt], SamplingOptions(max_tokens=3, temperature=0.0),
+                        engine=engine)[0]
+        assert recs[0].response_ids.tolist() == want.response_ids.tolist()

@@ -6,7 +6,9 @@ top-p sampling vs greedy vs the full-sort reference, alone and inside one engine
 the tiny vocabulary and at large ones; and (`--only device_bound`) RolloutServer against a
 device-bound reference, the same batches decoded by one jitted scan with no host work between
 steps, at the tiny config and a ~40M-parameter one: tokens/s, the server's host time per step and
-its insert latency. Prints one JSON object last; asserts no timing.
+its insert latency; and (`--only prefill`) prefill throughput with one prompt per call vs
+`--prefill_batch` per call, on the engine and through the server. Prints one JSON object last;
+asserts no timing.
 """
 
 from __future__ import annotations
@@ -498,11 +500,87 @@ def device_bound_comparison(cfg: ModelConfig, name: str, args, note=lambda item:
     }
 
 
+def _bucket(n: int, limit: int) -> int | None:
+    return None if n > limit else min(_pow2(max(n, 8)), limit)
+
+
+def prefill_engine_run(engine: Engine, prompts, batch: int) -> float:
+    """Seconds to prefill `prompts` through the engine: one `prefill` call each (batch 1), or
+    `bulk_prefill` calls of up to `batch` prompts of one length bucket (as the server groups
+    them); waits for every result."""
+    params = engine.load_params()
+    start = time.perf_counter()
+    out = []
+    if batch == 1:
+        out = [engine.prefill(params=params, padded_tokens=p, true_length=len(p)) for p in prompts]
+    else:
+        groups: dict = {}
+        for p in prompts:
+            groups.setdefault(_bucket(len(p), engine.max_prefill_length), []).append(p)
+        for group in groups.values():
+            for lo in range(0, len(group), batch):
+                out += engine.bulk_prefill(params=params, prompts=group[lo : lo + batch])
+    jax.block_until_ready([(x.cache, x.logits) for x in out])
+    return time.perf_counter() - start
+
+
+def prefill_server_run(engine: Engine, prompts, batch: int) -> dict:
+    """The prompts queued at once on a RolloutServer(prefill_batch=batch), one greedy token
+    each (prefill-bound): seconds from start to the last record, and its prefill calls."""
+    srv = RolloutServer(engine, max_queue=len(prompts) + 1, prefill_batch=batch)
+    handles = [srv.submit(GenerateRequest(prompt=p, max_tokens=1, temperature=0.0))
+               for p in prompts]
+    start = time.perf_counter()
+    with srv.start():
+        for h in handles:
+            h.result(timeout=3600)
+        seconds = time.perf_counter() - start
+        m = srv.metrics()
+    return {"seconds": seconds, "prefill_calls": m["prefill_calls"]}
+
+
+def prefill_comparison(model, args, max_len: int, note=lambda item: None) -> dict:
+    """Prefill throughput of `args.pf_prompts` prompts of max_prompt/4..max_prompt tokens, one
+    prompt per call vs `args.prefill_batch` per call, on the engine alone and through the server
+    (one token each); best of `args.repeats` interleaved runs after a warm-up of each."""
+    engine = Engine(model, max_concurrent_decodes=args.slots, max_prefill_length=args.max_prompt,
+                    max_target_length=max_len)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, int(rng.integers(max(1, args.max_prompt // 4),
+                                                    args.max_prompt + 1))).tolist()
+               for _ in range(args.pf_prompts)]
+    tokens = sum(map(len, prompts))
+    sizes = (1, args.prefill_batch)
+    runs = {f"{where}_{b}": [] for where in ("engine", "server") for b in sizes}
+    for rep in range(args.repeats + 1):  # the first round compiles
+        for b in sizes:
+            note(f"prefill batch {b}, round {rep}")
+            runs[f"engine_{b}"].append(prefill_engine_run(engine, prompts, b))
+            runs[f"server_{b}"].append(prefill_server_run(engine, prompts, b))
+    best = {k: min(v[1:], key=lambda r: r if isinstance(r, float) else r["seconds"])
+            for k, v in runs.items()}
+    out = {"prompts": len(prompts), "prompt_tokens": tokens, "prefill_batch": args.prefill_batch,
+           "max_prefill_length": args.max_prompt}
+    for k, r in best.items():
+        seconds = r if isinstance(r, float) else r["seconds"]
+        out[f"{k}_prompts_per_s"] = round(len(prompts) / seconds, 1)
+        out[f"{k}_tokens_per_s"] = round(tokens / seconds, 1)
+        if not isinstance(r, float):
+            out[f"{k}_prefill_calls"] = r["prefill_calls"]
+    b = args.prefill_batch
+    out["engine_batched_over_single"] = round(out[f"engine_{b}_prompts_per_s"]
+                                              / out["engine_1_prompts_per_s"], 2)
+    out["server_batched_over_single"] = round(out[f"server_{b}_prompts_per_s"]
+                                              / out["server_1_prompts_per_s"], 2)
+    return out
+
+
 EXAMPLES = """examples:
   python -m hcjax.bench.rollout                        # continuous vs static batching, ReAct, prefix cache
   python -m hcjax.bench.rollout --requests 64 --slots 16 --max_response 64
   python -m hcjax.bench.rollout --only sampling        # top-p vs greedy vs full sort, 3 vocabularies
   python -m hcjax.bench.rollout --only device_bound    # RolloutServer vs one on-device loop, 64 slots
+  python -m hcjax.bench.rollout --only prefill         # prefill_batch 1 vs 8: prompts/s
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -531,7 +609,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--sampling_repeats", type=int, default=60,
                         help="interleaved rounds per case (medians); the full sort runs a fifth, "
                              "at most 3")
-    parser.add_argument("--only", choices=["all", "sampling", "device_bound"], default="all")
+    parser.add_argument("--only", choices=["all", "sampling", "device_bound", "prefill"],
+                        default="all")
+    parser.add_argument("--pf_prompts", type=int, default=64, help="prefill section: prompts")
+    parser.add_argument("--prefill_batch", type=int, default=8,
+                        help="prefill section: prompts per call compared with 1")
     parser.add_argument("--db_configs", default="tiny,40m",
                         help="device_bound section: comma-separated configs (tiny, 40m)")
     parser.add_argument("--db_slots", type=int, default=64)
@@ -567,6 +649,20 @@ def main(argv=None) -> dict:
                **device_summary, "device_bound": device_bound}
         print(json.dumps(out))
         return out
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.merge(graphdef, perturbed(state, 1))
+    if args.only in ("all", "prefill"):
+        with phases.phase(f"prefill: 1 vs {args.prefill_batch} prompts per call") as phase:
+            prefill = prefill_comparison(model, args, cfg.max_seq_len, note=phase.now)
+        if args.only == "prefill":
+            out = {"bench": "rollout", "backend": jax.default_backend(),
+                   "config": {"d_model": cfg.d_model, "num_layers": cfg.num_layers,
+                              "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len},
+                   "prefill_batched_over_single_engine": prefill["engine_batched_over_single"],
+                   "prefill_batched_over_single_server": prefill["server_batched_over_single"],
+                   "prefill": prefill}
+            print(json.dumps(out))
+            return out
     with phases.phase("top-p vs greedy vs full-sort sampling") as phase:
         sampling = sampling_comparison(cfg, vocabs, args.sampling_batch, 0.97,
                                        args.sampling_repeats, note=phase.now)
@@ -579,8 +675,6 @@ def main(argv=None) -> dict:
                "sampling": sampling}
         print(json.dumps(out))
         return out
-    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    model = nnx.merge(graphdef, perturbed(state, 1))
     engine = Engine(model, max_concurrent_decodes=args.slots, max_prefill_length=args.max_prompt,
                     max_target_length=cfg.max_seq_len)
     rng = np.random.default_rng(0)
@@ -644,6 +738,9 @@ def main(argv=None) -> dict:
         "kv_cache_ring_over_full_128k": round(kv_128k["ring"] / kv_128k["full_length"], 4),
         "support_record_bytes_per_token": 8,  # n_kept int32 + threshold_logit float32
         "react_prefix_reuse": react,
+        "prefill_batched_over_single_engine": prefill["engine_batched_over_single"],
+        "prefill_batched_over_single_server": prefill["server_batched_over_single"],
+        "prefill": prefill,
         **device_summary,
         "device_bound": device_bound,
         **sampling_summary,

@@ -557,7 +557,8 @@ class Engine:
       of each batch shard is scratch that idle rows write to. Admission (`num_free_slots`) counts
       pages as well as slots; a page is granted only while every sequence can still finish, and
       a slot refused one pauses until pages come back. Prefill and the prefix cache keep the slot
-      layout (batch 1): a prefix-cache hit is copied into pages, not shared.
+      layout (batch 1, or one row a prompt in `bulk_prefill`): a prefix-cache hit is copied into
+      pages, not shared.
     """
 
     def __init__(
@@ -655,6 +656,18 @@ class Engine:
         self._fold_jit = jax.jit(
             lambda wide, n: pc.to_decode_layout(wide, n, self._row_shapes, self._batch_axes)
         )
+        self._prefill_rows_jit = jax.jit(self._prefill_rows_impl, donate_argnums=(1,))
+        self._init_rows_jit = jax.jit(
+            lambda b: pc.empty_wide_cache(pc.batched_shapes(self._wide_shapes, self._batch_axes, b)),
+            static_argnums=(0,), out_shardings=replicated,
+        )
+        self._stack_jit = jax.jit(
+            lambda rows: jax.tree.map(lambda a, *xs: jnp.concatenate(xs, axis=a),
+                                      self._batch_axes, *rows),
+            out_shardings=replicated,
+        )
+        self._row_jit = jax.jit(self._row_impl)
+        self._split_rows_jit = jax.jit(self._split_rows_impl)
         self._insert_jit = jax.jit(self._insert_impl, donate_argnums=(0,))
         self._bulk_insert_jit = jax.jit(self._bulk_insert_impl, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate_impl, donate_argnums=(1,))
@@ -910,6 +923,19 @@ class Engine:
         routing = _stack_routing(out.routing, 1, tokens_t.shape[0])[0]  # [T, L, k]
         return out.cache, logits, jnp.transpose(routing, (1, 0, 2))
 
+    def _prefill_rows_impl(self, params, cache, tokens_bt, start_b, length_b):
+        """`_prefill_impl` for a batch of rows, each its own prompt: row i holds length_b[i]
+        real tokens at positions start_b[i].., then padding. Returns (cache, logits [B, V],
+        routing [B, L, T, k])."""
+        model = nnx.merge(self._graphdef, params)
+        b, t = tokens_bt.shape
+        idx = jnp.arange(t, dtype=jnp.int32)[None]
+        positions = jnp.where(idx < length_b[:, None], start_b[:, None] + idx, -1)
+        out = model(tokens_bt, positions=positions, cache=cache)
+        logits = jnp.take_along_axis(out.logits, (length_b - 1)[:, None, None], axis=1)[:, 0]
+        routing = _stack_routing(out.routing, b, t)  # [B, T, L, k]
+        return out.cache, logits.astype(jnp.float32), jnp.transpose(routing, (0, 2, 1, 3))
+
     def prefill(
         self,
         *,
@@ -930,6 +956,41 @@ class Engine:
         `sampling` (an hcjax extra JetStream never passes) defaults to `default_sampling`.
         """
         weights, version = _split_params(params)
+        tokens, sampling = self._prompt(padded_tokens, true_length, existing_prefix, sampling)
+        total = int(tokens.shape[0])
+        chain = self._lookup(tokens, version)
+        done = len(chain) * (self.prefix_cache.block_size if chain else 0)
+        cache = self._restore(chain) if chain else self._init_prefill_jit()
+        routings = [block.routing for block in chain]
+        for start in range(done, total, self._max_prefill):
+            n = min(self._max_prefill, total - start)
+            chunk = np.zeros((self._bucket(n),), np.int32)
+            chunk[:n] = tokens[start : start + n]
+            cache, logits, routing = self._prefill_jit(
+                weights, cache, chunk, np.int32(start), np.int32(n)
+            )
+            routings.append(np.asarray(routing)[:, :n])
+        routing = np.concatenate(routings, axis=1)
+        if self.prefix_cache is not None:
+            self._store_blocks(cache, tokens, version, chain, routing)
+        self._count_prefill(total, done)
+        return Prefix(
+            cache=self._fold_jit(cache, np.int32(total)),
+            logits=logits,
+            routing=routing,
+            length=total,
+            version=version,
+            sampling=sampling,
+            tokens=tuple(int(t) for t in tokens),
+        )
+
+    def _bucket(self, n: int) -> int:
+        """The compiled length of a prefill chunk of `n` tokens: a power of two, at least 8, at
+        most max_prefill_length."""
+        return min(_next_pow2(max(n, 8)), self._max_prefill)
+
+    def _prompt(self, padded_tokens, true_length, existing_prefix, sampling):
+        """(the prompt's tokens, its sampling options) of a prefill, or a clear error."""
         tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
         if not isinstance(true_length, int | np.integer) or not 0 < true_length <= tokens.shape[0]:
             raise ValueError(
@@ -954,37 +1015,126 @@ class Engine:
             sampling = dataclasses.replace(
                 self._default_sampling, max_tokens=min(self._default_sampling.max_tokens, room)
             )
-        chain = [] if self.prefix_cache is None else self.prefix_cache.lookup(
-            tokens, version, limit=total - 1  # the last token is always computed: its logits
-        )
-        done = len(chain) * (self.prefix_cache.block_size if chain else 0)
-        cache = self._restore(chain) if chain else self._init_prefill_jit()
-        routings = [block.routing for block in chain]
-        for start in range(done, total, self._max_prefill):
-            n = min(self._max_prefill, total - start)
-            bucket = min(_next_pow2(max(n, 8)), self._max_prefill)
-            chunk = np.zeros((bucket,), np.int32)
-            chunk[:n] = tokens[start : start + n]
-            cache, logits, routing = self._prefill_jit(
-                weights, cache, chunk, np.int32(start), np.int32(n)
-            )
-            routings.append(np.asarray(routing)[:, :n])
-        if self.prefix_cache is not None:
-            self._store_blocks(cache, tokens, version, chain, np.concatenate(routings, axis=1))
+        return tokens, sampling
+
+    def _lookup(self, tokens: np.ndarray, version: int) -> list:
+        """The prefix cache's stored blocks that start `tokens` ([] without reuse); the last
+        token is always computed (its logits are needed)."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.lookup(tokens, version, limit=int(tokens.shape[0]) - 1)
+
+    def _count_prefill(self, total: int, done: int) -> None:
         with self._free_lock:
             self._stats["prompt_tokens"] += total
             self._stats["computed_tokens"] += total - done
             self._stats["reused_tokens"] += done
             self._stats["prefills"] += 1
-        return Prefix(
-            cache=self._fold_jit(cache, np.int32(total)),
-            logits=logits,
-            routing=np.concatenate(routings, axis=1),
-            length=total,
-            version=version,
-            sampling=sampling,
-            tokens=tuple(int(t) for t in tokens),
-        )
+
+    def bulk_prefill(
+        self,
+        *,
+        params: Any,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        samplings: Sequence[SamplingOptions | None] | None = None,
+    ) -> list[Prefix]:
+        """Prefill several prompts in one device call (an hcjax extra): the Prefix of each is
+        `prefill`'s for it alone (same cache entries, logits, routing; prefix reuse as there).
+
+        The prompts' computed parts (past any prefix-cache hit) run as the rows of one batch,
+        padded to the longest one's bucket (`prefill`'s powers of two up to max_prefill_length)
+        and to a power-of-two number of rows, so at most log2(rows) x buckets programs compile.
+        A prompt whose computed part is longer than max_prefill_length is prefilled in chunks
+        alone (`prefill`). Raises ValueError naming the first bad prompt before running any.
+        """
+        if samplings is None:
+            samplings = [None] * len(prompts)
+        if len(samplings) != len(prompts):
+            raise ValueError(f"{len(samplings)} sampling options for {len(prompts)} prompts")
+        weights, version = _split_params(params)
+        checked = []
+        for i, (prompt, sp) in enumerate(zip(prompts, samplings)):
+            prompt = np.asarray(prompt, np.int32).reshape(-1)
+            try:
+                checked.append(self._prompt(prompt, int(prompt.shape[0]), None, sp))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        out: list[Prefix | None] = [None] * len(checked)
+        rows = []  # (index, tokens, sampling, chain, done)
+        for i, (tokens, sp) in enumerate(checked):
+            chain = self._lookup(tokens, version)
+            done = len(chain) * (self.prefix_cache.block_size if chain else 0)
+            if tokens.shape[0] - done > self._max_prefill:
+                out[i] = self.prefill(params=params, padded_tokens=tokens,
+                                      true_length=int(tokens.shape[0]), sampling=sp)
+            else:
+                rows.append((i, tokens, sp, chain, done))
+        if len(rows) == 1:
+            i, tokens, sp, _, _ = rows[0]
+            out[i] = self.prefill(params=params, padded_tokens=tokens,
+                                  true_length=int(tokens.shape[0]), sampling=sp)
+        elif rows:
+            for i, prefix in zip([r[0] for r in rows], self._prefill_rows(weights, version, rows)):
+                out[i] = prefix
+        return out
+
+    def _row_impl(self, wide, i):
+        """Row `i` of a batched cache (a batch-1 cache)."""
+        return jax.tree.map(lambda x, a: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=a),
+                            wide, self._batch_axes)
+
+    def _split_rows_impl(self, wide, logits, lengths):
+        """Each row of a batched prefill as (its cache in the decode layout, its logits)."""
+        return tuple(
+            (pc.to_decode_layout(self._row_impl(wide, i), lengths[i], self._row_shapes,
+                                 self._batch_axes), logits[i])
+            for i in range(lengths.shape[0]))
+
+    def _prefill_rows(self, weights, version, rows) -> list[Prefix]:
+        """One batched chunk for rows of (index, tokens, sampling, prefix-cache chain, tokens
+        reused), each computing at most max_prefill_length tokens."""
+        b = _next_pow2(len(rows))
+        width = self._bucket(max(int(t.shape[0]) - done for _, t, _, _, done in rows))
+        chunk = np.zeros((b, width), np.int32)
+        starts = np.zeros((b,), np.int32)
+        lengths = np.ones((b,), np.int32)  # padding rows: one token at position 0
+        caches = []
+        for r, (_, tokens, _, chain, done) in enumerate(rows):
+            n = int(tokens.shape[0]) - done
+            chunk[r, :n] = tokens[done:]
+            starts[r], lengths[r] = done, n
+            caches.append(self._restore(chain) if chain else None)
+        if any(c is not None for c in caches):
+            empty = self._init_prefill_jit()
+            caches = [empty if c is None else c for c in caches]
+            caches += [empty] * (b - len(rows))
+            cache = self._stack_jit(caches)
+        else:
+            cache = self._init_rows_jit(b)
+        cache, logits, routing = self._prefill_rows_jit(weights, cache, chunk, starts, lengths)
+        totals = np.ones((b,), np.int32)
+        totals[: len(rows)] = [int(t.shape[0]) for _, t, _, _, _ in rows]
+        split = self._split_rows_jit(cache, logits, totals)
+        routing = np.asarray(routing)  # [b, L, width, k]
+        out = []
+        for r, (_, tokens, sp, chain, done) in enumerate(rows):
+            total = int(tokens.shape[0])
+            routed = np.concatenate([block.routing for block in chain]
+                                    + [routing[r][:, : total - done]], axis=1)
+            if self.prefix_cache is not None:
+                self._store_blocks(self._row_jit(cache, np.int32(r)), tokens, version, chain,
+                                   routed)
+            self._count_prefill(total, done)
+            out.append(Prefix(
+                cache=split[r][0],
+                logits=split[r][1],
+                routing=routed,
+                length=total,
+                version=version,
+                sampling=sp,
+                tokens=tuple(int(t) for t in tokens),
+            ))
+        return out
 
     def _restore(self, chain: list) -> Any:
         """A wide cache holding the chain's blocks; the list is padded with empty blocks to a

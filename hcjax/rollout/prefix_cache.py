@@ -34,6 +34,7 @@ __all__ = [
     "Block",
     "PrefixCache",
     "assemble_blocks",
+    "batched_shapes",
     "block_at",
     "empty_block",
     "empty_wide_cache",
@@ -161,6 +162,17 @@ def wide_shapes(decode_shapes: Any, batch_axes: Any, max_len: int) -> Any:
         return jax.ShapeDtypeStruct(tuple(dims), shape.dtype)
 
     return jax.tree.map(widen, decode_shapes, batch_axes)
+
+
+def batched_shapes(shapes: Any, batch_axes: Any, batch: int) -> Any:
+    """`shapes` (batch 1) with every batch axis `batch` long (a batched prefill's cache)."""
+
+    def grow(shape, axis):
+        dims = list(shape.shape)
+        dims[axis] = batch
+        return jax.ShapeDtypeStruct(tuple(dims), shape.dtype)
+
+    return jax.tree.map(grow, shapes, batch_axes)
 
 
 def empty_wide_cache(shapes: Any) -> Any:

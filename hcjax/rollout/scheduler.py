@@ -200,6 +200,11 @@ class FairQueue:
             del self._lanes[lane]  # nothing to remember: it would restart at the clock anyway
         return item
 
+    def first(self, lane: Hashable, match: Callable[[Any], bool]) -> Any:
+        """The lane's first item (head first) for which `match` is true, or None."""
+        entry = self._lanes.get(lane)
+        return next((item for item in entry.items if match(item)), None) if entry else None
+
     def remove(self, lane: Hashable, item: Any) -> bool:
         entry = self._lanes.get(lane)
         if entry is None:

@@ -247,6 +247,10 @@ class RolloutServer:
     beyond it while fewer samples than slots are prefilled or in prefill (so a whole batch of
     slots can be refilled at once: at most `slots` prefilled caches wait). min_step_seconds
     throttles the decode loop per step (a stand-in for a slower device in tests).
+    prefill_batch: prompts prefilled per engine call (`Engine.bulk_prefill`): the prefill thread
+    takes the fairest waiting request, then more waiting requests whose prompts fall in its
+    length bucket, up to this many prompts, each lane within its pending-prefill limit; a
+    prompt longer than max_prefill_length is prefilled alone in chunks. 1: one call a prompt.
 
     block_steps (k): decode steps per device call. The host's cost per call (dispatch, one copy,
     the pass over the slots) is paid once per k steps; the price is latency: a sample is inserted,
@@ -276,6 +280,7 @@ class RolloutServer:
         block_steps: int = 16,
         min_block_steps: int | None = None,
         fill_wait_seconds: float = 1.0,
+        prefill_batch: int = 4,
     ) -> None:
         if max_queue <= 0:
             raise ValueError(f"max_queue={max_queue} must be positive")
@@ -286,6 +291,10 @@ class RolloutServer:
         if not isinstance(min_block_steps, int) or not 1 <= min_block_steps <= block_steps:
             raise ValueError(
                 f"min_block_steps={min_block_steps!r} must be in [1, block_steps={block_steps}]")
+        if not isinstance(prefill_batch, int) or isinstance(prefill_batch, bool) \
+                or prefill_batch <= 0:
+            raise ValueError(f"prefill_batch={prefill_batch!r} must be a positive integer")
+        self.prefill_batch = prefill_batch
         if fill_wait_seconds < 0:
             raise ValueError(f"fill_wait_seconds={fill_wait_seconds} must be >= 0")
         self.block_steps, self.min_block_steps = block_steps, min_block_steps
@@ -322,6 +331,8 @@ class RolloutServer:
         self._steps = 0
         self._blocks = 0
         self._insert_latency: deque = deque(maxlen=256)  # prefill done -> first token read, s
+        self._prefill_calls = 0  # engine prefill calls (one per prompt, or per bulk_prefill)
+        self._prefilled = 0  # prompts prefilled
         self._requests_total = 0
         self._started_at = time.monotonic()
         self._recent: list[tuple[float, int]] = []
@@ -454,6 +465,8 @@ class RolloutServer:
             "generate_steps": self._steps,
             "generate_blocks": self._blocks,
             "insert_latency_s": _quantiles(list(self._insert_latency)),
+            "prefill_calls": self._prefill_calls,
+            "prefilled_prompts": self._prefilled,
             "requests_total": self._requests_total,
             "version": self.version,
             "admission": self.admission.snapshot(),
@@ -485,59 +498,147 @@ class RolloutServer:
                 return self._pending_weights
             return self._params, self._version
 
-    def _next_request(self) -> RequestHandle | None:
-        """The waiting request to prefill next: the fairest lane's head among lanes that have
-        fewer than max_pending_prefills jobs prefilled or in prefill (None when stopping)."""
+    def _eligible(self, lane) -> bool:
+        """Whether `lane` may start another prefill: it has fewer than max_pending_prefills jobs
+        prefilled or in prefill, or fewer samples than slots are prefilled or in prefill."""
+        room = self._inflight + self._ready_samples < self.engine.max_concurrent_decodes
+        return room or self._lane_jobs[lane] < self._max_pending_prefills
+
+    def _take(self, lane, handle: RequestHandle | None = None) -> RequestHandle:
+        """Take `handle` (default: the lane's head) out of the waiting queue into prefill."""
+        if handle is None:
+            handle = self._waiting.head(lane)
+        self._waiting.charge(lane, handle.request.n)  # before the lane may empty and go
+        if handle is self._waiting.head(lane):
+            self._waiting.pop(lane)
+        else:
+            self._waiting.remove(lane, handle)
+        self._lane_jobs[lane] += 1  # in prefill
+        self._inflight += _samples(handle.request)
+        return handle
+
+    def _prefill_bucket(self, request: GenerateRequest) -> int | None:
+        """The compiled prefill length of the request's longest prompt (prompts of one bucket are
+        prefilled together); None for one longer than max_prefill_length (prefilled alone, in
+        chunks)."""
+        lengths = [len(rec.prompt_ids) + len(rec.response_ids) for rec in request.continue_from]
+        longest = max(lengths or [len(request.prompt)])
+        limit = self.engine.max_prefill_length
+        if longest > limit:
+            return None
+        return min(1 << max(0, max(longest, 8) - 1).bit_length(), limit)
+
+    def _next_requests(self) -> list[RequestHandle] | None:
+        """The waiting requests to prefill next (None when stopping): the fairest eligible
+        lane's head, then, while their prompts number fewer than prefill_batch, from the fairest
+        eligible lane that has one, its first request whose prompts fall in the same bucket
+        (each charged to its lane as if taken alone). A lane's head always goes first, so a
+        request in another bucket waits at most until it is its lane's head."""
         with self._cond:
             while not self._stop.is_set():
-                room = (self._inflight + self._ready_samples
-                        < self.engine.max_concurrent_decodes)
-                lane = self._waiting.choose(
-                    lambda lane, room=room: room or self._lane_jobs[lane] < self._max_pending_prefills)
-                if lane is not None:
-                    handle = self._waiting.head(lane)
-                    self._waiting.charge(lane, handle.request.n)
-                    self._waiting.pop(lane)
-                    self._lane_jobs[lane] += 1  # in prefill
-                    self._inflight += _samples(handle.request)
-                    return handle
-                self._cond.wait(0.05)
+                lane = self._waiting.choose(self._eligible)
+                if lane is None:
+                    self._cond.wait(0.05)
+                    continue
+                taken = [self._take(lane)]
+                bucket = self._prefill_bucket(taken[0].request)
+                prompts = _samples(taken[0].request) if taken[0].request.continue_from else 1
+                while bucket is not None and prompts < self.prefill_batch:
+                    def match(handle, bucket=bucket):
+                        return self._prefill_bucket(handle.request) == bucket
+
+                    lane = self._waiting.choose(
+                        lambda lane, match=match: self._eligible(lane)
+                        and self._waiting.first(lane, match) is not None)
+                    if lane is None:
+                        break
+                    taken.append(self._take(lane, self._waiting.first(lane, match)))
+                    req = taken[-1].request
+                    prompts += len(req.continue_from) if req.continue_from else 1
+                return taken
         return None
 
     def _prefill_loop(self) -> None:
-        while (handle := self._next_request()) is not None:
-            req = handle.request
-            sampling = SamplingOptions(
-                temperature=float(req.temperature), top_p=float(req.top_p), seed=handle.seed,
-                max_tokens=req.max_tokens, stop_tokens=req.stop_tokens,
-            )
+        while (handles := self._next_requests()) is not None:
+            items = []  # (handle, sampling, tokens, sample indices, prior record)
+            for handle in handles:
+                try:
+                    items += self._items(handle)
+                except Exception as e:  # one bad request must not take the server down
+                    self._fail_prefill(handle, e)
             try:
-                if req.continue_from:
-                    for rec in req.continue_from:
-                        tokens = np.concatenate([rec.prompt_ids, rec.response_ids])
-                        self._put_job(handle, sampling, tokens, [rec.sample_index], rec)
-                else:
-                    tokens = np.asarray(req.prompt, np.int32)
-                    self._put_job(handle, sampling, tokens, list(range(req.n)), None)
-            except Exception as e:  # one bad request must not take the server down
-                handle._fail(f"prefill of request {req.request_id!r} failed: {e!r}")
-                with self._handles_lock:
-                    self._handles.discard(handle)
+                self._prefill_items(items)
             finally:
                 with self._cond:
-                    self._lane_jobs[handle.lane] -= 1  # out of prefill
-                    self._inflight -= _samples(req)  # pushed ones are counted as ready
+                    for handle in handles:
+                        self._lane_jobs[handle.lane] -= 1  # out of prefill
+                        self._inflight -= _samples(handle.request)  # pushed: counted as ready
                     self._cond.notify_all()
 
-    def _put_job(self, handle, sampling, tokens, indices, prior) -> None:
+    def _items(self, handle: RequestHandle) -> list[tuple]:
+        """The prompts of a request to prefill: its prompt once (its n samples share it), or
+        each continued record's prompt + response."""
+        req = handle.request
+        if handle.cancelled.is_set():
+            self._cancel(handle)
+            return []
+        sampling = SamplingOptions(
+            temperature=float(req.temperature), top_p=float(req.top_p), seed=handle.seed,
+            max_tokens=req.max_tokens, stop_tokens=req.stop_tokens,
+        )
+        if not req.continue_from:
+            return [(handle, sampling, np.asarray(req.prompt, np.int32), list(range(req.n)),
+                     None)]
+        return [(handle, sampling, np.concatenate([np.asarray(rec.prompt_ids, np.int32),
+                                                   np.asarray(rec.response_ids, np.int32)]),
+                 [rec.sample_index], rec) for rec in req.continue_from]
+
+    def _fail_prefill(self, handle: RequestHandle, error: Exception) -> None:
+        handle._fail(f"prefill of request {handle.request.request_id!r} failed: {error!r}")
+        with self._handles_lock:
+            self._handles.discard(handle)
+
+    def _prefill_items(self, items: list) -> None:
+        """Prefill the items (several in one engine call when there are), push their jobs.
+        A failure fails only its own request: when a batched call fails, each item is
+        prefilled alone, so the error names the request that caused it."""
+        failed: set[int] = set()
+        for lo in range(0, len(items), self.prefill_batch):
+            chunk = items[lo : lo + self.prefill_batch]
+            live = [k for k, item in enumerate(chunk) if not item[0].cancelled.is_set()]
+            prefixes: dict[int, Any] = {}
+            if len(live) > 1:
+                params, version = self._current_weights()
+                try:
+                    got = self.engine.bulk_prefill(
+                        params=VersionedParams(params, version),
+                        prompts=[chunk[k][2] for k in live], samplings=[chunk[k][1] for k in live])
+                    prefixes = dict(zip(live, got, strict=True))
+                    self._prefill_calls += 1
+                except Exception:  # each alone below: its error names its own request
+                    prefixes = {}
+            for k, (handle, sampling, tokens, indices, prior) in enumerate(chunk):
+                if id(handle) in failed:
+                    continue
+                try:
+                    self._put_job(handle, sampling, tokens, indices, prior, prefixes.get(k))
+                except Exception as e:  # one bad request must not take the server down
+                    failed.add(id(handle))
+                    self._fail_prefill(handle, e)
+
+    def _put_job(self, handle, sampling, tokens, indices, prior, prefix=None) -> None:
+        """Push the job of one prefilled prompt (`prefix`, else prefilled here alone)."""
         if handle.cancelled.is_set():
             self._cancel(handle)
             return
-        params, version = self._current_weights()
-        prefix = self.engine.prefill(
-            params=VersionedParams(params, version), padded_tokens=tokens,
-            true_length=len(tokens), sampling=sampling,
-        )
+        if prefix is None:
+            params, version = self._current_weights()
+            prefix = self.engine.prefill(
+                params=VersionedParams(params, version), padded_tokens=tokens,
+                true_length=len(tokens), sampling=sampling,
+            )
+            self._prefill_calls += 1
+        self._prefilled += 1
         routing = np.asarray(prefix.routing)
         already = 0 if prior is None else prior.response_len
         budget = sampling.max_tokens - already
