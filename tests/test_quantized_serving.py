@@ -83,6 +83,13 @@ def test_replica_serves_and_samples_the_quantised_weights(fmt):
         with pytest.raises(NonFiniteWeights):
             inference.publish(2)
         assert inference.replicas[0]["server"].version == 1
+        # ... and its kept copy too is still version 1's weights, untouched by the refusal
+        kept_version, kept = inference.replicas[0]["served"].current()
+        assert kept_version == 1 and kept is served
+        inference._params = lambda: state
+        inference.publish(2)  # the next finite push installs as usual
+        assert inference.replicas[0]["served"].version == 2
+        assert inference.replicas[0]["server"].version == 2
     finally:
         inference.close()
 

@@ -20,7 +20,7 @@ from hcjax.rollout import Engine, RolloutServer
 from hcjax.rollout.router import Router
 from hcjax.rollout.service import wait_ready
 from hcjax.sharding import SERVING_RULES
-from hcjax.transfer import LocalTransfer, VersionedWeights, make_plan
+from hcjax.transfer import LocalTransfer, TransferFailed, VersionedWeights, make_plan
 from hcjax.transfer.quantize import check_format, dequantize_tree, quantize_tree, wire_layout
 from hcjax.transfer.weights_service import WeightPublisher, WeightSyncConfig
 
@@ -89,8 +89,18 @@ class LocalInference:
         if self.quantize is not None:  # once per push, on the learner's devices
             source = quantize_tree(source, self.quantize, self.quant_block)
         for r in self.replicas:
-            tree = r["served"].update(lambda r=r: self._build(r, source), version)
+            served: VersionedWeights = r["served"]
+            if version <= served.version:
+                raise ValueError(f"version={version} is not newer than the served {served.version}")
+            try:
+                tree = jax.block_until_ready(self._build(r, source))
+            except Exception as err:
+                served.last_error = TransferFailed(version, served.version, err)
+                raise served.last_error from err
+            # The server refuses NaN/Inf weights (NonFiniteWeights) before anything is swapped:
+            # the replica's kept copy and what it serves stay one version.
             r["server"].update_weights(tree, version)
+            served.swap(tree, version)
 
     def start(self, version: int) -> None:
         """Serve the learner's current weights as `version`, then accept requests."""
