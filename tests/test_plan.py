@@ -154,12 +154,16 @@ def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model():
     run on local shards under shard_map, and compile through Mosaic (not interpret mode)."""
     model = dataclasses.replace(_tiny(), num_layers=2, attention_impl="auto", moe_impl="auto")
     pc = dataclasses.replace(SMALL, topology="v5p:2x2x1")
-    for ep in ("none", "all_to_all"):
+    # The decode step's kernels do not depend on the learner's expert parallelism: compiled once.
+    for ep, decode_too in (("none", False), ("all_to_all", True)):
         cfg = dataclasses.replace(model, expert_parallel=ep)
-        result = plan_lib.plan(pc, cfg, mesh_cfg=MeshConfig(fsdp=1, tensor=2, expert=2))
-        train, decode = result["train_step"]["pallas_kernels"], result["decode_step"]["pallas_kernels"]
+        result = plan_lib.plan(dataclasses.replace(pc, decode=decode_too), cfg,
+                               mesh_cfg=MeshConfig(fsdp=1, tensor=2, expert=2))
+        train = result["train_step"]["pallas_kernels"]
         assert train.get("gmm", 0) >= 3 and any("splash" in k or "flash" in k for k in train), (ep, train)
-        assert decode.get("gmm", 0) >= 3 and any("decode_attention" in k for k in decode), decode
+        if decode_too:
+            decode = result["decode_step"]["pallas_kernels"]
+            assert decode.get("gmm", 0) >= 3 and any("decode_attention" in k for k in decode), decode
     assert jax.default_backend() == "cpu"  # nothing changed the host's platform
 
 

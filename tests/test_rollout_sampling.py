@@ -309,8 +309,8 @@ def test_each_level_gives_the_same_row_result():
     keys = _keys(b, seed=3)
     outs = [jax.jit(functools.partial(sample_eager, candidates=c, sort_up_to=s))(
         logits, keys, temperature, top_p)
-            for c, s in [((4,), 0), ((4,), SORT_UP_TO), ((4, 32), 0), ((64,), SORT_UP_TO),
-                         ((200,), 0), ((v,), SORT_UP_TO), ((4, 32, 128), 0)]]
+            for c, s in [((4,), 0), ((4,), SORT_UP_TO), ((4, 32), 0), ((v,), SORT_UP_TO),
+                         ((4, 32, 128), 0)]]
     for out in outs[1:]:
         # Fixed-point masses: the kept mass is the same integer whichever level summed it.
         _assert_same(out, outs[0])
