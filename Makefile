@@ -1,7 +1,8 @@
 # One command per job, each doing its own set-up on a fresh machine:
 #   make run    -- the main job
-#   make test   -- the test suite (what .ci/run calls), on two pytest-xdist workers (each takes
-#                  a contiguous half of the tests, an idle one steals from the other);
+#   make test   -- the test suite (what .ci/run calls), on three pytest-xdist workers on the two
+#                  cores (a third of the tests each, an idle one steals from the others; the
+#                  third fills the time tests spend waiting on subprocesses, sockets, timers);
 #                  PYTEST_ARGS="-n 0" runs it in one process
 PY ?= python3
 VENV := .venv
@@ -23,7 +24,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests
-	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal --durations=40 tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 3 --dist worksteal --durations=40 tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests
