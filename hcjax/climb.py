@@ -73,8 +73,8 @@ def _extra_args(parser) -> None:
                         help="do not climb: run the sampler/learner mismatch gate "
                         "(hcjax.rl.mismatch) on the checkpoint, print its table and exit "
                         "non-zero when fp32 with replay exceeds its bounds")
-    parser.add_argument("--mismatch_steps", type=int, default=3,
-                        help="GRPO steps of the --check_mismatch gate (default 3)")
+    parser.add_argument("--mismatch_steps", type=int, default=20,
+                        help="GRPO steps of the --check_mismatch gate (default 20)")
     parser.add_argument("--mismatch_bf16", action="store_true",
                         help="--check_mismatch also samples in bf16 (rows reported, not gated)")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
