@@ -500,10 +500,6 @@ def device_bound_comparison(cfg: ModelConfig, name: str, args, note=lambda item:
     }
 
 
-def _bucket(n: int, limit: int) -> int | None:
-    return None if n > limit else min(_pow2(max(n, 8)), limit)
-
-
 def prefill_engine_run(engine: Engine, prompts, batch: int) -> float:
     """Seconds to prefill `prompts` through the engine: one `prefill` call each (batch 1), or
     `bulk_prefill` calls of up to `batch` prompts of one length bucket (as the server groups
@@ -516,7 +512,8 @@ def prefill_engine_run(engine: Engine, prompts, batch: int) -> float:
     else:
         groups: dict = {}
         for p in prompts:
-            groups.setdefault(_bucket(len(p), engine.max_prefill_length), []).append(p)
+            long = len(p) > engine.max_prefill_length  # prefilled alone, in chunks
+            groups.setdefault(None if long else engine.prefill_bucket(len(p)), []).append(p)
         for group in groups.values():
             for lo in range(0, len(group), batch):
                 out += engine.bulk_prefill(params=params, prompts=group[lo : lo + batch])

@@ -964,7 +964,7 @@ class Engine:
         routings = [block.routing for block in chain]
         for start in range(done, total, self._max_prefill):
             n = min(self._max_prefill, total - start)
-            chunk = np.zeros((self._bucket(n),), np.int32)
+            chunk = np.zeros((self.prefill_bucket(n),), np.int32)
             chunk[:n] = tokens[start : start + n]
             cache, logits, routing = self._prefill_jit(
                 weights, cache, chunk, np.int32(start), np.int32(n)
@@ -984,7 +984,7 @@ class Engine:
             tokens=tuple(int(t) for t in tokens),
         )
 
-    def _bucket(self, n: int) -> int:
+    def prefill_bucket(self, n: int) -> int:
         """The compiled length of a prefill chunk of `n` tokens: a power of two, at least 8, at
         most max_prefill_length."""
         return min(_next_pow2(max(n, 8)), self._max_prefill)
@@ -1094,7 +1094,7 @@ class Engine:
         """One batched chunk for rows of (index, tokens, sampling, prefix-cache chain, tokens
         reused), each computing at most max_prefill_length tokens."""
         b = _next_pow2(len(rows))
-        width = self._bucket(max(int(t.shape[0]) - done for _, t, _, _, done in rows))
+        width = self.prefill_bucket(max(int(t.shape[0]) - done for _, t, _, _, done in rows))
         chunk = np.zeros((b, width), np.int32)
         starts = np.zeros((b,), np.int32)
         lengths = np.ones((b,), np.int32)  # padding rows: one token at position 0

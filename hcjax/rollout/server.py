@@ -523,10 +523,9 @@ class RolloutServer:
         chunks)."""
         lengths = [len(rec.prompt_ids) + len(rec.response_ids) for rec in request.continue_from]
         longest = max(lengths or [len(request.prompt)])
-        limit = self.engine.max_prefill_length
-        if longest > limit:
+        if longest > self.engine.max_prefill_length:
             return None
-        return min(1 << max(0, max(longest, 8) - 1).bit_length(), limit)
+        return self.engine.prefill_bucket(longest)
 
     def _next_requests(self) -> list[RequestHandle] | None:
         """The waiting requests to prefill next (None when stopping): the fairest eligible
