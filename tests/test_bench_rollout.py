@@ -41,3 +41,25 @@ def test_device_bound_section():
     assert out["params"] > 0 and out["insert_latency"]["server_insert_latency_s"]["n"] >= 1
     with pytest.raises(ValueError, match="'huge'"):
         main(["--only", "device_bound", "--db_configs", "huge"])
+
+
+def test_shared_pages_section():
+    """Four sequences with an 8-token common head in pages of 4: without reuse each holds its
+    own three prompt pages; with reuse the head's two pages are held once."""
+    import argparse
+    import dataclasses
+
+    from flax import nnx
+
+    from hcjax.bench.rollout import shared_pages_comparison
+    from hcjax.model import Transformer
+    from hcjax.rollout.testing import TINY_TEST_CONFIG
+
+    model = Transformer(dataclasses.replace(TINY_TEST_CONFIG, num_layers=2), rngs=nnx.Rngs(0))
+    args = argparse.Namespace(sp_requests=4, sp_system=8, sp_tail=3, sp_response=2,
+                              prefix_block_size=4, prefix_cache_blocks=64)
+    out = shared_pages_comparison(model, args, max_len=32)
+    assert out["pages_after_insert_without_reuse"] == 4 * 3
+    assert out["pages_after_insert_with_reuse"] == 2 + 4 * 1
+    assert out["shared_page_maps_with_reuse"] == 3 * 2 and out["shared_page_maps_without_reuse"] == 0
+    assert out["tokens_equal"]

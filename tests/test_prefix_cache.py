@@ -164,3 +164,18 @@ def test_multi_turn_rollouts_unchanged_by_reuse(plain, reusing):
     computed = stats["computed_tokens"] - start["computed_tokens"]
     assert reused > computed  # the shared system prompt and each episode's history
     assert len(reusing.prefix_cache) <= reusing.prefix_cache.max_blocks
+
+
+def test_multi_turn_rollouts_on_shared_pages(model, plain):
+    """The same episodes on the paged layout with reuse: each turn's history maps the pages its
+    cached blocks hold (the system prompt's, the earlier turns') instead of writing them again."""
+    paged = Engine(model, max_concurrent_decodes=4, max_prefill_length=40, max_target_length=64,
+                   prefix_cache_blocks=64, prefix_block_size=4, kv_layout="paged", page_size=4)
+    want, got = _episodes(plain), _episodes(paged)
+    for turn_want, turn_got in zip(want, got):
+        for w, g in zip(turn_want, turn_got):
+            assert g.response_ids.tolist() == w.response_ids.tolist()
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+            np.testing.assert_array_equal(g.routing, w.routing)
+    stats = paged.page_stats()
+    assert stats["shared"] > 0 and stats["in_use"] == 0 and stats["cached"] > 0

@@ -173,3 +173,72 @@ def test_paged_kernel_on_local_shards_under_a_mesh():
     got, paged = tokens(kv_layout="paged", page_size=16, num_pages=18)
     assert paged._pages.owned[3][0] >= 9  # shard 1's half of the pool
     np.testing.assert_array_equal(got, want)
+
+
+def _prefill(eng, prompt, max_tokens=6):
+    return eng.prefill(params=eng.load_params(), padded_tokens=prompt, true_length=len(prompt),
+                       sampling=SamplingOptions(max_tokens=max_tokens, temperature=0.0))
+
+
+def _greedy(eng, state, slots, steps=6):
+    out = []
+    for _ in range(steps):
+        state, result = eng.generate(eng.load_params(), state)
+        out.append(np.asarray(result.tokens)[slots])
+    return state, np.stack(out)
+
+
+def test_prefix_cache_blocks_are_shared_pages():
+    """With prefix reuse, a prompt page that holds a cached block is mapped by every later
+    prompt starting with it (not taken and written again), stays cached when no sequence holds
+    it, and is taken back when the free list runs out; tokens equal the slot layout's with the
+    same prefix cache."""
+    model = _model()
+    head = [1, 5, 9, 3, 7, 2, 11, 4]  # two blocks of 4
+    a, b, c = head + [6, 8, 10], head + [12, 13, 3, 1, 4], [7] * 27
+    kw = dict(prefix_cache_blocks=64, prefix_block_size=4)
+
+    def run(eng, shared_pages):
+        state = eng.init_decode_state()
+        assert eng.allocate_slots(4) == [0, 1, 2, 3]
+        pa, pb = _prefill(eng, a), _prefill(eng, b)
+        assert pa.blocks and pb.blocks[:2] == pa.blocks  # b's chain is a's two blocks, exact
+        state = eng.insert(pa, state, 0)
+        state = eng.bulk_insert(pb, state, [1, 2])
+        if shared_pages:
+            pool = eng._pages
+            assert pool.owned[1][:2] == pool.owned[0][:2] == pool.owned[2][:2]
+            head_pages = pool.owned[0][:2]
+            # a: 2 cached + 1 partial; b (two samples): its third block + a partial page each
+            assert eng.page_stats()["in_use"] == 3 + 1 + 2
+            assert eng.page_stats()["shared"] == 2 and eng.page_stats()["cached"] == 3
+        state, first = _greedy(eng, state, [0, 1, 2])
+        for slot in (0, 1, 2):
+            state = eng.deactivate(state, slot)
+            eng.free_resource(slot)
+        if shared_pages:
+            stats = eng.page_stats()
+            assert stats["in_use"] == 0 and stats["idle_cached"] == 3
+        # The head again, after every sequence holding it finished: the idle pages come back.
+        pc = _prefill(eng, head + [9, 9])
+        state = eng.insert(pc, state, 3)
+        if shared_pages:
+            assert eng.page_stats()["shared"] == 4 and pool.owned[3][:2] == head_pages
+        state, second = _greedy(eng, state, [3])
+        state = eng.deactivate(state, 3)
+        eng.free_resource(3)
+        assert eng.allocate_slots(1) == [0]
+        # A prompt sharing nothing in a nearly full pool: idle cached pages are taken back.
+        state = eng.insert(_prefill(eng, c, max_tokens=3), state, 0)
+        state, third = _greedy(eng, state, [0], steps=3)
+        if shared_pages:
+            assert eng.page_stats()["reclaimed"] > 0
+        return first, second, third
+
+    want = run(_engine(model, **kw), shared_pages=False)
+    got = run(_engine(model, kv_layout="paged", page_size=4, num_pages=10, **kw),
+              shared_pages=True)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="prefix_block_size=8 must equal page_size=4"):
+        _engine(model, kv_layout="paged", page_size=4, prefix_cache_blocks=8, prefix_block_size=8)

@@ -7,8 +7,9 @@ the tiny vocabulary and at large ones; and (`--only device_bound`) RolloutServer
 device-bound reference, the same batches decoded by one jitted scan with no host work between
 steps, at the tiny config and a ~40M-parameter one: tokens/s, the server's host time per step and
 its insert latency; and (`--only prefill`) prefill throughput with one prompt per call vs
-`--prefill_batch` per call, on the engine and through the server. Prints one JSON object last;
-asserts no timing.
+`--prefill_batch` per call, on the engine and through the server; and (`--only shared_pages`)
+the paged layout's pages for sequences with a common prompt head, without and with prefix reuse.
+Prints one JSON object last; asserts no timing.
 """
 
 from __future__ import annotations
@@ -572,12 +573,60 @@ def prefill_comparison(model, args, max_len: int, note=lambda item: None) -> dic
     return out
 
 
+def shared_pages_comparison(model, args, max_len: int) -> dict:
+    """Pages the paged layout holds for `args.sp_requests` greedy sequences whose prompts share
+    an `args.sp_system`-token head (each with its own `args.sp_tail` tokens), without and with
+    prefix reuse (which maps the head's cached pages instead of writing a copy per sequence):
+    pages in use once every prompt is inserted and after `args.sp_response` decode steps, and
+    whether the tokens are equal."""
+    rng = np.random.default_rng(3)
+    vocab = model.config.vocab_size
+    head = rng.integers(0, vocab, args.sp_system).tolist()
+    prompts = [head + rng.integers(0, vocab, args.sp_tail).tolist()
+               for _ in range(args.sp_requests)]
+    longest = len(prompts[0]) + args.sp_response
+    if longest >= max_len:
+        raise ValueError(f"shared_pages: {longest} tokens a sequence >= max_seq_len={max_len}")
+    sampling = SamplingOptions(max_tokens=args.sp_response, temperature=0.0)
+    runs = {}
+    for name, blocks in [("without_reuse", 0), ("with_reuse", args.prefix_cache_blocks)]:
+        engine = Engine(model, max_concurrent_decodes=args.sp_requests,
+                        max_prefill_length=len(prompts[0]), max_target_length=max_len,
+                        kv_layout="paged", page_size=args.prefix_block_size,
+                        prefix_cache_blocks=blocks, prefix_block_size=args.prefix_block_size)
+        params, state = engine.load_params(), engine.init_decode_state()
+        for slot, prompt in zip(engine.allocate_slots(len(prompts)), prompts, strict=True):
+            prefix = engine.prefill(params=params, padded_tokens=prompt,
+                                    true_length=len(prompt), sampling=sampling)
+            state = engine.insert(prefix, state, slot)
+        after_insert = engine.page_stats()["in_use"]
+        tokens = []
+        for _ in range(args.sp_response):
+            state, result = engine.generate(params, state)
+            tokens.append(np.asarray(result.tokens))
+        stats = engine.page_stats()
+        runs[name] = {"pages_after_insert": after_insert, "pages_after_decode": stats["in_use"],
+                      "shared_page_maps": stats["shared"], "tokens": np.stack(tokens)}
+    off, on = runs["without_reuse"], runs["with_reuse"]
+    return {
+        "sequences": args.sp_requests, "shared_head_tokens": args.sp_system,
+        "own_prompt_tokens": args.sp_tail, "response_tokens": args.sp_response,
+        "page_size": args.prefix_block_size,
+        **{f"{k}_{name}": r[k] for name, r in runs.items()
+           for k in ("pages_after_insert", "pages_after_decode", "shared_page_maps")},
+        "pages_ratio_after_decode": round(off["pages_after_decode"]
+                                          / max(1, on["pages_after_decode"]), 2),
+        "tokens_equal": bool(np.array_equal(off["tokens"], on["tokens"])),
+    }
+
+
 EXAMPLES = """examples:
   python -m hcjax.bench.rollout                        # continuous vs static batching, ReAct, prefix cache
   python -m hcjax.bench.rollout --requests 64 --slots 16 --max_response 64
   python -m hcjax.bench.rollout --only sampling        # top-p vs greedy vs full sort, 3 vocabularies
   python -m hcjax.bench.rollout --only device_bound    # RolloutServer vs one on-device loop, 64 slots
   python -m hcjax.bench.rollout --only prefill         # prefill_batch 1 vs 8: prompts/s
+  python -m hcjax.bench.rollout --only shared_pages    # paged KV: a common head's pages shared
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -606,8 +655,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--sampling_repeats", type=int, default=60,
                         help="interleaved rounds per case (medians); the full sort runs a fifth, "
                              "at most 3")
-    parser.add_argument("--only", choices=["all", "sampling", "device_bound", "prefill"],
-                        default="all")
+    parser.add_argument("--only", choices=["all", "sampling", "device_bound", "prefill",
+                                           "shared_pages"], default="all")
+    parser.add_argument("--sp_requests", type=int, default=16,
+                        help="shared_pages section: sequences in flight")
+    parser.add_argument("--sp_system", type=int, default=96,
+                        help="shared_pages section: tokens of the head every prompt starts with")
+    parser.add_argument("--sp_tail", type=int, default=8,
+                        help="shared_pages section: each prompt's own tokens after the head")
+    parser.add_argument("--sp_response", type=int, default=16,
+                        help="shared_pages section: greedy tokens per sequence")
     parser.add_argument("--pf_prompts", type=int, default=64, help="prefill section: prompts")
     parser.add_argument("--prefill_batch", type=int, default=8,
                         help="prefill section: prompts per call compared with 1")
@@ -648,6 +705,16 @@ def main(argv=None) -> dict:
         return out
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     model = nnx.merge(graphdef, perturbed(state, 1))
+    shared_pages = None
+    if args.only in ("all", "shared_pages"):
+        with phases.phase("paged KV: a common head without vs with prefix reuse"):
+            shared_pages = shared_pages_comparison(model, args, cfg.max_seq_len)
+        if args.only == "shared_pages":
+            out = {"bench": "rollout", "backend": jax.default_backend(),
+                   "shared_pages_ratio": shared_pages["pages_ratio_after_decode"],
+                   "shared_pages": shared_pages}
+            print(json.dumps(out))
+            return out
     if args.only in ("all", "prefill"):
         with phases.phase(f"prefill: 1 vs {args.prefill_batch} prompts per call") as phase:
             prefill = prefill_comparison(model, args, cfg.max_seq_len, note=phase.now)
@@ -738,6 +805,8 @@ def main(argv=None) -> dict:
         "prefill_batched_over_single_engine": prefill["engine_batched_over_single"],
         "prefill_batched_over_single_server": prefill["server_batched_over_single"],
         "prefill": prefill,
+        "shared_pages_ratio": shared_pages["pages_ratio_after_decode"],
+        "shared_pages": shared_pages,
         **device_summary,
         "device_bound": device_bound,
         **sampling_summary,

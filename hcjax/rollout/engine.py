@@ -14,6 +14,7 @@ subclasses of its abstract classes (`register_with_jetstream`); hcjax never need
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -182,6 +183,9 @@ class Prefix:
     version: int = dataclasses.field(metadata=dict(static=True))
     sampling: SamplingOptions = dataclasses.field(metadata=dict(static=True))
     tokens: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    # Prefix-cache block uids whose stored KV this cache holds exactly at positions 0.. (block i
+    # at [i * block_size, (i + 1) * block_size)): the paged layout maps cached pages for them.
+    blocks: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -317,6 +321,16 @@ class _PagePool:
         self._new: list[tuple[int, int, int]] = []  # (slot, page index, page)
         self.paused: set[int] = set()  # slots waiting for a page
         self.waits = 0  # times a slot was paused for want of a page
+        # Pages that hold a prefix-cache block (`Prefix.blocks`), per shard: block uid -> page.
+        # Sequences whose prompts start with the block map the page instead of taking their own.
+        # A cached page no sequence holds is idle: counted as free, and taken back (least
+        # recently used first) when the free list runs out.
+        self.cached: list[dict[int, int]] = [{} for _ in range(ways)]
+        self._cached_uid: dict[int, int] = {}  # page -> the block uid it holds
+        self._idle: list[collections.OrderedDict[int, int]] = [
+            collections.OrderedDict() for _ in range(ways)]  # uid -> page, LRU first
+        self.shared = 0  # prompt pages mapped from the cache instead of written
+        self.reclaimed = 0  # idle cached pages taken back for other use
 
     def shard_of(self, slot: int) -> int:
         return slot // (self.slots // self.ways)
@@ -328,14 +342,37 @@ class _PagePool:
         return -(-tokens // self.page_size)
 
     def free_counts(self) -> list[int]:
-        return [len(f) for f in self._free]
+        """Pages each shard can hand out: its free list and its idle cached pages."""
+        return [self._avail(w) for w in range(self.ways)]
 
-    def admit(self, slots: Sequence[int], length: int, budget: int) -> np.ndarray:
-        """Pages for a `length`-token prompt in each of `slots`: [len(slots), max_pages] page
-        rows (unused entries = num_pages, which the insert's scatter drops). The slots of one
-        shard share the prompt's full pages (read-only: every write is at a position past the
-        prompt) and each gets its own copy of a partly filled last page. Raises when a shard has
-        too few pages free, or when admitting could leave no sequence able to finish."""
+    def _avail(self, shard: int) -> int:
+        return len(self._free[shard]) + len(self._idle[shard])
+
+    def _take(self, shard: int) -> int:
+        """A page of `shard` for new contents: from the free list, else the least recently used
+        idle cached page (its block is forgotten here; the prefix cache may still hold it)."""
+        if self._free[shard]:
+            return self._free[shard].pop()
+        uid, page = self._idle[shard].popitem(last=False)
+        del self.cached[shard][uid], self._cached_uid[page]
+        self.reclaimed += 1
+        return page
+
+    def _hits(self, shard: int, blocks: Sequence[int], full: int) -> list[int | None]:
+        """For each of a prompt's `full` whole pages, the cached page holding its block or None."""
+        cached = self.cached[shard]
+        return [cached.get(blocks[i]) if i < len(blocks) else None for i in range(full)]
+
+    def admit(self, slots: Sequence[int], length: int, budget: int,
+              blocks: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """Pages for a `length`-token prompt in each of `slots`: ([len(slots), max_pages] page
+        rows, the same rows with the pages the insert must write; unused entries = num_pages,
+        which the insert's scatter drops). The slots of one shard share the prompt's full pages
+        (read-only: every write is at a position past the prompt) and each gets its own copy of
+        a partly filled last page. `blocks`: prefix-cache block uids whose KV the prompt's first
+        pages hold exactly (`Prefix.blocks`); a page already caching one is mapped, not written,
+        and a new page for one is registered for later prompts. Raises when a shard has too few
+        pages free, or when admitting could leave no sequence able to finish."""
         full, part = divmod(length, self.page_size)
         part = int(part > 0)
         limit = min(length + budget, self.max_pages * self.page_size)
@@ -346,27 +383,47 @@ class _PagePool:
         for slot in slots:
             by_shard.setdefault(self.shard_of(slot), []).append(slot)
         for shard, group in by_shard.items():
-            want = full + part * len(group)
-            if want > len(self._free[shard]):
+            hits = [p for p in self._hits(shard, blocks, full) if p is not None]
+            idle = sum(1 for p in hits if p not in self.refs)  # mapped back into use
+            live = len(hits) - idle  # held by running sequences already
+            avail = self._avail(shard) - idle
+            want = full - len(hits) + part * len(group)
+            if want > avail:
                 raise RuntimeError(
                     f"paged KV: {want} pages needed for {len(group)} x a {length}-token prompt, "
-                    f"{len(self._free[shard])} free in shard {shard} "
+                    f"{avail} free in shard {shard} "
                     f"(num_pages={self.num_pages}); admit fewer sequences or raise num_pages")
-            held = full + part if len(group) == 1 else part  # pages only this slot would free
+            # pages only this slot would free
+            held = full - live + part if len(group) == 1 else part
             new = [(self.pages_for(limit) - full - part, held)] * len(group)
-            if not self._safe(len(self._free[shard]) - want, self._holdings(shard) + new):
+            if not self._safe(avail - want, self._holdings(shard) + new):
                 raise RuntimeError(
                     f"paged KV: admitting {len(group)} more {length}-token prompts (budget "
                     f"{budget}) could leave shard {shard} without pages for any sequence to "
                     f"finish (num_pages={self.num_pages}); admit fewer sequences or raise "
                     "num_pages")
         rows = np.full((len(slots), self.max_pages), self.num_pages, np.int32)
+        writes = rows.copy()
         index = {slot: i for i, slot in enumerate(slots)}
         for shard, group in by_shard.items():
-            free = self._free[shard]
-            shared = [free.pop() for _ in range(full)]
+            hits = self._hits(shard, blocks, full)
+            for i, page in enumerate(hits):  # out of the idle set before any page is taken
+                if page is not None:
+                    self._idle[shard].pop(blocks[i], None)
+                    self.shared += 1
+            shared, written = [], []
+            for i, page in enumerate(hits):
+                if page is not None:
+                    shared.append(page)
+                    continue
+                page = self._take(shard)
+                if i < len(blocks):
+                    self.cached[shard][blocks[i]] = page
+                    self._cached_uid[page] = blocks[i]
+                shared.append(page)
+                written.append(i)
             for slot in group:
-                pages = shared + [free.pop() for _ in range(part)]
+                pages = shared + [self._take(shard) for _ in range(part)]
                 for page in pages:
                     self.refs[page] = self.refs.get(page, 0) + 1
                 self.owned[slot] = pages
@@ -375,7 +432,9 @@ class _PagePool:
                 self._reset.pop(slot, None)  # the insert rewrites the row
                 self._new = [u for u in self._new if u[0] != slot]
                 rows[index[slot], : len(pages)] = pages
-        return rows
+                keep = written + list(range(full, len(pages)))
+                writes[index[slot], keep] = rows[index[slot], keep]
+        return rows, writes
 
     def _need(self, slot: int) -> int:
         """Pages `slot` may still take before its token budget runs out (its worst case)."""
@@ -403,7 +462,7 @@ class _PagePool:
         can admit and stay safe (binary search; safety only gets harder with more)."""
         held = self.pages_for(prompt)
         new = (self.max_pages - held, held)
-        free, base = len(self._free[shard]), self._holdings(shard)
+        free, base = self._avail(shard), self._holdings(shard)
         lo, hi = 0, min(free_slots, free // max(1, held))
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -426,13 +485,13 @@ class _PagePool:
         for slot, pages in self.owned.items():
             last = min(self.next_pos[slot] + steps, self.limit[slot]) - 1
             shard = self.shard_of(slot)
-            free = self._free[shard]
+            free = self._avail(shard)
             k = max(0, -(-(last + 1) // self.page_size) - len(pages))
-            granted = k <= len(free) and (
-                k == 0 or len(free) - k >= most[shard]
-                or self._safe(len(free) - k, [(n - k, h + k) if s == slot else (n, h) for s, (n, h)
-                                              in zip(self._shard_slots(shard),
-                                                     self._holdings(shard))]))
+            granted = k <= free and (
+                k == 0 or free - k >= most[shard]
+                or self._safe(free - k, [(n - k, h + k) if s == slot else (n, h) for s, (n, h)
+                                         in zip(self._shard_slots(shard),
+                                                self._holdings(shard))]))
             if not granted:
                 if slot not in self.paused:
                     self.paused.add(slot)
@@ -440,7 +499,7 @@ class _PagePool:
                     self.waits += 1
                 continue
             for _ in range(k):
-                pages.append(free.pop())
+                pages.append(self._take(shard))
                 self.refs[pages[-1]] = 1
                 self._new.append((slot, len(pages) - 1, pages[-1]))
             if slot in self.paused:
@@ -456,11 +515,16 @@ class _PagePool:
         pages = self.owned.pop(slot, None)
         if pages is None:
             return
+        shard = self.shard_of(slot)
         for page in reversed(pages):
             self.refs[page] -= 1
             if not self.refs[page]:
                 del self.refs[page]
-                self._free[self.shard_of(slot)].append(page)
+                uid = self._cached_uid.get(page)
+                if uid is None:
+                    self._free[shard].append(page)
+                else:  # keeps its block for the next prompt that starts with it
+                    self._idle[shard][uid] = page
         del self.next_pos[slot], self.limit[slot]
         self._new = [u for u in self._new if u[0] != slot]
         self._reset[slot] = self.scratch(slot)
@@ -511,10 +575,11 @@ def _resume_row(state, slot, logits, active):
                                active=state.active.at[slot].set(active))
 
 
-def _put_paged(layer: dict, row: dict, axis: int, slot, pages_row) -> dict:
+def _put_paged(layer: dict, row: dict, axis: int, slot, pages_row, writes_row) -> dict:
     """Insert one prefilled row (slot layout, batch axis `axis`) into a paged layer: the row's
-    positions page by page into the pool at `pages_row` (entries >= num_pages dropped) and the
-    slot's page-table row (dropped entries -> 0)."""
+    positions page by page into the pool at `writes_row` (entries >= num_pages dropped: pages
+    that already hold these entries, mapped from the prefix cache) and `pages_row` as the slot's
+    page-table row (dropped entries -> 0)."""
     table = layer["page_table"]
     lead = table.ndim - 2
     max_pages = table.shape[-1]
@@ -528,7 +593,7 @@ def _put_paged(layer: dict, row: dict, axis: int, slot, pages_row) -> dict:
         if pad:
             x = jnp.pad(x, [(0, 0)] * lead + [(0, pad)] + [(0, 0)] * (x.ndim - lead - 1))
         x = x.reshape(*x.shape[:lead], max_pages, page_size, *x.shape[lead + 1:])
-        at = (slice(None),) * lead + (pages_row,)
+        at = (slice(None),) * lead + (writes_row,)
         new[name] = pool.at[at].set(x.astype(pool.dtype), mode="drop")
     kept = jnp.where(pages_row < num_pages, pages_row, 0)
     new["page_table"] = table.at[(slice(None),) * lead + (slot,)].set(kept)
@@ -556,9 +621,14 @@ class Engine:
       None = enough for every slot at max_target_length (no saving; size it to the load). Page 0
       of each batch shard is scratch that idle rows write to. Admission (`num_free_slots`) counts
       pages as well as slots; a page is granted only while every sequence can still finish, and
-      a slot refused one pauses until pages come back. Prefill and the prefix cache keep the slot
-      layout (batch 1, or one row a prompt in `bulk_prefill`): a prefix-cache hit is copied into
-      pages, not shared.
+      a slot refused one pauses until pages come back. Prefill keeps the slot layout (batch 1,
+      or one row a prompt in `bulk_prefill`). With prefix reuse (prefix_block_size must equal
+      page_size), a prompt page that holds a cached block is kept in the pool for that block:
+      later prompts starting with the block map the same page instead of taking and writing
+      their own, so sequences with a common head (a system prompt, an episode's history) hold
+      it once; such a page no sequence holds stays cached, counted as free and taken back least
+      recently used first. The prefix cache's own copy of each block stays outside the pool
+      (prefill runs without the decode state, so it cannot read pages).
     """
 
     def __init__(
@@ -627,6 +697,10 @@ class Engine:
         self._stats = {"prompt_tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "prefills": 0}
         self._free = list(range(max_concurrent_decodes))
         self._free_lock = threading.Lock()
+        if kv_layout == "paged" and prefix_cache_blocks and prefix_block_size != page_size:
+            raise ValueError(
+                f"prefix_block_size={prefix_block_size} must equal page_size={page_size} with "
+                "kv_layout='paged' and prefix reuse (a cached block is shared as one page)")
         self._pages = None if kv_layout == "slot" else _PagePool(
             max_concurrent_decodes, max_target_length, page_size, num_pages,
             int(np.prod([mesh.shape[a] for a in _pool_axes(mesh, max_concurrent_decodes)])))
@@ -797,14 +871,19 @@ class Engine:
         return "slot" if self._pages is None else "paged"
 
     def page_stats(self) -> dict:
-        """Pages of the paged layout: total, free, in use, and `waits` (times a sequence was
-        paused for want of a page); empty for the slot layout."""
+        """Pages of the paged layout: total, free (idle cached pages included), in use, `waits`
+        (times a sequence was paused for want of a page), pages holding prefix-cache blocks
+        (`cached`, `idle_cached` of them held by no sequence), prompt pages mapped from the cache
+        (`shared`) and idle cached pages taken back (`reclaimed`); empty for the slot layout."""
         if self._pages is None:
             return {}
+        pool = self._pages
         with self._free_lock:
-            free = sum(self._pages.free_counts())
-        return {"num_pages": self._pages.num_pages, "page_size": self._pages.page_size,
-                "free": free, "in_use": self._pages.usable - free, "waits": self._pages.waits}
+            free = sum(pool.free_counts())
+            return {"num_pages": pool.num_pages, "page_size": pool.page_size,
+                    "free": free, "in_use": pool.usable - free, "waits": pool.waits,
+                    "cached": len(pool._cached_uid), "idle_cached": sum(map(len, pool._idle)),
+                    "shared": pool.shared, "reclaimed": pool.reclaimed}
 
     def _sync_tables(self, state: DecodeState) -> DecodeState:
         """Apply the host's pending page-table changes (freed rows back to scratch, new pages)
@@ -971,8 +1050,9 @@ class Engine:
             )
             routings.append(np.asarray(routing)[:, :n])
         routing = np.concatenate(routings, axis=1)
+        blocks = ()
         if self.prefix_cache is not None:
-            self._store_blocks(cache, tokens, version, chain, routing)
+            blocks = self._store_blocks(cache, tokens, version, chain, routing)
         self._count_prefill(total, done)
         return Prefix(
             cache=self._fold_jit(cache, np.int32(total)),
@@ -982,6 +1062,7 @@ class Engine:
             version=version,
             sampling=sampling,
             tokens=tuple(int(t) for t in tokens),
+            blocks=blocks,
         )
 
     def prefill_bucket(self, n: int) -> int:
@@ -1121,9 +1202,10 @@ class Engine:
             total = int(tokens.shape[0])
             routed = np.concatenate([block.routing for block in chain]
                                     + [routing[r][:, : total - done]], axis=1)
+            blocks = ()
             if self.prefix_cache is not None:
-                self._store_blocks(self._row_jit(cache, np.int32(r)), tokens, version, chain,
-                                   routed)
+                blocks = self._store_blocks(self._row_jit(cache, np.int32(r)), tokens, version,
+                                            chain, routed)
             self._count_prefill(total, done)
             out.append(Prefix(
                 cache=split[r][0],
@@ -1133,6 +1215,7 @@ class Engine:
                 version=version,
                 sampling=sp,
                 tokens=tuple(int(t) for t in tokens),
+                blocks=blocks,
             ))
         return out
 
@@ -1146,18 +1229,28 @@ class Engine:
         blocks = [b.kv for b in chain] + [self._empty_block] * (width - len(chain))
         return self._assemble_jit(blocks)
 
-    def _store_blocks(self, wide, tokens, version, chain, routing) -> None:
+    def _store_blocks(self, wide, tokens, version, chain, routing) -> tuple[int, ...]:
+        """Store the prompt's whole blocks past `chain`; returns the uids of the blocks, from the
+        first, whose stored KV is exactly `wide`'s (`Prefix.blocks`): the chain's (restored into
+        it) and the ones stored from it, up to one another prefill stored first (its entries
+        may differ in the last bits)."""
         bs = self.prefix_cache.block_size
         new = [
             (self._block_at_jit(wide, np.int32(i * bs)), routing[:, i * bs : (i + 1) * bs])
             for i in range(len(chain), tokens.shape[0] // bs)
         ]
+        exact = [block.uid for block in chain]
         if new:
-            self.prefix_cache.extend(tokens, version, chain, new)
+            stored = self.prefix_cache.extend(tokens, version, chain, new)
+            for block, (kv, _) in zip(stored, new):
+                if block.kv is not kv:
+                    break
+                exact.append(block.uid)
+        return tuple(exact)
 
     # Insert ----------------------------------------------------------------------------------
     def _insert_impl(self, state, cache, logits, version, length, slot, sample_index, seed,
-                     temperature, top_p, remaining, stop_tokens, pages=None):
+                     temperature, top_p, remaining, stop_tokens, pages=None, writes=None):
         def put(full, one, axis):
             start = [0] * full.ndim
             start[axis] = slot
@@ -1165,7 +1258,7 @@ class Engine:
 
         def put_layer(full, one, axes):
             if "page_table" in full:
-                return _put_paged(full, one, axes["pos"], slot, pages)
+                return _put_paged(full, one, axes["pos"], slot, pages, writes)
             return jax.tree.map(put, full, one, axes)
 
         def row(arr, value):
@@ -1188,12 +1281,14 @@ class Engine:
         )
 
     def _bulk_insert_impl(self, state, cache, logits, version, length, slots, sample_indices,
-                          count, seed, temperature, top_p, remaining, stop_tokens, pages=None):
+                          count, seed, temperature, top_p, remaining, stop_tokens, pages=None,
+                          writes=None):
         """`_insert_impl` for slots[:count] (one loop inside one call, in place)."""
         def body(i, state):
             return self._insert_impl(state, cache, logits, version, length, slots[i],
                                      sample_indices[i], seed, temperature, top_p, remaining,
-                                     stop_tokens, None if pages is None else pages[i])
+                                     stop_tokens, None if pages is None else pages[i],
+                                     None if writes is None else writes[i])
 
         return jax.lax.fori_loop(0, count, body, state)
 
@@ -1244,16 +1339,17 @@ class Engine:
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), np.int32(slot), np.int32(sample_index),
             seed, np.float32(sp.temperature), np.float32(sp.top_p),
-            np.int32(budget), stop, None if pages is None else pages[0],
+            np.int32(budget), stop, *(() if pages is None else (pages[0][0], pages[1][0])),
         )
 
     def _admit_pages(self, state, prefix, slots, budget):
-        """(state with pending page-table changes applied, page rows for `slots`) in the paged
-        layout; (state, None) in the slot layout."""
+        """(state with pending page-table changes applied, (page rows, rows of pages to write)
+        for `slots`) in the paged layout; (state, None) in the slot layout."""
         if self._pages is None:
             return state, None
+        blocks = prefix.blocks if self.prefix_cache is not None else ()
         with self._free_lock:
-            rows = self._pages.admit(slots, prefix.length, budget)
+            rows = self._pages.admit(slots, prefix.length, budget, blocks)
         return self._sync_tables(state), rows
 
     def bulk_insert(
@@ -1283,15 +1379,16 @@ class Engine:
         padded[0, : len(slots)] = slots
         padded[1, : len(slots)] = sample_indices
         decode_state, rows = self._admit_pages(decode_state, prefix, slots, budget)
-        pages = None
+        pages = ()
         if rows is not None:
-            pages = np.full((self._num_slots, rows.shape[1]), self._pages.num_pages, np.int32)
-            pages[: len(slots)] = rows
+            pages = np.full((2, self._num_slots, rows[0].shape[1]), self._pages.num_pages,
+                            np.int32)
+            pages[:, : len(slots)] = rows
         return self._bulk_insert_jit(
             decode_state, prefix.cache, prefix.logits, np.int32(prefix.version),
             np.int32(prefix.length), padded[0], padded[1], np.int32(len(slots)),
             seed, np.float32(sp.temperature), np.float32(sp.top_p),
-            np.int32(budget), stop, pages,
+            np.int32(budget), stop, *pages,
         )
 
     def _deactivate_impl(self, state, slot):
