@@ -27,6 +27,7 @@ from hcjax.model.hf_config import class_defaults, from_hf_config
 from hcjax.sharding import MeshConfig, make_mesh
 
 __all__ = [
+    "COMPUTE_FIELDS",
     "IMPLEMENTATION_FIELDS",
     "RunCheckpoint",
     "checkpoints_folder",
@@ -48,6 +49,10 @@ IMPLEMENTATION_FIELDS = (
     "moe_impl", "attention_impl", "expert_parallel", "expert_parallel_chunks", "scan_layers",
     "remat_policy",
 )
+
+# Recorded with the model but free to differ on reading: the compute dtype (parameters are fp32
+# masters whatever it is), so e.g. a bf16 climb starts from a base trained in fp32.
+COMPUTE_FIELDS = ("dtype",)
 
 
 def model_identity(model_cfg: ModelConfig) -> dict[str, Any]:
@@ -101,7 +106,8 @@ def _step_and_config(ck: Checkpointer, directory: str, step: int | None
 def _check_identity(written: ModelConfig, model_cfg: ModelConfig, where: str) -> None:
     saved, wanted = model_identity(written), model_identity(model_cfg)
     diff = [f"{k}: checkpoint has {saved.get(k)!r}, run has {wanted.get(k)!r}"
-            for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+            for k in sorted(set(saved) | set(wanted))
+            if saved.get(k) != wanted.get(k) and k not in COMPUTE_FIELDS]
     if diff:
         raise IncompatibleCheckpoint(f"{where} was written by an incompatible model config: "
                                      + "; ".join(diff))
@@ -139,7 +145,7 @@ def read_checkpoint(directory: str, step: int | None = None, *,
     """Step `step` (default the latest) of any hcjax run or checkpoints folder.
 
     model_cfg: the config the caller runs; its identity must match the recorded one (kernel
-    choices may differ), else IncompatibleCheckpoint names the differing fields. target: a pure
+    choices and the compute dtype may differ), else IncompatibleCheckpoint names the differing fields. target: a pure
     dict of arrays or ShapeDtypeStructs whose shardings and dtypes the params are read into,
     each device reading only its shards (default: the recorded config's params on this
     process's first device)."""

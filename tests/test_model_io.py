@@ -1,6 +1,6 @@
 """hcjax.model_io: a run folder's params read into a mesh's shardings (the sft layout and the
 climb's {"value": array} layout alike) exactly as written, the model config checked by identity
-(kernel choices may differ, a real difference is named), and the errors for a missing folder and
+(kernel choices and the compute dtype may differ, a real difference is named), and the errors for a missing folder and
 an occupied one."""
 
 import dataclasses
@@ -66,6 +66,13 @@ def test_the_model_config_is_checked_by_identity(tmp_path):
         load_model(str(tmp_path / "run"), model_cfg=wider)
     with pytest.raises(IncompatibleCheckpoint, match="d_ff"):
         read_checkpoint(str(tmp_path / "run"), model_cfg=wider)
+    # The compute dtype is recorded but may differ (fp32 masters either way): a bf16 run reads
+    # an fp32-written base, parameters unchanged.
+    bf16 = dataclasses.replace(CFG, dtype="bfloat16")
+    model, cfg = load_model(str(tmp_path / "run"), model_cfg=bf16)
+    assert cfg.dtype == "bfloat16" and model.config.dtype == "bfloat16"
+    _same(nnx.to_pure_dict(nnx.state(model, nnx.Param)), _params(seed=0))
+    assert read_checkpoint(str(tmp_path / "run")).model_cfg.dtype == "float32"
 
 
 def test_missing_and_occupied_folders_are_named(tmp_path):

@@ -124,7 +124,10 @@ def test_pass_at_1_grades_each_problem_by_its_suite():
     s = PassAt1(client, builder, PROBLEMS, greedy(OPTIONS)).evaluate()
     assert s["pass_at_1"] == pytest.approx(1 / 3) and s["problems"] == 3 and s["samples"] == 1
     assert s["by_category"] == {"add:1x1": 0.5, "add:2x1": 0.0}
-    assert s["category_sizes"] == {"add:1x1": 2, "add:2x1": 1} and s["by_suite"] == {}
+    assert s["category_sizes"] == {"add:1x1": 2, "add:2x1": 1}
+    # One suite: its name is the only "by suite" entry, the whole figure.
+    assert s["by_suite"] == {"arithmetic": pytest.approx(1 / 3)}
+    assert s["suite_sizes"] == {"arithmetic": 3}
     assert s["extraction"] == {"strict": pytest.approx(1 / 3), "flexible": pytest.approx(1 / 3)}
     assert s["format_rate"] == 1.0 and s["aborted"] == 0
     assert s["mean_length"] == len(TOK.encode("<think></think><answer>2</answer>")) + 1
@@ -153,6 +156,20 @@ def test_pass_at_1_of_k_samples_per_problem_and_per_suite():
     assert len({r.seed for r in client.requests}) == 3  # each problem its own key stream
     with pytest.raises(ValueError, match="k=2 must be 1 when greedy"):
         PassAt1(client, TaskBuilder(mix, TOK), problems, greedy(OPTIONS), k=2)
+
+
+def test_pass_at_1_by_member_suite_of_a_mixture():
+    # Every answer is 2: right for a only. a and b belong to "arithmetic", c to "arith2".
+    mix = MixtureSuite(suites=(ArithmeticSuite(), ArithmeticSuite(name="arith2")))
+    owners = {"a": "arithmetic", "b": "arithmetic", "c": "arith2"}
+    problems = [dataclasses.replace(p, id=f"{owners[p.id]}/{p.id}",
+                                    category=f"{owners[p.id]}/{p.category}",
+                                    meta={"suite": owners[p.id]}) for p in PROBLEMS]
+    client = ScriptedClient(["<think></think><answer>2</answer>"])
+    s = PassAt1(client, TaskBuilder(mix, TOK), problems, greedy(OPTIONS)).evaluate()
+    assert s["by_suite"] == {"arith2": 0.0, "arithmetic": 0.5}
+    assert s["suite_sizes"] == {"arith2": 1, "arithmetic": 2}
+    assert s["by_category"] == {"arith2/add:2x1": 0.0, "arithmetic/add:1x1": 0.5}
 
 
 def _check_greedy(model, builder, problems, groups, max_tokens):

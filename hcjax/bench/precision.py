@@ -1,6 +1,8 @@
 """`python -m hcjax.bench.precision`: the train-inference log-prob gap, fp32 vs bf16 compute, with
 and without routing replay and top-p replay, and the gap quantise-on-sync adds (served fp8 / int8
-weights against the fp32 learner).
+weights against the fp32 learner). With `--climb_minutes M`, also what each rollout correction
+buys: one M-minute climb per (sampler / learner dtype) x (replay, TIS) cell from one base, each a
+`python -m hcjax.climb` subprocess, with its held-out pass@1 gain and that gain's binomial noise.
 
 Rollouts are sampled by the rollout engine (cached decode, top-p, routing and kept-set records);
 the learner's log-probs of the same tokens are recomputed with its own forward (the packed batch,
@@ -14,6 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -29,6 +34,7 @@ from hcjax.model_io import load_model
 from hcjax.rl.batch import LearnerBatch, pack_rollouts
 from hcjax.rl.learner import token_logprobs
 from hcjax.rl.losses import LossConfig, rollout_correction
+from hcjax.rl.report import NOISE_FORMULA, suite_gain
 from hcjax.rollout import Engine, generate
 from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.testing import perturbed
@@ -48,6 +54,16 @@ RATIO_TOLERANCE = 0.2
 # Quantise-on-sync rows (hcjax.transfer.quantize): the sampler serves these formats' round trip of
 # the fp32 masters (fp32 compute), the learner recomputes with the fp32 masters.
 QUANT_FORMATS = ("fp8_e4m3", "int8")
+# The climb column: (sampler compute dtype, learner compute dtype) x rollout correction, one climb
+# per cell. A climb sets the sampler's dtype with ClimbConfig.sampler_dtype and the learner's with
+# ModelConfig.dtype (fp32 master weights either way); "replay" is routing and top-p replay
+# (LearnerConfig.replay_routing / replay_top_p), "tis" token-level truncated importance sampling
+# (LossConfig.correction, cap LossConfig.is_cap).
+CLIMB_DTYPES = {"bf16_fp32": ("bfloat16", "float32"), "bf16_bf16": ("bfloat16", "bfloat16")}
+CLIMB_CORRECTIONS = {"replay": (True, "none"), "tis": (False, "tis"), "both": (True, "tis"),
+                     "neither": (False, "none")}
+CLIMB_CELLS = tuple(f"{d}.{c}" for d in CLIMB_DTYPES for c in CLIMB_CORRECTIONS)
+CLIMB_GIN = "climb_tiny.gin"
 
 
 def larger_config(cfg: ModelConfig) -> ModelConfig:
@@ -321,12 +337,125 @@ def logprob_gap(
     }
 
 
+def climb_bindings(cell: str) -> list[str]:
+    """The gin bindings of one climb cell ("bf16_fp32.replay", ...: one of CLIMB_CELLS)."""
+    dtypes, _, correction = cell.partition(".")
+    if dtypes not in CLIMB_DTYPES or correction not in CLIMB_CORRECTIONS:
+        raise ValueError(f"climb cell {cell!r} is not one of {list(CLIMB_CELLS)}")
+    sampler, learner = CLIMB_DTYPES[dtypes]
+    replay, kind = CLIMB_CORRECTIONS[correction]
+    return [f'ModelConfig.dtype = "{learner}"', f'ClimbConfig.sampler_dtype = "{sampler}"',
+            f"LearnerConfig.replay_routing = {replay}", f"LearnerConfig.replay_top_p = {replay}",
+            f'LossConfig.correction = "{kind}"']
+
+
+def _log(message: str) -> None:
+    print(f"hcjax.bench.precision: {message}", file=sys.stderr, flush=True)
+
+
+def _run(command: list[str], timeout: float) -> tuple[int, str]:
+    """(return code, stderr tail) of a subprocess; its stdout is dropped, and a timeout or a
+    launch failure is a return code of -1 with the reason."""
+    try:
+        proc = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return -1, f"{type(err).__name__}: {err}"
+    return proc.returncode, proc.stderr[-3000:]
+
+
+def make_climb_base(output_dir: str, gin_files: Sequence[str], gin_params: Sequence[str],
+                    timeout: float) -> str:
+    """Pre-train the climbs' one base with `python -m hcjax.sft` into OUTPUT_DIR/base, as
+    `python -m hcjax.climb` does without --base_checkpoint (resumes a previous run there)."""
+    base = os.path.join(output_dir, "base")
+    command = [sys.executable, "-m", "hcjax.sft", "--output_dir", base, "--log_format", "json"]
+    for f in gin_files:
+        command += ["--gin_file", f]
+    for p in [*gin_params, "run_sft.eval_problems = 0"]:
+        command += ["--gin_param", p]
+    _log(f"pre-training the climbs' base into {base} (hcjax.sft)")
+    rc, err = _run(command, timeout)
+    if rc != 0:
+        raise RuntimeError(f"hcjax.sft for the climbs' base failed (exit {rc}): {err}")
+    return base
+
+
+def climb_cell(cell: str, base: str, output_dir: str, minutes: float, *,
+               gin_files: Sequence[str] = (CLIMB_GIN,), gin_params: Sequence[str] = (),
+               timeout: float | None = None) -> dict:
+    """One climb of `cell` from `base` for `minutes` (ClimbConfig.max_minutes) in
+    OUTPUT_DIR/<cell>, a `python -m hcjax.climb` subprocess: the climb's gin files, then
+    `gin_params`, then the cell's bindings. Returns the cell's figures from the climb's
+    summary.json, or {"ok": False, "error": ...} when the climb failed (the others still run)."""
+    sampler, learner = CLIMB_DTYPES[cell.partition(".")[0]]
+    replay, kind = CLIMB_CORRECTIONS[cell.partition(".")[2]]
+    bindings = climb_bindings(cell)
+    out_dir = os.path.join(output_dir, cell)
+    row = {"cell": cell, "sampler_dtype": sampler, "learner_dtype": learner, "replay": replay,
+           "tis": kind == "tis", "bindings": bindings, "output_dir": out_dir}
+    if os.path.exists(out_dir):  # a climb resumes from its folder: a stale one would be measured
+        return {**row, "ok": False, "error": f"{out_dir} exists (an earlier climb; remove it or "
+                "choose another --climb_dir)"}
+    command = [sys.executable, "-m", "hcjax.climb", "--base_checkpoint", base, "--output_dir",
+               out_dir, "--quiet", "--log_format", "json"]
+    for f in gin_files:
+        command += ["--gin_file", f]
+    for p in [f"ClimbConfig.max_minutes = {minutes}", *gin_params, *bindings]:
+        command += ["--gin_param", p]
+    t0 = time.perf_counter()
+    rc, err = _run(command, timeout if timeout is not None else 60 * minutes + 900)
+    path = os.path.join(out_dir, "summary.json")
+    if rc != 0 or not os.path.isfile(path):
+        return {**row, "ok": False, "returncode": rc, "error": err,
+                "wall_seconds": time.perf_counter() - t0}
+    with open(path, encoding="utf-8") as f:
+        s = json.load(f)
+    n = sum(int(c.get("problems") or 0) for c in s["categories"].values())
+    g = suite_gain(s["base_pass_at_1"], s["final_pass_at_1"], n)
+    return {**row, "ok": True, "base_pass_at_1": g["base"], "final_pass_at_1": g["final"],
+            "gain": g["gain"], "heldout_problems": n, "noise": g["noise"],
+            "gain_over_noise": g["gain_over_noise"], "steps": s["steps"],
+            "climb_wall_seconds": s["climb_wall_seconds"], "logp_gap_mean": s["logp_gap_mean"],
+            "wall_seconds": time.perf_counter() - t0}
+
+
+def climb_column(cells: Sequence[str], minutes: float, output_dir: str, *,
+                 base: str | None = None, gin_files: Sequence[str] = (CLIMB_GIN,),
+                 gin_params: Sequence[str] = (), timeout: float | None = None) -> dict:
+    """One `minutes`-minute climb per cell, all from `base` (None: pre-trained once into
+    OUTPUT_DIR/base by hcjax.sft with the climbs' gin), run one after the other."""
+    for cell in cells:
+        climb_bindings(cell)  # a bad name fails before any climb
+    if base is None:
+        base = make_climb_base(output_dir, gin_files, gin_params,
+                               timeout if timeout is not None else 3600)
+    rows = []
+    for i, cell in enumerate(cells):
+        _log(f"climb {i + 1}/{len(cells)}: {cell} for {minutes} min")
+        row = climb_cell(cell, base, output_dir, minutes, gin_files=gin_files,
+                         gin_params=gin_params, timeout=timeout)
+        if row["ok"]:
+            _log(f"  {cell}: held-out pass@1 {row['base_pass_at_1']:.3f} -> "
+                 f"{row['final_pass_at_1']:.3f} (gain {row['gain']:+.3f} +- {row['noise']:.3f}) "
+                 f"in {row['steps']} steps")
+        else:
+            _log(f"  {cell} FAILED: {row['error'][-500:]}")
+        rows.append(row)
+    return {"minutes": minutes, "base_checkpoint": base, "gin_files": list(gin_files),
+            "gin_params": list(gin_params), "noise_formula": NOISE_FORMULA, "cells": rows}
+
+
 EXAMPLES = """examples:
   python -m hcjax.bench.precision                      # tiny_cpu.gin model, fp32 and bf16
   python -m hcjax.bench.precision --larger --max_tokens 96
   python -m hcjax.bench.precision --reduced            # a few short rollouts (the test's run)
   python -m hcjax.bench.precision --quantize int8      # served int8 rows only (default fp8, int8)
   python -m hcjax.bench.precision --base_checkpoint runs/base   # a trained base's weights
+  python -m hcjax.bench.precision --climb_minutes 5 --base_checkpoint runs/base
+      # + one 5-minute climb per (dtype pair x replay/TIS) cell from that base (8 climbs)
+  python -m hcjax.bench.precision --climb_minutes 1 --climb_only --climb_cells bf16_fp32.replay
+      # one cell only, base pre-trained by hcjax.sft into --climb_dir/base
 
 The last line on stdout is one JSON object; progress goes to stderr.
 """
@@ -357,14 +486,48 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--base_checkpoint", default=None,
                         help="run folder of trained weights (e.g. an hcjax.sft base) to measure "
                         "instead of perturbed initial weights")
+    climb = parser.add_argument_group(
+        "climbs", "one climb per (sampler / learner dtype) x (replay, TIS) cell, each a "
+        "`python -m hcjax.climb` subprocess from --base_checkpoint (default: pre-train one base "
+        "with hcjax.sft into CLIMB_DIR/base); cells: " + ", ".join(CLIMB_CELLS))
+    climb.add_argument("--climb_minutes", type=float, default=None,
+                       help="climb each cell this many minutes (ClimbConfig.max_minutes); "
+                       "default: no climbs")
+    climb.add_argument("--climb_cells", default="all",
+                       help="comma-separated cells (default all 8)")
+    climb.add_argument("--climb_dir", default=os.path.join("runs", "bench_precision_climbs"),
+                       help="one output folder per cell under it (must not exist yet)")
+    climb.add_argument("--climb_gin_file", action="append", default=None,
+                       help=f"the climbs' gin files (default {CLIMB_GIN})")
+    climb.add_argument("--climb_gin_param", action="append", default=[],
+                       help="more climb bindings, before the cell's own (repeatable)")
+    climb.add_argument("--climb_timeout", type=float, default=None,
+                       help="seconds before a climb is stopped and reported failed (default "
+                       "60 x minutes + 900)")
+    climb.add_argument("--climb_only", action="store_true",
+                       help="skip the log-prob gap tables")
     args = parser.parse_args(argv)
+    if args.climb_only and args.climb_minutes is None:
+        parser.error("--climb_only needs --climb_minutes")
+    if args.climb_minutes is not None and args.climb_minutes <= 0:
+        parser.error(f"--climb_minutes={args.climb_minutes} must be > 0")
+    cells = CLIMB_CELLS if args.climb_cells == "all" else tuple(
+        c.strip() for c in args.climb_cells.split(",") if c.strip())
+    for cell in cells:
+        if cell not in CLIMB_CELLS:
+            parser.error(f"--climb_cells has {cell!r}; the cells are {', '.join(CLIMB_CELLS)}")
+    if args.larger and (args.base_checkpoint or args.climb_minutes is not None):
+        parser.error("--larger excludes --base_checkpoint and --climb_minutes (a checkpoint's "
+                     "model is measured)")
+    climb_gin = args.climb_gin_file or [CLIMB_GIN]
+    if args.climb_minutes is not None and args.base_checkpoint is None:
+        # One base for the gap tables and every climb.
+        args.base_checkpoint = make_climb_base(args.climb_dir, climb_gin, args.climb_gin_param,
+                                               args.climb_timeout or 3600)
     hcfg.bind(args.gin_file or ["tiny_cpu.gin"], [])
     cfg, state = ModelConfig(), None
     if args.larger:
         cfg = larger_config(cfg)
-    if args.base_checkpoint and args.larger:
-        parser.error("--base_checkpoint and --larger exclude each other (the checkpoint's model "
-                     "is measured)")
     if args.base_checkpoint:
         model, cfg = load_model(args.base_checkpoint)
         cfg = dataclasses.replace(cfg, dtype="float32")
@@ -373,10 +536,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
                  max_tokens=args.max_tokens)
     if args.reduced:
         sizes = dict(prompts=2, prompt_len=8, samples=2, max_tokens=12)
-    table = logprob_gap(cfg, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                        weight_noise=args.weight_noise, phases=Phases("hcjax.bench.precision"),
-                        quant_formats=tuple(args.quantize or QUANT_FORMATS),
-                        quant_block=args.quant_block, state=state, **sizes)
+    table = {}
+    if not args.climb_only:
+        table = logprob_gap(cfg, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            weight_noise=args.weight_noise,
+                            phases=Phases("hcjax.bench.precision"),
+                            quant_formats=tuple(args.quantize or QUANT_FORMATS),
+                            quant_block=args.quant_block, state=state, **sizes)
+    if args.climb_minutes is not None:
+        table["climbs"] = climb_column(cells, args.climb_minutes, args.climb_dir,
+                                       base=args.base_checkpoint, gin_files=climb_gin,
+                                       gin_params=args.climb_gin_param,
+                                       timeout=args.climb_timeout)
     out = {
         "bench": "precision",
         "backend": jax.default_backend(),

@@ -14,6 +14,7 @@ from hcjax.model.transformer import (
     param_shardings,
     shard_state,
     update_correction_bias,
+    with_compute_dtype,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "param_shardings",
     "shard_state",
     "update_correction_bias",
+    "with_compute_dtype",
 ]

@@ -20,6 +20,7 @@ same in both layouts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -592,6 +593,16 @@ def abstract_model(cfg: ModelConfig, seed: int = 0):
     """(graphdef, abstract state) without allocating any parameter."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=_ShapeOnlyRngs(seed)))
     return nnx.split(model)
+
+
+def with_compute_dtype(model: Transformer, dtype: str) -> Transformer:
+    """`model`'s parameters (the same arrays, not copied) in a model computing in `dtype`
+    (ModelConfig.dtype: activations and matmuls; parameters stay as they are, fp32 masters), e.g.
+    a bf16 sampler over an fp32 learner's weights. `model` itself when it computes in `dtype`."""
+    if dtype == model.config.dtype:
+        return model
+    graphdef, _ = abstract_model(dataclasses.replace(model.config, dtype=dtype))
+    return nnx.merge(graphdef, nnx.state(model))
 
 
 def create_sharded(

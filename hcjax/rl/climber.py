@@ -26,7 +26,8 @@ from hcjax.data.tokenizer import ByteTokenizer, load_tokenizer
 from hcjax.display import ClimbDisplay, resolve_format
 from hcjax.finite import check_finite
 from hcjax.metrics import MetricsWriter
-from hcjax.model import ModelConfig
+from hcjax.model import ModelConfig, with_compute_dtype
+from hcjax.model.config import DTYPES
 from hcjax.model_io import hf_source_meta, load_hf_model, load_model
 from hcjax.profiling import StepTracer
 from hcjax.rewards.spec import RewardSpec
@@ -38,7 +39,13 @@ from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.multihost import DistributedLearner
 from hcjax.rl.pass_at_1 import PassAt1, greedy
 from hcjax.rl.placement import Placement
-from hcjax.rl.report import entropy_within, mean_metric, step_record, write_report
+from hcjax.rl.report import (
+    entropy_within,
+    mean_metric,
+    step_record,
+    suite_gain,
+    write_report,
+)
 from hcjax.rl.sources import SourceConfig, TaskBuilder, longest_prompt, make_source
 from hcjax.rl.store import RolloutStore, read_groups, rollout_from_json, rollout_to_json
 from hcjax.rl.workers import (
@@ -82,6 +89,10 @@ class ClimbConfig:
     template_observations: tool episodes append the tokenizer's chat-template wrapping of tool
       messages (an HFTokenizer's template) instead of plain-text observations, and count the
       episodes whose whole re-rendering drifts from the sampled tokens (report.md).
+    sampler_dtype: the in-process inference replicas' compute dtype ("float32" or "bfloat16"),
+      over the learner's fp32 master weights as pushed; None: the learner's (ModelConfig.dtype).
+      E.g. "bfloat16" with ModelConfig.dtype = "float32" samples in bf16 against an fp32
+      learner (bench.precision's climbs). Remote replicas compute in their own ModelConfig.dtype.
     """
 
     suite: Any = None
@@ -109,8 +120,12 @@ class ClimbConfig:
     max_prompt_len: int | None = None
     max_prefill_length: int | None = None
     template_observations: bool = False
+    sampler_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.sampler_dtype is not None and self.sampler_dtype not in DTYPES:
+            raise ValueError(f"ClimbConfig.sampler_dtype={self.sampler_dtype!r} must be None or "
+                             f"one of {sorted(DTYPES)}")
         for name in ("num_steps", "group", "early_group", "max_tokens", "eval_every",
                      "max_concurrent_decodes", "checkpoint_every"):
             if getattr(self, name) < 1:
@@ -281,6 +296,11 @@ class Climb:
                 f"a learner over {self.processes} processes needs --base_checkpoint: pre-train "
                 "the base first with `python -m hcjax.sft` (every process would pre-train its own)")
         self.placement = placement.resolve(jax.devices())
+        if cfg.sampler_dtype is not None and self.placement.remote:
+            raise ValueError(
+                f"ClimbConfig.sampler_dtype={cfg.sampler_dtype!r} sets the in-process replicas' "
+                "compute dtype; remote replicas (Placement.inference_addresses, --inference_address"
+                ", Placement.backend='ray') compute in their own ModelConfig.dtype: bind it there")
 
         self.tok = self._tokenizer(hf_checkpoint)
         self.stops = tuple(stop_ids(self.tok))
@@ -379,7 +399,10 @@ class Climb:
                 f"prompts of up to {prefill} tokens plus {self.cfg.longest_response()} response "
                 f"tokens do not fit the model's max_seq_len={self.model_cfg.max_seq_len} (set "
                 "ClimbConfig.max_prefill_length / max_tokens)")
-        return LocalInference(self.learner.model(), self.placement.inference_meshes, params,
+        model = self.learner.model()
+        if self.cfg.sampler_dtype is not None:
+            model = with_compute_dtype(model, self.cfg.sampler_dtype)
+        return LocalInference(model, self.placement.inference_meshes, params,
                               max_concurrent_decodes=self.cfg.max_concurrent_decodes,
                               max_prefill_length=prefill, max_target_length=target)
 
@@ -459,6 +482,7 @@ class Climb:
                  "extraction": result["extraction"]}
         self.history["eval"].append(entry)
         self.history.setdefault("category_sizes", result["category_sizes"])
+        self.history.setdefault("suite_sizes", result["suite_sizes"])
         return result
 
     def _on_step(self, report: StepReport) -> bool:
@@ -604,7 +628,8 @@ class Climb:
         categories = {c: {"base": evals[0]["by_category"].get(c, float("nan")),
                           "final": v, "problems": sizes.get(c)}
                       for c, v in final["by_category"].items()} if evals else {}
-        suites = {s: {"base": evals[0].get("by_suite", {}).get(s, float("nan")), "final": v}
+        suites = {s: suite_gain(evals[0].get("by_suite", {}).get(s, float("nan")), v,
+                                history.get("suite_sizes", {}).get(s))
                   for s, v in final["by_suite"].items()} if evals else {}
         summary = {
             "suite": self.suite.name,
@@ -621,6 +646,9 @@ class Climb:
             "resumed_from": self.resumed_from,
             "interrupted": self.interrupted,
             "mode": self.ctl_cfg.mode,
+            "learner_dtype": self.model_cfg.dtype,
+            "sampler_dtype": (None if self.placement.remote
+                              else self.cfg.sampler_dtype or self.model_cfg.dtype),
             "placement": "multi_process" if self.placement.remote else "single_process",
             "placement_detail": self.placement.describe(),
             "learner_processes": self.processes,

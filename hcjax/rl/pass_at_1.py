@@ -89,7 +89,8 @@ class PassAt1:
             return list(pool.map(run, range(len(self.tasks))))
 
     def evaluate(self) -> dict[str, Any]:
-        return summarize(self.problems, self.samples(), self.builder.tok)
+        return summarize(self.problems, self.samples(), self.builder.tok,
+                         suite=getattr(self.builder.suite, "name", None))
 
 
 def is_correct(record: Rollout) -> bool:
@@ -102,10 +103,12 @@ def _text(record: Rollout, tok: Tokenizer) -> str | None:
 
 
 def summarize(problems: Sequence[TaskProblem], samples: Sequence[Sequence[Rollout]],
-              tok: Tokenizer) -> dict[str, Any]:
+              tok: Tokenizer, *, suite: str | None = None) -> dict[str, Any]:
     """{"pass_at_1": mean over problems of the fraction of correct samples (aborted samples are
     wrong), "problems", "samples" (per problem), "by_category" / "category_sizes" (pass@1 and
-    problems per category), "by_suite" (a mixture's "suite/category" components), "extraction"
+    problems per category), "by_suite" / "suite_sizes" (the same per member suite: a mixture's
+    "suite/category" prefix; a category without one is `suite`'s, or no suite's when None),
+    "extraction"
     (per answer extraction the grades report, e.g. strict / flexible: the fraction of samples
     it finds right), "format_rate" (samples with an answer the tokenizer's template reads,
     `response_answer`), "mean_length" (response tokens of the samples that were not aborted,
@@ -114,7 +117,7 @@ def summarize(problems: Sequence[TaskProblem], samples: Sequence[Sequence[Rollou
         raise ValueError(f"{len(problems)} problems but {len(samples)} sample lists")
     if not problems:
         return {"pass_at_1": float("nan"), "problems": 0, "samples": 0, "by_category": {},
-                "category_sizes": {}, "by_suite": {}, "extraction": {},
+                "category_sizes": {}, "by_suite": {}, "suite_sizes": {}, "extraction": {},
                 "format_rate": float("nan"), "mean_length": float("nan"), "aborted": 0,
                 "examples": []}
     records = [r for group in samples for r in group]
@@ -125,6 +128,8 @@ def summarize(problems: Sequence[TaskProblem], samples: Sequence[Sequence[Rollou
         by_category[p.category].append(float(v))
         if "/" in p.category:  # a mixture's "suite/category"
             by_suite[p.category.split("/", 1)[0]].append(float(v))
+        elif suite is not None:
+            by_suite[suite].append(float(v))
     extraction = {key: float(np.mean([r.reward_components.get(key, 0.0) > 0 for r in records]))
                   for key in EXTRACTION_KEYS if any(key in r.reward_components for r in records)}
     texts = [_text(r, tok) for r in records]
@@ -137,6 +142,7 @@ def summarize(problems: Sequence[TaskProblem], samples: Sequence[Sequence[Rollou
             "by_category": {c: float(np.mean(v)) for c, v in sorted(by_category.items())},
             "category_sizes": {c: len(v) for c, v in sorted(by_category.items())},
             "by_suite": {s: float(np.mean(v)) for s, v in sorted(by_suite.items())},
+            "suite_sizes": {s: len(v) for s, v in sorted(by_suite.items())},
             "extraction": extraction,
             "format_rate": float(np.mean([t is not None and response_answer(t, tok) is not None
                                           for t in texts])),

@@ -1,16 +1,50 @@
-"""The climb's report: report.md with PNG plots (reward, held-out pass@1 overall and per
-category, entropy against its target band, k / temperature, lengths, staleness, train-inference
+"""The climb's report: report.md with PNG plots (reward, held-out pass@1 overall, per suite and
+per category, entropy against its target band, k / temperature, lengths, staleness, train-inference
 log-prob gap) written from metrics.jsonl and the run's summary."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
 from hcjax.metrics import read_metrics
 
-__all__ = ["entropy_within", "mean_metric", "step_record", "write_report"]
+__all__ = ["NOISE_FORMULA", "entropy_within", "gain_noise", "mean_metric", "step_record",
+           "suite_gain", "write_report"]
+
+NOISE_FORMULA = ("noise = one binomial standard error of final - base pass@1 on n held-out "
+                 "problems: sqrt(base (1 - base) / n + final (1 - final) / n)")
+
+
+def gain_noise(base: float, final: float, n: int) -> float:
+    """One binomial standard error of `final` − `base`, two pass@1 figures on `n` problems each,
+    taken as independent (NOISE_FORMULA). Both are measured on the same problems, so this
+    overstates the error of the paired difference when base and final mostly agree per problem."""
+    if n < 1:
+        raise ValueError(f"n={n} held-out problems: need at least one")
+    for name, p in (("base", base), ("final", final)):
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"{name}={p} is not a pass@1 in [0, 1]")
+    return float(np.sqrt((base * (1.0 - base) + final * (1.0 - final)) / n))
+
+
+def suite_gain(base: float, final: float, n: int | None) -> dict:
+    """{"base", "final", "problems", "gain", "noise", "gain_over_noise"} of one suite's held-out
+    pass@1 (noise and its ratio NaN without a problem count; the ratio infinite for a gain over
+    zero noise, i.e. base and final both 0 or 1)."""
+    gain = final - base
+    noise = (gain_noise(base, final, n) if n and np.isfinite(base) and np.isfinite(final)
+             else float("nan"))
+    if noise > 0:
+        ratio = gain / noise
+    elif noise == 0 and gain != 0:
+        ratio = math.copysign(math.inf, gain)
+    else:
+        ratio = math.nan
+    return {"base": base, "final": final, "problems": n, "gain": gain, "noise": noise,
+            "gain_over_noise": ratio}
 
 
 def mean_metric(path: str, key: str) -> float:
@@ -85,6 +119,16 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
             ax.set_xlabel("step")
 
         figure("pass_at_1_by_category.png", "held-out pass@1 by category", per_category)
+    by_suite = sorted({name for e in evals for name in e.get("by_suite", {})})
+    if by_suite:
+        def per_suite(ax):
+            for name in by_suite:
+                pts = [(e["step"], e["by_suite"][name]) for e in evals
+                       if name in e.get("by_suite", {})]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+            ax.set_xlabel("step")
+
+        figure("pass_at_1_by_suite.png", "held-out pass@1 by suite", per_suite)
     figure("reward_vs_wall.png", "reward and held-out pass@1 vs wall time",
            reward_vs("wall", "climb wall time (s)"))
 
@@ -143,6 +187,22 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
                      f"{worker['template_episodes']} |")
     lines += ["", "## Held-out pass@1", "", "| step | wall (s) | pass@1 |", "|---|---|---|"]
     lines += [f"| {e['step']} | {e['wall']:.1f} | {e['pass_at_1']:.3f} |" for e in evals]
+    suites = summary.get("suites") or {}
+    if suites:
+        lines += ["", "## Held-out pass@1 by suite", "", NOISE_FORMULA + ".", "",
+                  "| suite | problems | base | final | gain | noise | gain/noise |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {v.get('problems', '')} | {v['base']:.3f} | {v['final']:.3f} | "
+                  f"{v['final'] - v['base']:+.3f} | {v.get('noise', float('nan')):.3f} | "
+                  f"{v.get('gain_over_noise', float('nan')):.2f} |"
+                  for name, v in sorted(suites.items())]
+        evals_by_suite = [e for e in evals if e.get("by_suite")]
+        if evals_by_suite:
+            lines += ["", "| step | " + " | ".join(by_suite) + " |",
+                      "|---|" + "---|" * len(by_suite)]
+            lines += ["| {} | {} |".format(e["step"], " | ".join(
+                f"{e['by_suite'][name]:.3f}" if name in e["by_suite"] else ""
+                for name in by_suite)) for e in evals_by_suite]
     categories = summary.get("categories") or {}
     if categories:
         lines += ["", "## Held-out pass@1 by category", "", "| category | problems | base | final |",
