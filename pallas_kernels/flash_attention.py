@@ -1,4 +1,5 @@
-"""Causal GQA flash attention with an optional sliding window and segment ids, forward and backward.
+"""Causal GQA flash attention with an optional sliding window and segment ids, forward and backward;
+values may be narrower than queries and keys and the softmax scale is a parameter (MLA).
 
 A plain-jnp reference, a Pallas kernel written for GPU (Triton) that skips fully-masked blocks, and
 on TPU JAX's splash attention behind the same interface. Must not import hcjax.
