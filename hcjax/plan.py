@@ -232,22 +232,87 @@ def _parse_hlo(text: str):
     return comps, entry
 
 
-def _trip_count(comps, attrs: str) -> int:
+def _trip_count(comps, attrs: str, operand: str = "", caller: str = "") -> int:
     """A while loop's trip count: XLA's `known_trip_count` when the backend records it (CPU
     does), else read from its condition `i < N` with N a constant (TPU's loops from scan and
-    fori_loop, which count from 0 by 1)."""
+    fori_loop), and from the body's `i + step` and the loop's initial i when those are constants:
+    TPU's windowed einsums (a collective matmul over an FSDP axis, "windowed_dot_general") step
+    by 2, taking a block from each neighbour per iteration, so N / step iterations, not N."""
     t = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
     if t:
         return int(t.group(1))
     cond = re.search(r"condition=%([\w.\-]+)", attrs)
     instrs = comps.get(cond.group(1), []) if cond else []
-    constants = {name: args.strip() for name, _, op, args, _ in instrs if op == "constant"}
+    by_name = {name: (op, args, a) for name, _, op, args, a in instrs}
     for _, _, op, args, cattrs in instrs:
         if op == "compare" and "direction=LT" in cattrs:
             operands = re.findall(r"%([\w.\-]+)", args)
-            if len(operands) == 2 and constants.get(operands[1], "").isdigit():
-                return int(constants[operands[1]])
+            if len(operands) != 2 or not _constant(by_name, operands[1]).isdigit():
+                continue
+            bound = int(_constant(by_name, operands[1]))
+            index = _tuple_index(by_name, operands[0])
+            body = re.search(r"body=%([\w.\-]+)", attrs)
+            step = _loop_step(comps.get(body.group(1), []) if body else [], index)
+            start = _loop_start(comps.get(caller, []), operand, index)
+            return max(0, -(-(bound - start) // step))
     return 1
+
+
+def _constant(by_name: dict, name: str) -> str:
+    """The literal of instruction `name` if it is a scalar constant (through copies), else ""."""
+    for _ in range(4):
+        op, args, _ = by_name.get(name, ("", "", ""))
+        if op == "constant":
+            return args.strip()
+        if op not in ("copy", "bitcast", "convert"):
+            return ""
+        name = (re.findall(r"%([\w.\-]+)", args) or [""])[0]
+    return ""
+
+
+def _tuple_index(by_name: dict, name: str) -> int | None:
+    """Which loop-state element `name` reads (a get-tuple-element of the parameter), if any."""
+    for _ in range(4):
+        op, args, attrs = by_name.get(name, ("", "", ""))
+        if op == "get-tuple-element":
+            m = re.search(r"index=(\d+)", attrs)
+            return int(m.group(1)) if m else None
+        if op not in ("copy", "bitcast", "convert"):
+            return None
+        name = (re.findall(r"%([\w.\-]+)", args) or [""])[0]
+    return None
+
+
+def _loop_step(body: list, index: int | None) -> int:
+    """The constant the body adds to loop-state element `index` (1 when it cannot tell)."""
+    if index is None or not body:
+        return 1
+    by_name = {name: (op, args, a) for name, _, op, args, a in body}
+    root = body[-1]
+    if root[2] != "tuple":
+        return 1
+    elements = re.findall(r"%([\w.\-]+)", root[3])
+    if index >= len(elements):
+        return 1
+    op, args, _ = by_name.get(elements[index], ("", "", ""))
+    if op != "add":
+        return 1
+    steps = [int(c) for c in (_constant(by_name, n) for n in re.findall(r"%([\w.\-]+)", args))
+             if c.isdigit()]
+    return steps[0] if len(steps) == 1 and steps[0] > 0 else 1
+
+
+def _loop_start(caller: list, operand: str, index: int | None) -> int:
+    """The initial value of loop-state element `index` when the loop's operand is a tuple whose
+    element is a constant; 0 otherwise (scan and fori_loop count from 0)."""
+    names = re.findall(r"%([\w.\-]+)", operand)
+    if index is None or not names or not caller:
+        return 0
+    by_name = {name: (op, args, a) for name, _, op, args, a in caller}
+    op, args, _ = by_name.get(names[0], ("", "", ""))
+    elements = re.findall(r"%([\w.\-]+)", args) if op == "tuple" else []
+    value = _constant(by_name, elements[index]) if index < len(elements) else ""
+    return int(value) if value.isdigit() else 0
 
 
 def _multipliers(comps, entry) -> dict[str, int]:
@@ -256,8 +321,8 @@ def _multipliers(comps, entry) -> dict[str, int]:
     stack = [entry]
     while stack:
         comp = stack.pop()
-        for _, _, opcode, _, attrs in comps.get(comp, ()):
-            trip = _trip_count(comps, attrs) if opcode == "while" else 1
+        for _, _, opcode, args, attrs in comps.get(comp, ()):
+            trip = _trip_count(comps, attrs, args, comp) if opcode == "while" else 1
             for key, callee in re.findall(r"\b(body|calls|to_apply|branch_computations)=\{?%([\w.\-]+)",
                                           attrs):
                 n = mult[comp] * (trip if key == "body" else 1)

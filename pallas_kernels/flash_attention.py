@@ -1,4 +1,5 @@
-"""Causal GQA flash attention with an optional sliding window and segment ids, forward and backward.
+"""Causal GQA flash attention with an optional sliding window and segment ids, forward and backward;
+values may be narrower than queries and keys and the softmax scale is a parameter (MLA).
 
 A plain-jnp reference, a Pallas kernel written for GPU (Triton) that skips fully-masked blocks, and
 on TPU JAX's splash attention behind the same interface. Must not import hcjax.
@@ -24,14 +25,17 @@ _NEG = -0.7 * float(np.finfo(np.float32).max)
 _SQ = pl.squeezed
 
 
-def _validate(q, k, v, causal, window, segment_ids) -> None:
+def _validate(q, k, v, causal, window, segment_ids, scale=None) -> None:
     if q.ndim != 4:
         raise ValueError(f"q.shape={q.shape} is not [batch, seq, q_heads, head_dim]")
-    if k.shape != v.shape:
-        raise ValueError(f"k.shape={k.shape} differs from v.shape={v.shape}")
     b, t, hq, d = q.shape
     if k.ndim != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (b, t, d):
         raise ValueError(f"k.shape={k.shape} is not [batch={b}, seq={t}, kv_heads, head_dim={d}]")
+    if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v.shape={v.shape} is not [batch={b}, seq={t}, kv_heads={k.shape[2]}, "
+                         f"v_head_dim]")
+    if scale is not None and not (isinstance(scale, float | int) and scale > 0):
+        raise ValueError(f"scale={scale!r} is not a positive number or None")
     hkv = k.shape[2]
     if hq % hkv:
         raise ValueError(f"num q heads={hq} is not a multiple of num kv heads={hkv}")
@@ -64,14 +68,16 @@ def flash_attention_reference(
     causal: bool = True,
     window: int | None = None,
     segment_ids: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Materialises the [T, T] scores in fp32; rows with no visible key return zeros."""
-    _validate(q, k, v, causal, window, segment_ids)
+    """Materialises the [T, T] scores in fp32 (times `scale`, default 1/sqrt(D)); rows with no
+    visible key return zeros. v may have its own head size Dv: the output is [B, T, Hq, Dv]."""
+    _validate(q, k, v, causal, window, segment_ids, scale)
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     q_bthgd = q.reshape(b, t, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q_bthgd, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
+    scores = scores * (1.0 / math.sqrt(d) if scale is None else scale)
     pos = jnp.arange(t)
     mask = _visible(pos, pos, None, None, causal=causal, window=window, seq_len=t)[None]
     if segment_ids is not None:
@@ -82,7 +88,7 @@ def flash_attention_reference(
     denom = p.sum(-1, keepdims=True)
     p = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +165,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config):
     init = (
         jnp.full((bq,), _NEG, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
-        jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros((bq, v_ref.shape[-1]), jnp.float32),
     )
     lo, hi = cfg.kv_block_range(q_start)
     m, denom, acc = jax.lax.fori_loop(lo, hi, body, init)
@@ -170,11 +176,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Config):
 
 def _forward(q, k, v, seg, cfg: _Config):
     b, tp, hq, d = q.shape
+    dv = v.shape[-1]
     group = hq // k.shape[2]
     bq = cfg.block_q
     q_spec = pl.BlockSpec((_SQ, bq, _SQ, d), lambda bi, h, i: (bi, i, h, 0))
-    kv_spec = pl.BlockSpec((_SQ, tp, _SQ, d), lambda bi, h, i: (bi, 0, h // group, 0))
-    in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
+    o_spec = pl.BlockSpec((_SQ, bq, _SQ, dv), lambda bi, h, i: (bi, i, h, 0))
+    k_spec = pl.BlockSpec((_SQ, tp, _SQ, d), lambda bi, h, i: (bi, 0, h // group, 0))
+    v_spec = pl.BlockSpec((_SQ, tp, _SQ, dv), lambda bi, h, i: (bi, 0, h // group, 0))
+    in_specs, args = [q_spec, k_spec, v_spec], [q, k, v]
     if cfg.has_segments:
         in_specs += [
             pl.BlockSpec((_SQ, bq), lambda bi, h, i: (bi, i)),
@@ -185,9 +194,9 @@ def _forward(q, k, v, seg, cfg: _Config):
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(b, hq, tp // bq),
         in_specs=in_specs,
-        out_specs=[q_spec, pl.BlockSpec((_SQ, _SQ, bq), lambda bi, h, i: (bi, h, i))],
+        out_specs=[o_spec, pl.BlockSpec((_SQ, _SQ, bq), lambda bi, h, i: (bi, h, i))],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((b, tp, hq, dv), q.dtype),
             jax.ShapeDtypeStruct((b, hq, tp), jnp.float32),
         ],
         compiler_params=cfg.compiler_params(),
@@ -262,15 +271,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg: _Co
 
 def _backward(q, k, v, seg, o, lse, do, cfg: _Config):
     b, tp, hq, d = q.shape
+    dv = v.shape[-1]
     hkv = k.shape[2]
     group = hq // hkv
     bq, bk = cfg.block_q, cfg.block_k
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
 
     q_blk = pl.BlockSpec((_SQ, bq, _SQ, d), lambda bi, h, i: (bi, i, h, 0))
-    kv_full = pl.BlockSpec((_SQ, tp, _SQ, d), lambda bi, h, i: (bi, 0, h // group, 0))
+    do_blk = pl.BlockSpec((_SQ, bq, _SQ, dv), lambda bi, h, i: (bi, i, h, 0))
+    k_full = pl.BlockSpec((_SQ, tp, _SQ, d), lambda bi, h, i: (bi, 0, h // group, 0))
+    v_full = pl.BlockSpec((_SQ, tp, _SQ, dv), lambda bi, h, i: (bi, 0, h // group, 0))
     stat_blk = pl.BlockSpec((_SQ, _SQ, bq), lambda bi, h, i: (bi, h, i))
-    in_specs = [q_blk, kv_full, kv_full, q_blk, stat_blk, stat_blk]
+    in_specs = [q_blk, k_full, v_full, do_blk, stat_blk, stat_blk]
     args = [q, k, v, do, lse, delta]
     if cfg.has_segments:
         in_specs += [
@@ -292,9 +304,11 @@ def _backward(q, k, v, seg, o, lse, do, cfg: _Config):
     # The query-side operands of kv head h are the `group` consecutive q heads h*group..: one
     # block of size `group` along the head axis.
     q_full = pl.BlockSpec((_SQ, tp, group, d), lambda bi, h, j: (bi, 0, h, 0))
-    kv_blk = pl.BlockSpec((_SQ, bk, _SQ, d), lambda bi, h, j: (bi, j, h, 0))
+    do_full = pl.BlockSpec((_SQ, tp, group, dv), lambda bi, h, j: (bi, 0, h, 0))
+    k_blk = pl.BlockSpec((_SQ, bk, _SQ, d), lambda bi, h, j: (bi, j, h, 0))
+    v_blk = pl.BlockSpec((_SQ, bk, _SQ, dv), lambda bi, h, j: (bi, j, h, 0))
     stat_full = pl.BlockSpec((_SQ, group, tp), lambda bi, h, j: (bi, h, 0))
-    in_specs = [q_full, kv_blk, kv_blk, q_full, stat_full, stat_full]
+    in_specs = [q_full, k_blk, v_blk, do_full, stat_full, stat_full]
     args = [q, k, v, do, lse, delta]
     if cfg.has_segments:
         in_specs += [
@@ -306,7 +320,7 @@ def _backward(q, k, v, seg, o, lse, do, cfg: _Config):
         functools.partial(_dkv_kernel, cfg=cfg, group=group),
         grid=(b, hkv, tp // bk),
         in_specs=in_specs,
-        out_specs=[kv_blk, kv_blk],
+        out_specs=[k_blk, v_blk],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=cfg.compiler_params(),
         interpret=cfg.interpret,
@@ -335,9 +349,11 @@ _flash_gpu.defvjp(_flash_gpu_fwd, _flash_gpu_bwd)
 
 
 def _flash_attention_gpu(
-    q, k, v, segment_ids, *, causal, window, block_q, block_k, interpret, num_warps, num_stages
+    q, k, v, segment_ids, *, causal, window, scale, block_q, block_k, interpret, num_warps,
+    num_stages
 ):
     b, t, _, d = q.shape
+    dv = v.shape[-1]
     for name, blk in (("block_q", block_q), ("block_k", block_k)):
         if blk < 1 or blk & (blk - 1):
             raise ValueError(f"{name}={blk} is not a power of 2")
@@ -345,9 +361,14 @@ def _flash_attention_gpu(
     bq = max(16, min(block_q, _dispatch.next_power_of_2(t)))
     bk = max(16, min(block_k, _dispatch.next_power_of_2(t)))
     tp = _dispatch.round_up(t, max(bq, bk))
-    dp = max(16, _dispatch.next_power_of_2(d))  # zero-padded features change no dot product
-    pad = ((0, 0), (0, tp - t), (0, 0), (0, dp - d))
-    q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    # Zero-padded features change no dot product; v's own head size pads on its own (MLA's
+    # 192-wide q/k pad to 256, its 128-wide values not at all).
+    def pad(x):
+        width = x.shape[-1]
+        return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0),
+                           (0, max(16, _dispatch.next_power_of_2(width)) - width)))
+
+    q, k, v = pad(q), pad(k), pad(v)
     seg = None
     if segment_ids is not None:
         seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, tp - t)))
@@ -357,21 +378,23 @@ def _flash_attention_gpu(
         seq_len=t,
         block_q=bq,
         block_k=bk,
-        scale=1.0 / math.sqrt(d),
+        scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         has_segments=seg is not None,
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return _flash_gpu(q, k, v, seg, cfg)[:, :t, :, :d]
+    return _flash_gpu(q, k, v, seg, cfg)[:, :t, :, :dv]
 
 
 # ---------------------------------------------------------------------------------------------
 # TPU: JAX's splash attention (its own Mosaic kernels and custom VJP), with our window as a
-# LocalMask and our [B, T, H, D] layout and 1/sqrt(D) scale applied around it.
+# LocalMask and our [B, T, H, D] layout and scale applied around it. Splash takes values with
+# their own head size (its output blocks are [.., Dv]), so MLA's 128-wide values run unpadded
+# beside its 192-wide queries and keys.
 
 
-def _flash_attention_tpu(q, k, v, segment_ids, *, causal, window, interpret):
+def _flash_attention_tpu(q, k, v, segment_ids, *, causal, window, scale, interpret):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -411,7 +434,8 @@ def _flash_attention_tpu(q, k, v, segment_ids, *, causal, window, interpret):
     if segment_ids is None and not causal and tp != t:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     dtype = q.dtype
-    q = (q.astype(jnp.float32) / math.sqrt(d)).astype(dtype)
+    # Splash has no scale argument: the scale is folded into q (in fp32, then q's dtype).
+    q = (q.astype(jnp.float32) * (1.0 / math.sqrt(d) if scale is None else scale)).astype(dtype)
     q, k, v = (
         jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (q, k, v)
     )
@@ -434,6 +458,7 @@ def flash_attention(
     causal: bool = True,
     window: int | None = None,
     segment_ids: jax.Array | None = None,
+    scale: float | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
     block_q: int = 64,
@@ -442,11 +467,13 @@ def flash_attention(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:
-    """Attention of q [B,T,Hq,D] over k, v [B,T,Hkv,D] -> [B,T,Hq,D] in q.dtype.
+    """Attention of q [B,T,Hq,D] over k [B,T,Hkv,D], v [B,T,Hkv,Dv] -> [B,T,Hq,Dv] in q.dtype.
 
     window=W lets position i see positions i-W+1..i (needs causal=True); segment_ids [B,T] keeps
-    packed sequences apart. Scale 1/sqrt(D); scores and softmax statistics are fp32; rows that
-    see no key return zeros. Differentiable in every impl (the Pallas paths via custom VJPs).
+    packed sequences apart. Scores are q·k times `scale` (default 1/sqrt(D); MLA passes its
+    YaRN-corrected one) in fp32, as are the softmax statistics; rows that see no key return
+    zeros. Dv may differ from D (MLA: 192-wide q/k, 128-wide values). Differentiable in every
+    impl (the Pallas paths via custom VJPs).
 
     impl: "auto" (Pallas on TPU/GPU, reference on CPU), "pallas" or "reference".
     lowering (Pallas only): "gpu" runs this module's Triton kernel, which loops only over the key
@@ -454,15 +481,15 @@ def flash_attention(
     LocalMask. Default: "tpu" on TPU, else "gpu". interpret=None interprets iff on CPU.
     block_q, block_k, num_warps, num_stages tune the GPU kernel only.
     """
-    _validate(q, k, v, causal, window, segment_ids)
+    _validate(q, k, v, causal, window, segment_ids, scale)
     if _dispatch.resolve_impl(impl, "flash_attention") == "reference":
         return flash_attention_reference(
-            q, k, v, causal=causal, window=window, segment_ids=segment_ids
+            q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale
         )
     interpret = _dispatch.resolve_interpret(interpret)
     if _dispatch.resolve_lowering(lowering, "flash_attention") == "tpu":
         return _flash_attention_tpu(
-            q, k, v, segment_ids, causal=causal, window=window, interpret=interpret
+            q, k, v, segment_ids, causal=causal, window=window, scale=scale, interpret=interpret
         )
     return _flash_attention_gpu(
         q,
@@ -471,6 +498,7 @@ def flash_attention(
         segment_ids,
         causal=causal,
         window=window,
+        scale=scale,
         block_q=block_q,
         block_k=block_k,
         interpret=interpret,

@@ -163,16 +163,17 @@ _blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
 
 def self_attention_reference(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array,
                              positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
-                             window: int | None, *, sinks_h: jax.Array | None = None) -> jax.Array:
+                             window: int | None, *, sinks_h: jax.Array | None = None,
+                             scale: float | None = None) -> jax.Array:
     """Dense masked attention over the whole row: every T x T score, `attention_mask` applied."""
     mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, window)
-    return gqa_attention(q_bthd, k_bshd, v_bshd, mask, sinks_h=sinks_h)
+    return gqa_attention(q_bthd, k_bshd, v_bshd, mask, scale=scale, sinks_h=sinks_h)
 
 
 def blocked_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array,
                       positions_bt: jax.Array, segment_ids_bt: jax.Array | None,
                       window: int | None, *, block: int = 64,
-                      sinks_h: jax.Array | None = None) -> jax.Array:
+                      sinks_h: jax.Array | None = None, scale: float | None = None) -> jax.Array:
     """Self-attention of a packed row in query blocks that skip the keys no query in them can see.
 
     Query block [s, e) attends keys [lo, e): lo = 0 on global layers and s - (window - 1) on local
@@ -195,10 +196,10 @@ def blocked_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array,
     b, t, hq, d = q_bthd.shape
     if t <= block:
         return self_attention_reference(q_bthd, k_bshd, v_bshd, positions_bt, segment_ids_bt,
-                                        window, sinks_h=sinks_h)
+                                        window, sinks_h=sinks_h, scale=scale)
     q, k, v = _head_major(q_bthd, k_bshd, v_bshd)
     out = _blocked_attention(q, k, v, sinks_h, positions_bt, segment_ids_bt, window, block,
-                             d**-0.5)
+                             d**-0.5 if scale is None else float(scale))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, v_bshd.shape[-1])
 
 
@@ -218,9 +219,11 @@ def self_attention_impl(impl: str, *, sinks: bool = False) -> str:
 def self_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array,
                    positions_bt: jax.Array | None, segment_ids_bt: jax.Array | None, *,
                    window: int | None = None, sinks_h: jax.Array | None = None,
-                   impl: str = "auto", block: int = 64, interpret: bool | None = None) -> jax.Array:
+                   scale: float | None = None, impl: str = "auto", block: int = 64,
+                   interpret: bool | None = None) -> jax.Array:
     """Causal self-attention of packed rows: q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, Dv]
-    -> [B, T, Hq, Dv] in the inputs' dtype, scale D**-0.5.
+    -> [B, T, Hq, Dv] in the inputs' dtype; scores are q·k times `scale`, default D**-0.5 (MLA
+    passes its own, and its values are narrower than its queries and keys: Dv != D in every impl).
 
     A key is visible to a query when its position is at most the query's (and within `window`
     positions on local layers), in the same segment, and not padding (position < 0). `sinks_h`
@@ -234,11 +237,12 @@ def self_attention(q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array,
     chosen = self_attention_impl(impl, sinks=sinks_h is not None)
     if chosen == "pallas":
         return flash_attention(q_bthd, k_bshd, v_bshd, causal=True, window=window,
-                               segment_ids=segment_ids_bt, impl="pallas", interpret=interpret)
+                               segment_ids=segment_ids_bt, scale=scale, impl="pallas",
+                               interpret=interpret)
     if positions_bt is None:
         raise ValueError(f"self_attention: impl={chosen!r} masks by position; positions_bt is None")
     if chosen == "blocked":
         return blocked_attention(q_bthd, k_bshd, v_bshd, positions_bt, segment_ids_bt, window,
-                                 block=block, sinks_h=sinks_h)
+                                 block=block, sinks_h=sinks_h, scale=scale)
     return self_attention_reference(q_bthd, k_bshd, v_bshd, positions_bt, segment_ids_bt, window,
-                                    sinks_h=sinks_h)
+                                    sinks_h=sinks_h, scale=scale)

@@ -46,11 +46,12 @@ def _assert_close(actual, expected, tol):
     assert err <= tol, f"relative max error {err} > {tol}"
 
 
-def _numpy_attention(q, k, v, causal, window, seg):
+def _numpy_attention(q, k, v, causal, window, seg, scale=None):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, hq, d = q.shape
+    scale = 1 / np.sqrt(d) if scale is None else scale
     group = hq // k.shape[2]
-    out = np.zeros_like(q)
+    out = np.zeros((b, t, hq, v.shape[-1]))
     for bi in range(b):
         for h in range(hq):
             for i in range(t):
@@ -61,7 +62,7 @@ def _numpy_attention(q, k, v, causal, window, seg):
                     and (window is None or j > i - window)
                     and (seg is None or seg[bi, i] == seg[bi, j])
                 ]
-                s = k[bi, keys, h // group] @ q[bi, i, h] / np.sqrt(d)
+                s = k[bi, keys, h // group] @ q[bi, i, h] * scale
                 p = np.exp(s - s.max())
                 out[bi, i, h] = (p / p.sum()) @ v[bi, keys, h // group]
     return out
@@ -75,6 +76,22 @@ def test_reference_matches_numpy(causal, window, use_seg):
     seg = _packed_segments(2, 9) if use_seg else None
     out = pk.flash_attention_reference(q, k, v, causal=causal, window=window, segment_ids=seg)
     expected = _numpy_attention(q, k, v, causal, window, None if seg is None else np.asarray(seg))
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
+
+
+def _mla_inputs(b, t, hq, d, dv, dtype, seed=0):
+    """MLA's shape: values narrower than queries and keys (DeepSeek-V3: 192 and 128)."""
+    q, k, _, _ = _inputs(b, t, hq, hq, d, dtype, seed)
+    _, _, v, cotangent = _inputs(b, t, hq, hq, dv, dtype, seed + 1)
+    return q, k, v, cotangent
+
+
+def test_reference_with_narrow_values_and_a_scale_matches_numpy():
+    q, k, v, _ = _mla_inputs(2, 9, 4, 12, 8, jnp.float32)
+    seg = _packed_segments(2, 9)
+    out = pk.flash_attention_reference(q, k, v, window=4, segment_ids=seg, scale=0.41)
+    assert out.shape == (2, 9, 4, 8)
+    expected = _numpy_attention(q, k, v, True, 4, np.asarray(seg), scale=0.41)
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
 
 
@@ -139,6 +156,52 @@ def test_tpu_splash_path_matches_reference(dtype, tol):
         _assert_close(g, rg, tol * 2)
 
 
+@pytest.mark.parametrize("window,use_seg", [(None, True), (7, False)])
+def test_gpu_kernel_with_narrow_values_and_a_scale_matches_reference(window, use_seg):
+    # MLA: q/k 24 wide (padded to 32 inside), v 16 wide, its own softmax scale.
+    q, k, v, cot = _mla_inputs(2, 37, 4, 24, 16, jnp.float32)
+    seg = _packed_segments(2, 37) if use_seg else None
+    kw = dict(window=window, segment_ids=seg, scale=0.31)
+    out, grads = _value_and_grads(
+        lambda q, k, v: pk.flash_attention(
+            q, k, v, impl="pallas", lowering="gpu", interpret=True, block_q=16, block_k=16, **kw
+        ),
+        q,
+        k,
+        v,
+        cot,
+    )
+    ref_out, ref_grads = _value_and_grads(
+        lambda q, k, v: pk.flash_attention_reference(q, k, v, **kw), q, k, v, cot
+    )
+    assert out.shape == (2, 37, 4, 16)
+    _assert_close(out, ref_out, 2e-5)
+    for g, rg in zip(grads, ref_grads):
+        assert g.shape == rg.shape
+        _assert_close(g, rg, 4e-5)
+
+
+@pytest.mark.slow
+def test_tpu_splash_path_with_narrow_values_and_a_scale_matches_reference():
+    q, k, v, cot = _mla_inputs(1, 45, 2, 24, 16, jnp.float32)
+    kw = dict(segment_ids=_packed_segments(1, 45), scale=0.31)
+    out, grads = _value_and_grads(
+        lambda q, k, v: pk.flash_attention(
+            q, k, v, impl="pallas", lowering="tpu", interpret=True, **kw
+        ),
+        q,
+        k,
+        v,
+        cot,
+    )
+    ref_out, ref_grads = _value_and_grads(
+        lambda q, k, v: pk.flash_attention_reference(q, k, v, **kw), q, k, v, cot
+    )
+    _assert_close(out, ref_out, 2e-5)
+    for g, rg in zip(grads, ref_grads):
+        _assert_close(g, rg, 4e-5)
+
+
 def _config(t, window, causal=True, bq=64, bk=64):
     return fa_module._Config(
         causal=causal,
@@ -197,5 +260,9 @@ def test_bad_inputs_raise_naming_the_value():
         pk.flash_attention(q, k, v, window=0)
     with pytest.raises(ValueError, match="window=4 needs causal=True"):
         pk.flash_attention(q, k, v, window=4, causal=False)
+    with pytest.raises(ValueError, match=r"v.shape=\(1, 7, 2, 8\) is not \[batch=1, seq=7, kv_heads=1"):
+        pk.flash_attention(q, k, jnp.zeros((1, 7, 2, 8)))
+    with pytest.raises(ValueError, match="scale=-1.0"):
+        pk.flash_attention(q, k, v, scale=-1.0)
     with pytest.raises(ValueError, match="lowering='cuda'"):
         pk.flash_attention(q, k, v, impl="pallas", lowering="cuda")

@@ -54,6 +54,21 @@ def test_attention_forward_and_backward_lower(platform, lowering):
 
 
 @pytest.mark.parametrize("platform,lowering", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_mla_attention_forward_and_backward_lower(platform, lowering):
+    # DeepSeek-V3's head shapes: q/k 192 wide (128 no-RoPE + 64 RoPE), v 128, its own scale.
+    q = jax.ShapeDtypeStruct((B, T, 4, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, T, 4, 128), jnp.bfloat16)
+
+    def loss(q, k, v, seg):
+        out = pk.flash_attention(q, k, v, segment_ids=seg, scale=0.1, impl="pallas",
+                                 interpret=False, lowering=lowering)
+        return out.astype(jnp.float32).sum()
+
+    module = _lower(jax.grad(loss, argnums=(0, 1, 2)), q, q, v, SEG, platform=platform)
+    assert ("triton" if platform == "cuda" else "tpu_custom_call") in module
+
+
+@pytest.mark.parametrize("platform,lowering", [("cuda", "gpu"), ("tpu", "tpu")])
 def test_gmm_forward_and_backward_lower(platform, lowering):
     module = _lower(_gmm_grads(lowering), LHS, RHS, SIZES, platform=platform)
     assert ("triton" if platform == "cuda" else "tpu_custom_call") in module

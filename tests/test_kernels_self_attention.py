@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hcjax.model import Transformer
+from hcjax.model.attention import mla_softmax_scale
 from pallas_kernels import _dispatch
 from pallas_kernels.self_attention import (
     attention_mask,
@@ -22,6 +24,7 @@ from pallas_kernels.self_attention import (
     self_attention_reference,
 )
 from tests.test_model import BASE, make_model
+from tests.test_model_scale import DEEPSEEK
 
 
 def packed_row(lengths, pad):
@@ -164,3 +167,69 @@ def test_bad_choices_are_named():
         self_attention(q, k, v, None, None, impl="blocked")
     with pytest.raises(ValueError, match="block=0"):
         blocked_attention(q, k, v, jnp.arange(8)[None], None, None, block=0)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_mla_shapes_and_scale_equal_the_reference_values_and_grads(impl):
+    # MLA's shape: queries and keys wider than values (Dqk = nope + rope, Dv = v_head_dim), one
+    # key head per query head, and a softmax scale that is not Dqk**-0.5 (YaRN's mscale²).
+    rows = [packed_row([30, 20], 6), packed_row([56], 0)]
+    pos, seg = (jnp.stack([r[i] for r in rows]) for i in (0, 1))
+    ks = jax.random.split(jax.random.key(11), 4)
+    q = jax.random.normal(ks[0], (2, 56, 4, 12))
+    k = jax.random.normal(ks[1], (2, 56, 4, 12))
+    v = jax.random.normal(ks[2], (2, 56, 4, 8))
+    probe = jax.random.normal(ks[3], (2, 56, 4, 8))
+    scale = 0.37  # not 12**-0.5 = 0.289
+    valid = (seg > 0)[:, :, None, None]
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.where(valid, f(q, k, v) * probe, 0.0))
+
+    mask = attention_mask(pos, pos, seg, seg, None)
+    ref = lambda q, k, v: gqa_attention(q, k, v, mask, scale=scale)  # noqa: E731
+    got = lambda q, k, v: self_attention(q, k, v, pos, seg, scale=scale, impl=impl,  # noqa: E731
+                                         block=16)
+    out = jax.jit(got)(q, k, v)
+    assert out.shape == (2, 56, 4, 8)
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, jax.jit(ref)(q, k, v), 0),
+                               rtol=1e-5, atol=1e-5)
+    # The default scale is a different answer: the scale reaches the kernel.
+    default = self_attention(q, k, v, pos, seg, impl=impl, block=16)
+    assert np.abs(np.where(valid, default - out, 0)).max() > 1e-2
+    for g_ref, g_got in zip(jax.jit(jax.grad(loss(ref), (0, 1, 2)))(q, k, v),
+                            jax.jit(jax.grad(loss(got), (0, 1, 2)))(q, k, v), strict=True):
+        np.testing.assert_allclose(g_got, g_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_mla_model_logits_and_grads_equal_reference(impl):
+    # A DeepSeek-like model (MLA, YaRN so the softmax scale carries mscale²) on packed rows: its
+    # full forward through `self_attention` (no T x T scores) equals the dense masked reference.
+    ref_cfg = dataclasses.replace(
+        DEEPSEEK, max_seq_len=160, rope_scaling="yarn", rope_factor=4.0,
+        rope_original_max_len=32, rope_mscale=1.0, rope_mscale_all_dim=1.0)
+    assert mla_softmax_scale(ref_cfg) != (ref_cfg.qk_nope_head_dim
+                                          + ref_cfg.qk_rope_head_dim) ** -0.5
+    ref_model = Transformer(ref_cfg, rngs=nnx.Rngs(0))
+    model = Transformer(dataclasses.replace(ref_cfg, attention_impl=impl), rngs=nnx.Rngs(1))
+    nnx.update(model, nnx.state(ref_model))
+    t = 160 if impl == "blocked" else 72  # the interpreted kernel is slow; blocked needs T > 64
+    lengths = [50, 60, 30] if impl == "blocked" else [30, 34]
+    pos, seg = packed_row(lengths, t - sum(lengths))
+    toks = jax.random.randint(jax.random.key(3), (1, t), 0, ref_cfg.vocab_size)
+    valid = np.asarray(seg > 0)[None]
+
+    def loss(m):
+        out = m(toks, positions=pos[None], segment_ids=seg[None])
+        lp = jax.nn.log_softmax(out.logits)
+        return jnp.sum(jnp.where(valid[..., None], lp * jnp.cos(jnp.arange(ref_cfg.vocab_size)),
+                                 0))
+
+    step = nnx.jit(nnx.value_and_grad(loss))
+    (l_ref, g_ref), (l_got, g_got) = step(ref_model), step(model)
+    np.testing.assert_allclose(l_got, l_ref, rtol=1e-5)
+    flat_ref, flat_got = jax.tree.leaves(g_ref), jax.tree.leaves(g_got)
+    assert len(flat_ref) == len(flat_got)
+    for a, b in zip(flat_ref, flat_got, strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5)

@@ -350,10 +350,13 @@ def test_bad_scan_and_remat_configs_are_clear():
         model_of(scanned(GPT_OSS))(tokens(1, 2), cache=init_cache(GPT_OSS, 1, 4))
 
 
-def test_pallas_kernels_run_on_local_shards_under_a_mesh():
+@pytest.mark.parametrize("family", ["mai", "deepseek"])
+def test_pallas_kernels_run_on_local_shards_under_a_mesh(family):
     """With a mesh in context the Pallas kernels (interpret mode on CPU) run under shard_map on
-    each device's batch and heads, and give what they give without a mesh."""
-    cfg = dataclasses.replace(MAI, num_layers=6, attention_impl="pallas", moe_impl="pallas")
+    each device's batch and heads, and give what they give without a mesh (MLA too: its flash
+    attention with 12-wide q/k, 8-wide values and its own scale)."""
+    base = dataclasses.replace(MAI, num_layers=6) if family == "mai" else DEEPSEEK
+    cfg = dataclasses.replace(base, attention_impl="pallas", moe_impl="pallas")
     graphdef, state = abstract_model(cfg)[0], state_of(cfg)
     mesh = shd.make_mesh(shd.MeshConfig(data=1, fsdp=2, tensor=2, expert=2))
     x = tokens(4, 8, seed=5)

@@ -148,6 +148,65 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert out["reduce-scatter"] == {"count": 1, "bytes": 32}  # the operand, the larger side
 
 
+def test_loops_that_step_by_two_count_half_their_bound():
+    """TPU's windowed einsums (collective matmuls over the FSDP axis) loop `i = 0, 2, .. < 4`,
+    taking a block from each neighbour per step: 2 trips, not 4 (the bound alone said 4, which
+    doubled those matmuls' FLOPs and collective-permutes in the plan). The step and the start
+    are read through the copies TPU inserts; a loop counting by 1 from 1 runs bound - 1 times."""
+    hlo = """HloModule m
+
+%cond (p: (u32[], f32[8])) -> pred[] {
+  %p = (u32[], f32[8]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %n = u32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %p = (u32[], f32[8]) parameter(0)
+  %two = u32[] constant(2)
+  %i = u32[] get-tuple-element(%p), index=0
+  %c = u32[] copy(%i)
+  %next = u32[] add(%c, %two)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %g = f32[8]{0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (u32[], f32[8]) tuple(%next, %g)
+}
+
+%cond1 (p: (u32[], f32[8])) -> pred[] {
+  %p = (u32[], f32[8]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %n = u32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body1 (p: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %p = (u32[], f32[8]) parameter(0)
+  %one = u32[] constant(1)
+  %i = u32[] get-tuple-element(%p), index=0
+  %next = u32[] add(%i, %one)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %g = f32[32]{0} all-gather(%x), dimensions={0}
+  ROOT %t = (u32[], f32[8]) tuple(%next, %x)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %zero = u32[] constant(0)
+  %z = u32[] copy(%zero)
+  %s = (u32[], f32[8]) tuple(%z, %a)
+  %w = (u32[], f32[8]) while(%s), condition=%cond, body=%body
+  %start = u32[] constant(1)
+  %s1 = (u32[], f32[8]) tuple(%start, %a)
+  %w1 = (u32[], f32[8]) while(%s1), condition=%cond1, body=%body1
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+    out = plan_lib.collectives(hlo)
+    assert out["collective-permute"] == {"count": 2, "bytes": 2 * 32}
+    assert out["all-gather"] == {"count": 4, "bytes": 4 * 128}
+
+
 @pytest.mark.slow
 def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model():
     """With impl "auto" the kernels are chosen for the mesh's platform (TPU here, on a CPU host),

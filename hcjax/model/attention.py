@@ -354,15 +354,25 @@ class Attention(nnx.Module):
         return y, new_cache
 
     def _attend_self(self, q, k, v, positions_bt, segment_ids_bt, sinks):
-        impl = self_attention_impl(self.attention_impl, sinks=sinks is not None)
-        if impl == "pallas":
-            # The flash kernel masks by index (causal, window) and segment ids; rows whose
-            # positions restart per document are handled by the segment ids.
-            kernel = lambda q, k, v, seg: self_attention(  # noqa: E731
-                q, k, v, None, seg, window=self.window, impl="pallas")
-            return on_local_shards(kernel, q, k, v, segment_ids_bt)
-        return self_attention(q, k, v, positions_bt, segment_ids_bt, window=self.window,
-                              sinks_h=sinks, impl=impl)
+        return attend_self(q, k, v, positions_bt, segment_ids_bt, window=self.window,
+                           sinks_h=sinks, impl=self.attention_impl)
+
+
+def attend_self(q, k, v, positions_bt, segment_ids_bt, *, window: int | None,
+                impl: str, sinks_h=None, scale: float | None = None):
+    """The full forward's self-attention (no cache) on the implementation `impl` resolves to
+    (`self_attention_impl`): the flash kernel per device shard, or the blocked / dense XLA form
+    over the global arrays, which XLA partitions. q [B, T, Hq, D], k [B, T, Hkv, D],
+    v [B, T, Hkv, Dv]; `scale` defaults to D**-0.5."""
+    chosen = self_attention_impl(impl, sinks=sinks_h is not None)
+    if chosen == "pallas":
+        # The flash kernel masks by index (causal, window) and segment ids; rows whose
+        # positions restart per document are handled by the segment ids.
+        kernel = lambda q, k, v, seg: self_attention(  # noqa: E731
+            q, k, v, None, seg, window=window, scale=scale, impl="pallas")
+        return on_local_shards(kernel, q, k, v, segment_ids_bt)
+    return self_attention(q, k, v, positions_bt, segment_ids_bt, window=window, sinks_h=sinks_h,
+                          scale=scale, impl=chosen)
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -405,6 +415,7 @@ class MLAttention(nnx.Module):
         self.rope = _Rope(cfg, rd)
         self.scale = mla_softmax_scale(cfg)
         self.dtype = cfg.compute_dtype
+        self.attention_impl = cfg.attention_impl
 
     @staticmethod
     def cache_entries(cfg: ModelConfig) -> dict:
@@ -427,16 +438,19 @@ class MLAttention(nnx.Module):
 
         new_cache = None
         if cache is None:
+            # Up-projected keys and values per head, then self-attention as any layer runs it
+            # (flash kernel on GPU/TPU, blocked on CPU: no T x T scores in HBM), with MLA's own
+            # scale and 128-wide values beside 192-wide queries and keys. The shared RoPE key is
+            # copied into every head's key ([B, T, H, rope_dim], a third of the key): the kernels
+            # take one key tensor.
             kv = jnp.einsum("btr,rhk->bthk", c, wkv_b)
             k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
             k_pe_h = jnp.broadcast_to(k_pe[:, :, None], (*k_nope.shape[:3], self.rope_dim))
-            mask = attention_mask(
-                positions_bt, positions_bt, segment_ids_bt, segment_ids_bt, self.window
-            )
-            out = gqa_attention(
-                jnp.concatenate([q_nope, q_pe], -1), jnp.concatenate([k_nope, k_pe_h], -1), v,
-                mask, scale=self.scale,
-            )
+            q_full = jnp.concatenate([q_nope, q_pe], -1)
+            k_full = shd.constrain(jnp.concatenate([k_nope, k_pe_h], -1), _KV_BTHD)
+            v = shd.constrain(v, _KV_BTHD)
+            out = attend_self(q_full, k_full, v, positions_bt, segment_ids_bt,
+                              window=self.window, impl=self.attention_impl, scale=self.scale)
         else:
             # Absorbed form over the compressed cache: one shared "key head" [c, k_pe] and one
             # shared "value head" c; W_kvb's key half moves to the query, its value half after.

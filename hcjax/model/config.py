@@ -257,13 +257,10 @@ class ModelConfig:
                 f"layer pattern ({self.layer_period} layers: lcm of the attention_pattern and "
                 f"ffn_pattern lengths)"
             )
-        uses_pallas_attention = self.attention_impl == "pallas"
-        if uses_pallas_attention and (
-            self.attention_type == "mla" or self.attention_sinks
-        ):
+        if self.attention_impl == "pallas" and self.attention_sinks:
             raise ValueError(
-                "ModelConfig.attention_impl='pallas' supports GQA without sinks; MLA and attention "
-                "sinks run on attention_impl='reference' or 'auto'"
+                "ModelConfig.attention_impl='pallas' has no attention sinks (the flash kernel "
+                "lacks them); run them on attention_impl='blocked', 'reference' or 'auto'"
             )
 
     # Layer layout ---------------------------------------------------------------------------
