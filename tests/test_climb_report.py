@@ -51,3 +51,12 @@ def test_report_has_the_per_suite_table_and_curve(tmp_path):
     assert "| 0 | 0.200 | 0.400 |" in text and "| 2 | 0.500 | 0.400 |" in text
     assert (tmp_path / "pass_at_1_by_suite.png").is_file()
     assert "![held-out pass@1 by suite](pass_at_1_by_suite.png)" in text
+
+
+def test_report_plots_pass_at_1_by_category(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.1}) + "\n")
+    evals = [{"step": s, "wall": float(s), "pass_at_1": 0.3,
+              "by_category": {"add": 0.2 + 0.1 * s, "mul": 0.4}} for s in (0, 2)]
+    write_report(str(tmp_path), {"evals": evals}, 0.3)
+    assert (tmp_path / "pass_at_1_by_category.png").is_file()
+    assert not (tmp_path / "pass_at_1_by_suite.png").exists()  # no suites recorded

@@ -109,26 +109,19 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
         return draw
 
     figure("reward_vs_step.png", "reward and held-out pass@1 vs step", reward_vs("step", "step"))
-    by_category = sorted({c for e in evals for c in e.get("by_category", {})})
-    if len(by_category) > 1:
-        def per_category(ax):
-            for c in by_category:
-                pts = [(e["step"], e["by_category"][c]) for e in evals
-                       if c in e.get("by_category", {})]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=c)
+    def per_key(field):  # one curve per key of each evaluation's `field` dict
+        def plot(ax):
+            for key in sorted({k for e in evals for k in e.get(field, {})}):
+                pts = [(e["step"], e[field][key]) for e in evals if key in e.get(field, {})]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=key)
             ax.set_xlabel("step")
+        return plot
 
-        figure("pass_at_1_by_category.png", "held-out pass@1 by category", per_category)
+    if len({c for e in evals for c in e.get("by_category", {})}) > 1:
+        figure("pass_at_1_by_category.png", "held-out pass@1 by category", per_key("by_category"))
     by_suite = sorted({name for e in evals for name in e.get("by_suite", {})})
     if by_suite:
-        def per_suite(ax):
-            for name in by_suite:
-                pts = [(e["step"], e["by_suite"][name]) for e in evals
-                       if name in e.get("by_suite", {})]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
-            ax.set_xlabel("step")
-
-        figure("pass_at_1_by_suite.png", "held-out pass@1 by suite", per_suite)
+        figure("pass_at_1_by_suite.png", "held-out pass@1 by suite", per_key("by_suite"))
     figure("reward_vs_wall.png", "reward and held-out pass@1 vs wall time",
            reward_vs("wall", "climb wall time (s)"))
 
