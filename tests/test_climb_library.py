@@ -129,6 +129,32 @@ def test_prioritized_source_over_a_mixture_with_a_curriculum():
         SourceConfig(sampler="random")
 
 
+def test_suite_shares_give_each_mixture_member_its_weight():
+    mix = MixtureSuite(suites=(ArithmeticSuite(), CodeSuite(num_heldout=4),
+                               ToolUseSuite(num_heldout=4)), weights=(2.0, 1.0, 0.0))
+    groups, shares = mix.category_shares()
+    assert set(groups) == set(mix.categories())  # the zero-weight suite has no category
+    assert shares == {"arithmetic": 2.0, "code": 1.0, "tool_use": 0.0}
+    assert all(groups[c] == c.split("/")[0] for c in groups)
+    src = make_source(TaskBuilder(mix, TOK), SourceConfig(sampler="prioritized", floor=0.01,
+                                                          suite_shares=True))
+    arithmetic = [c for c in src.categories if c.startswith("arithmetic/")]
+    for c in arithmetic[1:]:  # every arithmetic category but one solved: the share stays 2/3
+        src.sampler.observe(c, 1.0, 1)
+    probs = src.probabilities()
+    assert sum(probs[c] for c in arithmetic) == pytest.approx(2 / 3)
+    # Inside the share, learnability: 1/4 for the unseen category, the floor for solved ones.
+    inner = 0.25 / (0.25 + 0.01 * (len(arithmetic) - 1))
+    assert probs[arithmetic[0]] == pytest.approx(2 / 3 * inner)
+    drawn = [src.next_task().meta["category"].split("/")[0] for _ in range(600)]
+    assert abs(drawn.count("code") / 600 - 1 / 3) < 0.08
+    with pytest.raises(ValueError, match="suite_shares=True needs sampler='prioritized'"):
+        SourceConfig(suite_shares=True)
+    with pytest.raises(ValueError, match="suite 'arithmetic' has no member suites"):
+        make_source(TaskBuilder(ArithmeticSuite(), TOK),
+                    SourceConfig(sampler="prioritized", suite_shares=True))
+
+
 # Evaluation and rewards through the workers ---------------------------------------------------
 
 

@@ -90,6 +90,37 @@ def test_prioritized_sampling_is_proportional_to_failure_rate():
     assert solved.probabilities() == {"x": 0.5, "y": 0.5}
 
 
+def test_group_shares_pick_the_group_before_the_rule():
+    keys = {"a1": 0, "a2": 1, "b1": 2, "c1": 3}
+    groups = {"a1": "A", "a2": "A", "b1": "B", "c1": "C"}
+    sampler = curriculum.PrioritizedSampler(keys, groups=groups, shares={"A": 2, "B": 1, "C": 1},
+                                            seed=2)
+    sampler.update("a1", [False] * 4)         # kimi weight 1
+    sampler.update("a2", [True, False])       # 0.5
+    sampler.update("b1", [True] * 9 + [False])  # 0.1, alone in its group
+    sampler.update("c1", [True] * 3)          # 0: its group's draws fall back to uniform
+    # A takes 2/4 of the draws, split 1 : 0.5 inside it; B and C 1/4 each, whatever their
+    # success rates (without groups b1 would get 0.1 / 1.6 and c1 nothing).
+    probs = sampler.probabilities()
+    assert probs == pytest.approx({"a1": 0.5 * 2 / 3, "a2": 0.5 / 3, "b1": 0.25, "c1": 0.25})
+    draws = sampler.sample(16000)
+    for k, p in probs.items():
+        assert abs(draws.count(k) / 16000 - p) < 4 * math.sqrt(p * (1 - p) / 16000)
+    # The curriculum pool holds A's keys only at first: A takes every draw.
+    early = curriculum.PrioritizedSampler(keys, groups=groups, shares={"A": 2, "B": 1, "C": 1},
+                                          initial_fraction=0.5)
+    assert early.probabilities(0.0) == pytest.approx({"a1": 0.5, "a2": 0.5})
+    with pytest.raises(ValueError, match="give both or neither"):
+        curriculum.PrioritizedSampler(keys, groups=groups)
+    with pytest.raises(ValueError, match=r"without a group, or shares=.*\['C'\]"):
+        curriculum.PrioritizedSampler(keys, groups=groups, shares={"A": 1, "B": 1})
+    with pytest.raises(ValueError, match=r"\['c1'\] without a group"):
+        curriculum.PrioritizedSampler(keys, groups={"a1": "A", "a2": "A", "b1": "B"},
+                                      shares={"A": 1, "B": 1})
+    with pytest.raises(ValueError, match="shares=.*must be non-negative"):
+        curriculum.PrioritizedSampler(keys, groups=groups, shares={"A": -1, "B": 1, "C": 0})
+
+
 def test_curriculum_pool_grows_easy_to_hard():
     sampler = curriculum.PrioritizedSampler({f"p{i}": i for i in range(10)}, initial_fraction=0.3)
     assert sampler.pool(0.0) == ["p0", "p1", "p2"]

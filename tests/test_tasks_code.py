@@ -97,7 +97,18 @@ def test_lengths_fit_the_tiny_engine():
     assert longest_target <= 48, longest_target
 
 
+def test_heldout_min_digits_holds_out_the_harder_half_only():
+    suite = CodeSuite(max_digits=2, heldout_min_digits=2, num_heldout=150)
+    held = suite.heldout()
+    assert len(held) == 150 and {p.category for p in held} == {"affine:2d", "poly2:2d", "mod:2d"}
+    train = [suite.train_problem(i) for i in range(600)]
+    assert {p.category for p in train} == set(suite.categories())  # 1d and 2d alike
+    assert not {_key(p) for p in held} & {_key(p) for p in train}
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    ({"heldout_min_digits": 2}, "heldout_min_digits=2"),
+    ({"max_digits": 3, "min_digits": 2, "heldout_min_digits": 1}, "heldout_min_digits=1"),
     ({"kinds": ("affine", "cubic")}, "kinds="),
     ({"kinds": ()}, "kinds="),
     ({"min_digits": 0}, "min_digits=0"),

@@ -82,7 +82,26 @@ def test_heldout_disjoint_from_train():
     assert {p.category for p in big.heldout()} == {"mul:2x2", "mul:3x2"}
 
 
+def test_heldout_min_digits_holds_out_the_longer_factors_only():
+    suite = ToolUseSuite(min_digits=2, max_digits=5, heldout_min_digits=4, num_heldout=200)
+    held = suite.heldout()
+    assert len(held) == 200 and {p.category for p in held} == {"mul:4x2", "mul:5x2"}
+    assert all(len(str(p.meta["a"])) >= 4 for p in held)
+    train = [suite.train_problem(i) for i in range(400)]
+    assert {p.category for p in train} == set(suite.categories())  # training keeps every length
+    assert not {(p.meta["a"], p.meta["b"]) for p in held} & {
+        (p.meta["a"], p.meta["b"]) for p in train}
+    # The training stream's draws do not depend on the knob (only which of them are redrawn as
+    # held-out collisions does).
+    plain = ToolUseSuite(min_digits=2, max_digits=5, num_heldout=200)
+    assert all(suite._problem("train", i) == plain._problem("train", i) for i in range(50))
+    # Four- and five-digit factors: a call of at most 71 tokens (the mixed climb's max_tokens 72).
+    assert max(encode_response(p.target, TOK)[1].index(0) for p in held) == 71
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    ({"heldout_min_digits": 4}, "heldout_min_digits=4"),
+    ({"heldout_min_digits": 1}, "heldout_min_digits=1"),
     ({"min_digits": 0}, "min_digits=0"),
     ({"min_digits": 3, "max_digits": 2}, "max_digits=2"),
     ({"other_digits": 0}, "other_digits=0"),

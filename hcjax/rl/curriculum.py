@@ -122,11 +122,18 @@ class PrioritizedSampler:
     groups (task streams where every problem is new, so only categories recur). The curriculum
     pool grows from the easiest `initial_fraction` of keys (by `difficulty`) to all of them as
     `progress` goes 0 -> 1. When every weight is 0 (all solved, floor 0) the draw is uniform.
+
+    groups / shares (optional, together): each key's group (e.g. the member suite of a mixture)
+    and each group's share of the draws. A draw then picks a group with probability ∝ its share
+    (among the groups with a key in the pool), then a key of that group by the rule, so a group
+    keeps its share however its keys' success rates compare with the other groups'.
     """
 
     def __init__(self, difficulty: Mapping[Hashable, float] | Sequence[Hashable], *,
                  rule: str = "kimi", window: int | None = None, floor: float = 0.0,
-                 initial_fraction: float = 1.0, seed: int = 0) -> None:
+                 initial_fraction: float = 1.0, seed: int = 0,
+                 groups: Mapping[Hashable, Hashable] | None = None,
+                 shares: Mapping[Hashable, float] | None = None) -> None:
         if not difficulty:
             raise ValueError(f"difficulty={difficulty!r} has no keys")
         if rule not in PRIORITY_RULES:
@@ -143,6 +150,21 @@ class PrioritizedSampler:
             self.order = list(difficulty)
             if len(set(self.order)) != len(self.order):
                 raise ValueError(f"keys={self.order} has duplicates")
+        if (groups is None) != (shares is None):
+            raise ValueError(f"groups={groups!r} and shares={shares!r}: give both or neither")
+        if groups is not None:
+            ungrouped = [k for k in self.order if k not in groups]
+            unshared = sorted({str(groups[k]) for k in self.order if k in groups}
+                              - {str(g) for g in shares})
+            if ungrouped or unshared:
+                raise ValueError(f"groups leave keys {ungrouped[:8]} without a group, or shares="
+                                 f"{dict(shares)} has no share for groups {unshared}")
+            used = {groups[k] for k in self.order}
+            if any(not shares[g] >= 0 for g in used) or sum(shares[g] for g in used) <= 0:
+                raise ValueError(f"shares={dict(shares)} must be non-negative with a positive "
+                                 f"sum over the groups {sorted(map(str, used))}")
+        self.groups = dict(groups) if groups is not None else None
+        self.shares = dict(shares) if shares is not None else None
         self.rule, self.window, self.floor = rule, window, floor
         self.initial_fraction = initial_fraction
         self._sums: dict[Hashable, list[float]] = {}  # window=None: [successes, attempts]
@@ -192,11 +214,19 @@ class PrioritizedSampler:
 
     def probabilities(self, progress: float = 1.0) -> dict[Hashable, float]:
         pool = self.pool(progress)
-        weights = [self.weight(p) for p in pool]
-        total = sum(weights)
-        if total == 0:
-            return {p: 1.0 / len(pool) for p in pool}
-        return {p: w / total for p, w in zip(pool, weights, strict=True)}
+        if self.groups is None:
+            return _normalised(pool, [self.weight(p) for p in pool])
+        members: dict[Hashable, list[Hashable]] = {}
+        for p in pool:
+            members.setdefault(self.groups[p], []).append(p)
+        if sum(self.shares[g] for g in members) == 0:  # only zero-share groups in the pool yet
+            return _normalised(pool, [self.weight(p) for p in pool])
+        group_p = _normalised(list(members), [self.shares[g] for g in members])
+        out: dict[Hashable, float] = {}
+        for g, keys in members.items():
+            within = _normalised(keys, [self.weight(k) for k in keys])
+            out.update({k: group_p[g] * q for k, q in within.items()})
+        return {p: out[p] for p in pool}
 
     def sample(self, n: int, progress: float = 1.0) -> list[Hashable]:
         probs = self.probabilities(progress)
@@ -219,6 +249,14 @@ class PrioritizedSampler:
         self._rates = {by_name[k]: collections.deque(map(float, v), maxlen=self.window)
                        for k, v in state["rates"].items()}
         self.rng.bit_generator.state = state["rng"]
+
+
+def _normalised(keys: Sequence[Hashable], weights: Sequence[float]) -> dict[Hashable, float]:
+    """keys -> weight / total, or uniform when every weight is 0."""
+    total = sum(weights)
+    if total == 0:
+        return {k: 1.0 / len(keys) for k in keys}
+    return {k: w / total for k, w in zip(keys, weights, strict=True)}
 
 
 @dataclasses.dataclass(frozen=True)

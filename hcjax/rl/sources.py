@@ -35,6 +35,10 @@ class SourceConfig:
     curriculum_fraction / curriculum_steps: Kimi's easy-to-hard curriculum over categories in
       the suite's order: the pool starts with that fraction of the categories and grows to all
       of them over `curriculum_steps` learner steps (1.0: no curriculum).
+    suite_shares (prioritized, a MixtureSuite only): each draw first picks a member suite by
+      the mixture's weights, then one of its categories by `rule`, so every suite gets its share
+      of the groups however its pass rates compare with the others' (False: one draw over all
+      categories, where a suite of many learnable categories takes most of the climb).
     """
 
     sampler: str = "sequential"
@@ -43,6 +47,7 @@ class SourceConfig:
     floor: float = 0.05
     curriculum_fraction: float = 1.0
     curriculum_steps: int = 1
+    suite_shares: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,6 +61,9 @@ class SourceConfig:
         if not 0.0 < self.curriculum_fraction <= 1.0 or self.curriculum_steps < 1:
             raise ValueError(f"SourceConfig.curriculum_fraction={self.curriculum_fraction} must "
                              f"be in (0, 1] and curriculum_steps={self.curriculum_steps} >= 1")
+        if self.suite_shares and self.sampler != "prioritized":
+            raise ValueError(f"SourceConfig.suite_shares=True needs sampler='prioritized' (got "
+                             f"sampler={self.sampler!r})")
 
 
 class TaskBuilder:
@@ -174,13 +182,15 @@ class PrioritizedSource:
     def __init__(self, categories: Sequence[str], make: Callable[[str, int], tuple[Task, int]],
                  category_of: Callable[[Task], str], *, window: int = 64, floor: float = 0.05,
                  rule: str = "kimi", seed: int = 0, curriculum_fraction: float = 1.0,
-                 curriculum_steps: int = 1) -> None:
+                 curriculum_steps: int = 1, groups: Mapping[str, str] | None = None,
+                 shares: Mapping[str, float] | None = None) -> None:
         if not categories:
             raise ValueError("PrioritizedSource needs at least one category")
         if not 0.0 < floor <= 1.0:
             raise ValueError(f"floor={floor} must be in (0, 1]")
         self.sampler = PrioritizedSampler(list(categories), rule=rule, window=window, floor=floor,
-                                          initial_fraction=curriculum_fraction, seed=seed)
+                                          initial_fraction=curriculum_fraction, seed=seed,
+                                          groups=groups, shares=shares)
         self.categories = list(categories)
         self.make, self.category_of = make, category_of
         self.curriculum_steps = curriculum_steps
@@ -231,7 +241,15 @@ def make_source(builder: TaskBuilder, cfg: SourceConfig):
         problem, cursor = suite.next_in_category(category, cursor)
         return builder.task(problem), cursor
 
+    groups = shares = None
+    if cfg.suite_shares:
+        category_shares = getattr(suite, "category_shares", None)
+        if category_shares is None:
+            raise ValueError(f"SourceConfig.suite_shares=True needs a mixture of suites "
+                             f"(MixtureSuite); the climb's suite {getattr(suite, 'name', suite)!r}"
+                             " has no member suites to share between")
+        groups, shares = category_shares()
     return PrioritizedSource(list(suite.categories()), make, lambda t: t.meta["category"],
                              window=cfg.window, floor=cfg.floor, rule=cfg.rule, seed=cfg.seed,
                              curriculum_fraction=cfg.curriculum_fraction,
-                             curriculum_steps=cfg.curriculum_steps)
+                             curriculum_steps=cfg.curriculum_steps, groups=groups, shares=shares)

@@ -78,6 +78,9 @@ class CodeSuite(SeededSplits):
       by the problem (seeded), the same for every response.
     seed / num_heldout: the held-out split is problems 0..num_heldout-1 of the held-out stream;
       the training stream never yields a function (kind, coefficients) of the held-out split.
+    heldout_min_digits: the held-out split draws d from [heldout_min_digits, max_digits] only
+      (None: from the training range), e.g. to measure the harder half a base solves partly
+      while the climb still trains on every category.
     timeout_s / memory_mb: the sandbox limits of one grading run.
     Categories are "<kind>:<d>d", e.g. "poly2:1d" (a mixture shows "code/poly2:1d").
     """
@@ -90,6 +93,7 @@ class CodeSuite(SeededSplits):
     test_range: int = 20
     seed: int = 0
     num_heldout: int = 100
+    heldout_min_digits: int | None = None
     timeout_s: float = 5.0
     memory_mb: int = 256
 
@@ -110,13 +114,18 @@ class CodeSuite(SeededSplits):
                              f"num_tests={self.num_tests} distinct inputs")
         if self.num_heldout < 0:
             raise ValueError(f"CodeSuite.num_heldout={self.num_heldout} must be >= 0")
+        if self.heldout_min_digits is not None and not (
+                self.min_digits <= self.heldout_min_digits <= self.max_digits):
+            raise ValueError(f"CodeSuite.heldout_min_digits={self.heldout_min_digits} must be "
+                             f"within min_digits={self.min_digits} .. max_digits="
+                             f"{self.max_digits}")
         if not self.timeout_s > 0:
             raise ValueError(f"CodeSuite.timeout_s={self.timeout_s} must be positive")
 
     # Drawing ------------------------------------------------------------------------------
-    def _draw(self, rng: np.random.Generator) -> tuple[str, int, tuple[int, ...]]:
+    def _draw(self, rng: np.random.Generator, min_digits: int) -> tuple[str, int, tuple[int, ...]]:
         kind = self.kinds[int(rng.integers(len(self.kinds)))]
-        d = int(rng.integers(self.min_digits, self.max_digits + 1))
+        d = int(rng.integers(min_digits, self.max_digits + 1))
         top = 10**d
 
         def lead() -> int:
@@ -149,7 +158,8 @@ class CodeSuite(SeededSplits):
 
     def _problem(self, split: str, index: int, attempt: int = 0) -> TaskProblem:
         rng = np.random.default_rng([self.seed, _SPLIT_CODES[split], index, attempt])
-        kind, d, coefs = self._draw(rng)
+        low = self.heldout_min_digits if split == "heldout" else None
+        kind, d, coefs = self._draw(rng, self.min_digits if low is None else low)
         return self._make(kind, d, coefs, f"{kind}-{split}-{index}", rng)
 
     # TaskSuite ----------------------------------------------------------------------------

@@ -77,6 +77,13 @@ class MixtureSuite(SuiteBase):
         return [f"{s.name}/{c}" for s, w in zip(self.suites, self.weights, strict=True) if w > 0
                 for c in s.categories()]
 
+    def category_shares(self) -> tuple[dict[str, str], dict[str, float]]:
+        """({category: its member suite's name}, {suite name: its weight}) over `categories()`:
+        what a prioritised source needs to give each suite its share (SourceConfig.suite_shares)."""
+        groups = {f"{s.name}/{c}": s.name for s, w in zip(self.suites, self.weights, strict=True)
+                  if w > 0 for c in s.categories()}
+        return groups, {s.name: w for s, w in zip(self.suites, self.weights, strict=True)}
+
     def next_in_category(self, category: str, cursor: int) -> tuple[TaskProblem, int]:
         name, inner = category.split("/", 1) if "/" in category else (category, "")
         suite = self._by_name.get(name)

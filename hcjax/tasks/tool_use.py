@@ -148,6 +148,9 @@ class ToolUseSuite(SeededSplits):
     other_digits: the second factor's.  Categories "mul:<a>x<b>", e.g. "mul:3x2".
     seed / num_heldout: the held-out split is problems 0..num_heldout-1 of the held-out stream;
       the training stream never yields a pair of factors of the held-out split.
+    heldout_min_digits: the held-out split draws the first factor's digit count from
+      [heldout_min_digits, max_digits] only (None: from the training range): longer factors a
+      base copies only partly, while the climb still trains on every category.
     budget: the ReAct budget to run these episodes with (the climb's sources read
       `suite.budget`): two steps (a call and the answer, or a second call), a 256-token context.
     The grade is the last `<answer>` of the decoded whole response (observations included; calc
@@ -160,6 +163,7 @@ class ToolUseSuite(SeededSplits):
     other_digits: int = 2
     seed: int = 0
     num_heldout: int = 100
+    heldout_min_digits: int | None = None
     budget: react.Budget = react.Budget(max_steps=2, max_context=256, max_time_s=60.0)
 
     def __post_init__(self) -> None:
@@ -170,6 +174,11 @@ class ToolUseSuite(SeededSplits):
             raise ValueError(f"ToolUseSuite.other_digits={self.other_digits} must be in 1..9")
         if self.num_heldout < 0:
             raise ValueError(f"ToolUseSuite.num_heldout={self.num_heldout} must be >= 0")
+        if self.heldout_min_digits is not None and not (
+                self.min_digits <= self.heldout_min_digits <= self.max_digits):
+            raise ValueError(f"ToolUseSuite.heldout_min_digits={self.heldout_min_digits} must be "
+                             f"within min_digits={self.min_digits} .. max_digits="
+                             f"{self.max_digits}")
         if not isinstance(self.budget, react.Budget):
             raise ValueError(f"ToolUseSuite.budget={self.budget!r} is not a react.Budget")
 
@@ -179,7 +188,8 @@ class ToolUseSuite(SeededSplits):
 
     def _problem(self, split: str, index: int, attempt: int = 0) -> TaskProblem:
         rng = np.random.default_rng([self.seed, _SPLIT_CODES[split], index, attempt])
-        d = int(rng.integers(self.min_digits, self.max_digits + 1))
+        low = self.heldout_min_digits if split == "heldout" else None
+        d = int(rng.integers(self.min_digits if low is None else low, self.max_digits + 1))
 
         def number(digits: int) -> int:
             return int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10**digits))
