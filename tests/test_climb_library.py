@@ -420,3 +420,29 @@ def test_tool_episodes_stop_at_the_engine_context():
     assert traj.finish_reason == react.CONTEXT and len(calls) == 1
     assert len(traj.prompt_ids) + len(traj.response_ids) == 120
     assert all(n < 120 for n in calls)  # no turn was asked to prefill past the context
+
+
+def test_mixed_config_holds_out_the_harder_halves_and_shares_the_climb():
+    from hcjax import config
+    from hcjax.rl.climber import ClimbConfig, engine_lengths
+    from hcjax.tasks.tool_use import encode_response
+
+    config.bind(["climb_mixed_tiny.gin"], [])
+    cfg, source = ClimbConfig(), SourceConfig()
+    mix = cfg.make_suite()
+    assert source.suite_shares and source.sampler == "prioritized"
+    groups, shares = mix.category_shares()
+    assert set(groups.values()) == {"arithmetic", "code", "tool_use"} and all(shares.values())
+    held = {s.name: s.heldout() for s in mix.suites}
+    assert {name: len(h) for name, h in held.items()} == {"arithmetic": 300, "code": 300,
+                                                         "tool_use": 300}
+    assert cfg.eval_problems >= len(mix.heldout())  # every held-out problem is evaluated
+    assert all(p.meta["difficulty"] == 2 for p in held["arithmetic"])
+    assert {p.category.split(":")[1] for p in held["code"]} == {"2d"}
+    assert {p.category for p in held["tool_use"]} == {"mul:4x2", "mul:5x2"}
+    # The longest tool call is one model turn, and a whole episode fits the engine's prefill.
+    lengths = engine_lengths(cfg, mix, TOK, 256)
+    ids_masks = [encode_response(p.target, TOK) for p in held["tool_use"]]
+    assert max(mask.index(0) for _, mask in ids_masks) <= cfg.max_tokens
+    assert max(len(prompt_ids(p.prompt, TOK)) + len(ids)
+               for p, (ids, _) in zip(held["tool_use"], ids_masks)) <= lengths.max_prefill_length
