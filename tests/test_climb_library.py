@@ -439,7 +439,10 @@ def test_mixed_config_holds_out_the_harder_halves_and_shares_the_climb():
     assert cfg.eval_problems >= len(mix.heldout())  # every held-out problem is evaluated
     assert all(p.meta["difficulty"] == 2 for p in held["arithmetic"])
     assert {p.category.split(":")[1] for p in held["code"]} == {"2d"}
-    assert {p.category for p in held["tool_use"]} == {"mul:4x2", "mul:5x2"}
+    assert {p.category for p in held["tool_use"]} == {"mul:4x2"}
+    # The climb draws arithmetic where its held-out split is: two-digit first operands.
+    assert {c for c in groups if c.startswith("arithmetic/")} == {
+        f"arithmetic/{k}:2x{b}" for k in ("add", "sub") for b in (1, 2)}
     # The longest tool call is one model turn, and a whole episode fits the engine's prefill.
     lengths = engine_lengths(cfg, mix, TOK, 256)
     ids_masks = [encode_response(p.target, TOK) for p in held["tool_use"]]

@@ -154,12 +154,12 @@ class PrioritizedSampler:
             raise ValueError(f"groups={groups!r} and shares={shares!r}: give both or neither")
         if groups is not None:
             ungrouped = [k for k in self.order if k not in groups]
-            unshared = sorted({str(groups[k]) for k in self.order if k in groups}
-                              - {str(g) for g in shares})
-            if ungrouped or unshared:
-                raise ValueError(f"groups leave keys {ungrouped[:8]} without a group, or shares="
-                                 f"{dict(shares)} has no share for groups {unshared}")
+            if ungrouped:
+                raise ValueError(f"groups leave keys {ungrouped[:8]} without a group")
             used = {groups[k] for k in self.order}
+            unshared = sorted(used - set(shares), key=str)
+            if unshared:
+                raise ValueError(f"shares={dict(shares)} has no share for groups {unshared}")
             if any(not shares[g] >= 0 for g in used) or sum(shares[g] for g in used) <= 0:
                 raise ValueError(f"shares={dict(shares)} must be non-negative with a positive "
                                  f"sum over the groups {sorted(map(str, used))}")
