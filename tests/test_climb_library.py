@@ -397,6 +397,12 @@ def test_subset_suite_keeps_categories_without_held_out_problems():
     assert {p.category for p in easy.heldout()} <= {"affine:1d", "mod:1d"}
     with pytest.raises(ValueError, match="categories_kept"):
         SubsetSuite(suite=code, categories_kept=["affine:9d"])
+    # A subset of a tool suite runs its episodes under the parent's budget, inside a mixture too.
+    tool = ToolUseSuite(min_digits=2, max_digits=4, num_heldout=4)
+    hard = SubsetSuite(suite=tool, categories_kept=["mul:4x2"], name="tool_use")
+    mix = MixtureSuite(suites=(ArithmeticSuite(num_heldout=4), hard))
+    task = TaskBuilder(mix, TOK).task(mix.next_in_category("tool_use/mul:4x2", 0)[0])
+    assert task.tools is not None and task.budget == tool.budget and easy.budget is None
 
 
 def test_tool_episodes_stop_at_the_engine_context():
@@ -422,7 +428,7 @@ def test_tool_episodes_stop_at_the_engine_context():
     assert all(n < 120 for n in calls)  # no turn was asked to prefill past the context
 
 
-def test_mixed_config_holds_out_the_harder_halves_and_shares_the_climb():
+def test_mixed_config_holds_out_and_climbs_the_harder_halves_with_shares():
     from hcjax import config
     from hcjax.rl.climber import ClimbConfig, engine_lengths
     from hcjax.tasks.tool_use import encode_response
@@ -443,6 +449,7 @@ def test_mixed_config_holds_out_the_harder_halves_and_shares_the_climb():
     # The climb draws arithmetic where its held-out split is: two-digit first operands.
     assert {c for c in groups if c.startswith("arithmetic/")} == {
         f"arithmetic/{k}:2x{b}" for k in ("add", "sub") for b in (1, 2)}
+    assert {c for c in groups if c.startswith("tool_use/")} == {"tool_use/mul:4x2"}
     # The longest tool call is one model turn, and a whole episode fits the engine's prefill.
     lengths = engine_lengths(cfg, mix, TOK, 256)
     ids_masks = [encode_response(p.target, TOK) for p in held["tool_use"]]

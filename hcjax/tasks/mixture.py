@@ -154,6 +154,12 @@ class SubsetSuite(SuiteBase):
     def tools(self, problem: TaskProblem) -> Any:
         return self.suite.tools(problem)
 
+    @property
+    def budget(self) -> Any:
+        """The parent's ReAct episode budget (None when it has none), so a subset's tool episodes
+        run as the parent's do (the climb's sources read `suite.budget`)."""
+        return getattr(self.suite, "budget", None)
+
     def sft_document(self, problem: TaskProblem, tok: Any) -> Any:
         encode = getattr(self.suite, "sft_document", None)
         if encode is None:
