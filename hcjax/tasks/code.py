@@ -79,8 +79,8 @@ class CodeSuite(SeededSplits):
     seed / num_heldout: the held-out split is problems 0..num_heldout-1 of the held-out stream;
       the training stream never yields a function (kind, coefficients) of the held-out split.
     heldout_min_digits: the held-out split draws d from [heldout_min_digits, max_digits] only
-      (None: from the training range), e.g. to measure the harder half a base solves partly
-      while the climb still trains on every category.
+      (None: from the training range), e.g. to measure the harder half a base solves partly;
+      the training stream keeps every d.
     timeout_s / memory_mb: the sandbox limits of one grading run.
     Categories are "<kind>:<d>d", e.g. "poly2:1d" (a mixture shows "code/poly2:1d").
     """

@@ -150,7 +150,7 @@ class ToolUseSuite(SeededSplits):
       the training stream never yields a pair of factors of the held-out split.
     heldout_min_digits: the held-out split draws the first factor's digit count from
       [heldout_min_digits, max_digits] only (None: from the training range): longer factors a
-      base copies only partly, while the climb still trains on every category.
+      base copies only partly; the training stream keeps every length.
     budget: the ReAct budget to run these episodes with (the climb's sources read
       `suite.budget`): two steps (a call and the answer, or a second call), a 256-token context.
     The grade is the last `<answer>` of the decoded whole response (observations included; calc
