@@ -48,6 +48,25 @@ def _fresh_gin_config():
     gin.clear_config()
 
 
+_TIMELINE = os.environ.get("HCJAX_TEST_TIMELINE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """HCJAX_TEST_TIMELINE=FILE: append one JSON line per test (worker, start, end, id)."""
+    if not _TIMELINE:
+        yield
+        return
+    import json
+    import time
+
+    t0 = time.time()
+    yield
+    with open(_TIMELINE, "a") as f:
+        f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                            "start": t0, "end": time.time(), "id": item.nodeid}) + "\n")
+
+
 # A weights push whose receiver was killed (the fault tests do that on purpose) leaves a sender
 # thread blocked inside a transfer pull that never returns; at interpreter exit such a thread
 # aborts the process (or, with executor threads, hangs it). After the session has reported, exit
