@@ -440,7 +440,7 @@ def test_mixed_config_holds_out_and_climbs_the_harder_halves_with_shares():
     groups, shares = mix.category_shares()
     assert set(groups.values()) == {"arithmetic", "code", "tool_use"} and all(shares.values())
     held = {s.name: s.heldout() for s in mix.suites}
-    assert {name: len(h) for name, h in held.items()} == {"arithmetic": 300, "code": 300,
+    assert {name: len(h) for name, h in held.items()} == {"arithmetic": 1000, "code": 300,
                                                          "tool_use": 300}
     assert cfg.eval_problems >= len(mix.heldout())  # every held-out problem is evaluated
     assert all(p.meta["difficulty"] == 2 for p in held["arithmetic"])
