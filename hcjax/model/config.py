@@ -84,6 +84,11 @@ class ModelConfig:
     # gradients within the tolerance tests/test_model.py states of "full").
     scan_layers: bool = False
     remat_policy: str = "none"
+    # Training with micro-batches over scanned layers rematerialised "full" or "full_compute": the
+    # backward adds each layer's parameter gradients into the step's running sum in place (one
+    # gradient-sized buffer instead of two; same numbers). False: each micro-batch's gradients are
+    # a new buffer added to the sum after its backward (the plain `jax.grad` form).
+    accumulate_in_scan: bool = True
 
     # --- Switches the open model families need (defaults are the MAI flagship's choices). ---
     # Embeddings and output head.

@@ -135,6 +135,100 @@ def _layer_fn(graphdef, remat_policy: str, *, prevent_cse: bool = True,
     return jax.checkpoint(run, policy=_REMAT_POLICIES[remat_policy], prevent_cse=prevent_cse)
 
 
+def _like(states, tree):
+    """`tree`'s leaves in `states`' structure (same leaf order and shapes, checked)."""
+    leaves = jax.tree.leaves(tree)
+    want = jax.tree.leaves(states)
+    if len(leaves) != len(want) or any(a.shape != b.shape for a, b in zip(leaves, want)):
+        raise ValueError(
+            "the gradient accumulator does not match the scanned layers' parameters: "
+            f"{[a.shape for a in leaves]} vs {[b.shape for b in want]}")
+    return jax.tree.unflatten(jax.tree.structure(states), leaves)
+
+
+def accumulating_scan(layers: Sequence[Callable], saved_dtype=None) -> Callable:
+    """fn(states, acc, x, other, shared) -> (x, outs): `lax.scan` over periods of the layers
+    `layers[r](states[r], x, other[r], shared) -> (x, out_r)` (states[r] and other[r] stacked
+    [n, ...] over the periods; outs[r] stacked likewise), with a backward that writes the
+    gradients into `acc` in place.
+
+    Its VJP: the gradient with respect to `acc` is acc + (the gradient with respect to
+    `states`), added one layer at a time into acc's own buffer (a dynamic-update-slice of the
+    loop's carry) as the backward walks down the layers; `states` itself gets zeros (unused by
+    the caller, so XLA drops them). Differentiated the plain way, a micro-batch's gradient is a
+    second [n, ...] buffer the size of the parameters, added to the running sum after the
+    backward. Each layer is rematerialised in full, as remat policy "full" does ("full_compute"
+    with `saved_dtype`): the forward keeps only each layer's input x (in `saved_dtype` when
+    given) and the backward recomputes the layer from it. `other` and `shared` get no gradient
+    (routing, caches, dropout keys, positions, masks).
+    """
+    period = len(layers)
+
+    def inexact(tree):
+        return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+    @jax.custom_vjp
+    def run(states, acc, x, other, shared):
+        del acc
+
+        def step(x, xs):
+            outs = []
+            for r in range(period):
+                x, out = layers[r](xs[0][r], x, xs[1][r], shared)
+                outs.append(out)
+            return x, tuple(outs)
+
+        return jax.lax.scan(step, x, (states, other))
+
+    def fwd(states, acc, x, other, shared):
+        def step(x, xs):
+            outs, inputs = [], []
+            for r in range(period):
+                inputs.append(x if saved_dtype is None else x.astype(saved_dtype))
+                x, out = layers[r](xs[0][r], x, xs[1][r], shared)
+                outs.append(out)
+            return x, (tuple(outs), tuple(inputs))
+
+        x_out, (outs, inputs) = jax.lax.scan(step, x, (states, other))
+        return (x_out, outs), (states, acc, inputs, other, shared)
+
+    def bwd(res, cts):
+        states, acc, inputs, other, shared = res
+        ct_x, ct_outs = cts
+        # Integer outputs (routing choices) carry float0 cotangents: only the inexact ones flow.
+        ct_float = [[c for c in jax.tree.leaves(ct_outs[r]) if c.dtype != jax.dtypes.float0]
+                    for r in range(period)]
+        n = inputs[0].shape[0]
+
+        def body(j, carry):
+            i = n - 1 - j
+            ct_x, acc = carry
+            at_i = lambda tree: jax.tree.map(  # noqa: E731
+                lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+            acc = list(acc)
+            for r in reversed(range(period)):
+                other_r = at_i(other[r])
+
+                def layer(state, x, r=r, other_r=other_r):
+                    x, out = layers[r](state, x, other_r, shared)
+                    return x, inexact(out)
+
+                _, vjp = jax.vjp(layer, at_i(states[r]), at_i(inputs[r]).astype(ct_x.dtype))
+                d_state, ct_x = vjp((ct_x, at_i(ct_float[r])))
+                acc[r] = jax.tree.map(
+                    lambda a, d: jax.lax.dynamic_update_index_in_dim(
+                        a, jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+                        + d.astype(a.dtype), i, 0),
+                    acc[r], d_state)
+            return ct_x, tuple(acc)
+
+        ct_x, acc = jax.lax.fori_loop(0, n, body, (ct_x, tuple(acc)))
+        return jax.tree.map(jnp.zeros_like, states), acc, ct_x, None, None
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def _saved_in(run: Callable, dtype) -> Callable:
     """`run` rematerialised with its residual-stream input saved in `dtype`: the forward is
     `run` itself (fp32 stream), the backward recomputes the layer from the rounded input. Only
@@ -188,9 +282,17 @@ class Transformer(nnx.Module):
         cache=None,
         dropout_rng=None,
         head: bool = True,
+        grad_accumulator=None,
     ) -> ModelOutput:
         """head=False: no [B, T, V] logits; the output carries the head's input and weight
-        instead (`ModelOutput.hidden`, `head_weight`)."""
+        instead (`ModelOutput.hidden`, `head_weight`).
+
+        grad_accumulator (training, scanned layers rematerialised "full" or "full_compute"): the
+        running gradient sum of the scanned layers' parameters (`scan_blocks` of a params-shaped
+        tree). The gradient of this call with respect to it is that sum plus this call's
+        gradient of those parameters, added in place layer by layer in the backward; the
+        parameters themselves then get a zero gradient from the scanned layers
+        (`accumulating_scan`). For a train step's micro-batch loop (hcjax.train.step)."""
         cfg = self.config
         b, t = tokens.shape
         if positions is None:
@@ -241,7 +343,7 @@ class Transformer(nnx.Module):
         if cfg.scan_layers:
             p0, period = cfg.first_dense_layers, cfg.layer_period
             x, scan_cache, scan_moe = self._scan_periods(
-                x, shared, routing_of, cache_in[p0 : p0 + period], layer_rngs
+                x, shared, routing_of, cache_in[p0 : p0 + period], layer_rngs, grad_accumulator
             )
             new_cache.extend(scan_cache)
             moe_of.update(scan_moe)
@@ -265,11 +367,12 @@ class Transformer(nnx.Module):
             head_weight=head_weight,
         )
 
-    def _scan_periods(self, x_btd, shared, routing_of, caches, layer_rngs):
+    def _scan_periods(self, x_btd, shared, routing_of, caches, layer_rngs, grad_accumulator=None):
         """The scanned layers: each `lax.scan` step runs one period (scan_blocks[0..period-1]).
 
         Per-layer inputs (routing replay, stacked cache, dropout keys) are stacked [n, ...] per
         period position r, and outputs unstacked back to their layers, so the caller sees layers.
+        With a `grad_accumulator` (see __call__) the scan is `accumulating_scan`.
         """
         cfg = self.config
         period = cfg.layer_period
@@ -300,7 +403,28 @@ class Transformer(nnx.Module):
                 outs.append((layer_cache, moe_out))
             return x, tuple(outs)
 
-        x_btd, outs = jax.lax.scan(period_step, x_btd, xs)
+        if grad_accumulator is None:
+            x_btd, outs = jax.lax.scan(period_step, x_btd, xs)
+        else:
+            if cfg.remat_policy not in ("full", "full_compute") or any(c is not None
+                                                                      for c in caches):
+                raise ValueError(
+                    "a gradient accumulator needs training (no cache) with ModelConfig."
+                    f"remat_policy 'full' or 'full_compute', not {cfg.remat_policy!r}")
+            def raw(graphdef):
+                run = _layer_fn(graphdef, "none", compute_dtype=cfg.compute_dtype)
+
+                def layer(state, x, per_layer, shared):
+                    x, layer_cache, moe_out = run(state, x, shared, per_layer)
+                    return x, (layer_cache, moe_out)
+
+                return layer
+
+            acc = tuple(_like(states[r], grad_accumulator[r]) for r in range(period))
+            other = tuple(zip(*xs[1:]))  # per period position r: (routing, cache, dropout keys)
+            saved = cfg.compute_dtype if cfg.remat_policy == "full_compute" else None
+            x_btd, outs = accumulating_scan([raw(g) for g in graphdefs], saved)(
+                states, acc, x_btd, other, shared)
         moe_of = {}
         for r, (_, moe_out) in enumerate(outs):
             if moe_out is None:

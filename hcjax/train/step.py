@@ -9,6 +9,11 @@ loss E·Σ_e f_e·P_e (RECIPE §2: statistics over the global batch) is linear i
 router probabilities P once the expert counts f, which carry no gradient, are known for the whole
 batch; they come from the batch's routing record when it carries one, else from a forward-only
 pass over the micro-batches before the gradient pass.
+
+Memory: with scanned layers rematerialised "full" or "full_compute" (`ModelConfig.
+accumulate_in_scan`), each micro-batch's backward adds the scanned layers' gradients into the
+running sum in place, layer by layer (`Transformer(grad_accumulator=...)`), instead of producing
+a second gradient-sized buffer that is added after it.
 """
 
 from __future__ import annotations
@@ -158,9 +163,10 @@ def model_forward(graphdef: nnx.GraphDef, rest: Any = None, *, head: bool = True
         routing = inputs.get("routing")
         if routing is not None:
             routing = tuple(routing[layer] for layer in range(routing.shape[0]))
+        acc = inputs.get("grad_accumulator")
         return model(inputs["tokens"], positions=inputs["positions"],
                      segment_ids=inputs["segment_ids"], routing=routing, dropout_rng=dropout_rng,
-                     head=head)
+                     head=head, grad_accumulator=None if acc is None else acc["scan_blocks"])
 
     return forward
 
@@ -185,6 +191,11 @@ def expert_counts_from_record(routing_mlbtk: jax.Array, segment_ids_mbt: jax.Arr
                              jnp.zeros((num_layers, num_experts), jnp.float32))
 
 
+def _in_scan(path) -> bool:
+    """Whether a params-tree path is inside the scanned layers (`Transformer.scan_blocks`)."""
+    return bool(path) and getattr(path[0], "key", None) == "scan_blocks"
+
+
 # The step --------------------------------------------------------------------------------------
 def make_loss_and_grad(forward: Forward, objective: Objective, *, model_cfg: ModelConfig,
                        load_balance_coef: float, dropout_seed: int | None = None) -> Callable:
@@ -197,6 +208,11 @@ def make_loss_and_grad(forward: Forward, objective: Objective, *, model_cfg: Mod
     has_moe = model_cfg.num_moe_layers > 0
     use_dropout = dropout_seed is not None and model_cfg.dropout_rate > 0
     base_key = jax.random.key(dropout_seed) if use_dropout else None
+
+    def accumulate_in_scan(params):
+        return (model_cfg.scan_layers and model_cfg.accumulate_in_scan
+                and model_cfg.remat_policy in ("full", "full_compute")
+                and any(_in_scan(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)))
 
     def global_expert_counts(params, inputs, keys, m):
         """[L, E] counts over the whole batch, needed before any micro-batch's LB gradient; None
@@ -244,7 +260,24 @@ def make_loss_and_grad(forward: Forward, objective: Objective, *, model_cfg: Mod
             return total, dict(metrics, loss=total, load_balance_loss=lb)
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-        if m == 1:
+        if m > 1 and accumulate_in_scan(params):
+            # The scanned layers' gradients are added into the running sum inside the backward
+            # (Transformer(grad_accumulator=...)): the gradient with respect to the sum is the
+            # new sum for those leaves; the rest add theirs as usual.
+            def micro_loss_into(params, acc, x, d, key):
+                return micro_loss(params, dict(x, grad_accumulator=acc), d, key)
+
+            grad_into = jax.value_and_grad(micro_loss_into, argnums=(0, 1), has_aux=True)
+
+            def body(acc, xs):
+                x, d, key = xs
+                (_, metrics), (g, g_acc) = grad_into(params, acc, x, d, key)
+                return jax.tree_util.tree_map_with_path(
+                    lambda path, a, g, s: s if _in_scan(path) else a + g, acc, g, g_acc), metrics
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, parts = jax.lax.scan(body, zeros, (inputs, data, keys))
+        elif m == 1:
             first = lambda tree: jax.tree.map(lambda x: x[0], tree)
             (_, parts), grads = grad_fn(params, first(inputs), first(data), first(keys))
             parts = jax.tree.map(lambda x: x[None], parts)
