@@ -40,8 +40,12 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # LatentMoE's latent width: the expert weights' other axis, so [E, latent, f] is split over
     # expert x fsdp x tensor like plain experts' [E, embed, f] (else they are replicated over fsdp).
     "latent": "fsdp",
-    "q_lora": None,
-    "kv_lora": None,
+    # MLA's low-rank widths: the leading axis of its up-projections [rank, heads, head_dim]
+    # (DeepSeek-V3's 1536 x 128 x 192 and 512 x 128 x 256 were stored 8 ways, over tensor only:
+    # 1.58 GB a chip of fp32 weights, x3 with AdamW, on v5p:8x8x8). As `embed`: over fsdp x
+    # expert, gathered per layer. In the down-projections [embed, rank] embed has them first.
+    "q_lora": ("fsdp", "expert"),
+    "kv_lora": ("fsdp", "expert"),
     "experts": "expert",
     "expert_mlp": "tensor",
     "router_experts": None,
@@ -63,7 +67,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 # The rules of a serving (decode) mesh: the width over fsdp only. A decode step must not gather
 # weights every token; the inference mesh has no fsdp (plan.inference_mesh_config) but keeps the
 # learner's expert axis, which under LOGICAL_RULES would split every non-expert weight.
-SERVING_RULES: dict[str, str | tuple[str, ...] | None] = dict(LOGICAL_RULES, embed="fsdp")
+SERVING_RULES: dict[str, str | tuple[str, ...] | None] = dict(
+    LOGICAL_RULES, embed="fsdp", q_lora="fsdp", kv_lora="fsdp")
 
 
 @gin.configurable
