@@ -31,7 +31,8 @@ from hcjax.rl.climber import Climb, ClimbConfig, ClimbResult, engine_lengths
 from hcjax.rl.placement import Placement, RayBundle, RayPlacement
 from hcjax.rollout.standalone import ServeOptions, serve
 
-__all__ = ["RayClimb", "RayInference", "RayLearner", "check_fits", "climb_on_ray"]
+__all__ = ["RayClimb", "RayInference", "RayLearner", "check_fits", "climb_on_ray",
+           "merged_xla_flags"]
 
 REPO = Path(__file__).resolve().parents[2]
 # Requests wait in a replica's queue rather than being refused: the learner is its only client.
@@ -55,6 +56,15 @@ def check_fits(bundles: Sequence[RayBundle], cluster: Mapping[str, float]) -> No
             "learner_processes / accelerator, or a larger RayPlacement.num_cpus")
 
 
+def merged_xla_flags(inherited: str, own: str) -> str:
+    """An actor's XLA_FLAGS: its bundle's own flags (`own`: the CPU device count) over this
+    process's (`inherited`: optimisation level, dumps), so that an actor compiles as the driver
+    would; a flag named in both is the bundle's."""
+    named = {flag.split("=", 1)[0] for flag in own.split()}
+    kept = [flag for flag in inherited.split() if flag.split("=", 1)[0] not in named]
+    return " ".join([*kept, *own.split()])
+
+
 def _actor_options(bundle: RayBundle, group: Any, index: int, **extra: Any) -> dict[str, Any]:
     """Ray actor options that take exactly the bundle's resources, in its process environment
     (the repository on PYTHONPATH: the actors import hcjax as the driver does)."""
@@ -63,6 +73,8 @@ def _actor_options(bundle: RayBundle, group: Any, index: int, **extra: Any) -> d
 
     resources = dict(bundle.resources)
     env = dict(bundle.env)
+    if "XLA_FLAGS" in env:
+        env["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS", ""), env["XLA_FLAGS"])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                         if p)
     return {"num_cpus": resources.pop("CPU", 0.0), "num_gpus": resources.pop("GPU", 0.0),
