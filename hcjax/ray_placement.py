@@ -31,7 +31,8 @@ from hcjax.rl.climber import Climb, ClimbConfig, ClimbResult, engine_lengths
 from hcjax.rl.placement import Placement, RayBundle, RayPlacement
 from hcjax.rollout.standalone import ServeOptions, serve
 
-__all__ = ["RayClimb", "RayInference", "RayLearner", "check_fits", "climb_on_ray"]
+__all__ = ["RayClimb", "RayInference", "RayLearner", "check_fits", "climb_on_ray",
+           "merged_xla_flags"]
 
 REPO = Path(__file__).resolve().parents[2]
 # Requests wait in a replica's queue rather than being refused: the learner is its only client.
@@ -55,6 +56,15 @@ def check_fits(bundles: Sequence[RayBundle], cluster: Mapping[str, float]) -> No
             "learner_processes / accelerator, or a larger RayPlacement.num_cpus")
 
 
+def merged_xla_flags(inherited: str, own: str) -> str:
+    """An actor's XLA_FLAGS: its bundle's own flags (`own`: the CPU device count) over this
+    process's (`inherited`: optimisation level, dumps), so that an actor compiles as the driver
+    would; a flag named in both is the bundle's."""
+    named = {flag.split("=", 1)[0] for flag in own.split()}
+    kept = [flag for flag in inherited.split() if flag.split("=", 1)[0] not in named]
+    return " ".join([*kept, *own.split()])
+
+
 def _actor_options(bundle: RayBundle, group: Any, index: int, **extra: Any) -> dict[str, Any]:
     """Ray actor options that take exactly the bundle's resources, in its process environment
     (the repository on PYTHONPATH: the actors import hcjax as the driver does)."""
@@ -63,6 +73,8 @@ def _actor_options(bundle: RayBundle, group: Any, index: int, **extra: Any) -> d
 
     resources = dict(bundle.resources)
     env = dict(bundle.env)
+    if "XLA_FLAGS" in env:
+        env["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS", ""), env["XLA_FLAGS"])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
                                         if p)
     return {"num_cpus": resources.pop("CPU", 0.0), "num_gpus": resources.pop("GPU", 0.0),
@@ -161,8 +173,8 @@ class RayLearner:
 
 class RayClimb:
     """One climb on Ray. `with RayClimb(...) as rc:` starts (or joins) Ray, reserves the
-    placement group and starts the replicas; `rc.run()` runs the learner actors and returns the
-    leader's summary; leaving the block stops the actors, removes the group and shuts down a Ray
+    placement group and starts the replicas and the learner actors; `rc.run()` runs the climb on
+    the learner actors and returns the leader's summary; leaving the block stops the actors, removes the group and shuts down a Ray
     instance it started."""
 
     def __init__(self, output_dir: str, gin_files: Sequence[str], gin_params: Sequence[str], *,
@@ -223,8 +235,11 @@ class RayClimb:
         if not ray.is_initialized():
             if cfg.address is None:
                 cpus = cfg.num_cpus or math.ceil(sum(b.resources["CPU"] for b in self.bundles))
+                # No default workers prestarted for this driver: every actor here has its own
+                # runtime_env (PYTHONPATH, XLA_FLAGS), so none of them could use one.
                 ray.init(num_cpus=cpus, include_dashboard=False, namespace="hcjax",
-                         object_store_memory=cfg.object_store_mb * 2**20, log_to_driver=True)
+                         object_store_memory=cfg.object_store_mb * 2**20, log_to_driver=True,
+                         _system_config={"prestart_worker_first_driver": False})
             else:
                 ray.init(address=cfg.address, namespace="hcjax", log_to_driver=True)
             self.started_ray = True
@@ -249,6 +264,17 @@ class RayClimb:
                     self.gin_files, [*self.gin_params, *_mesh_bindings("inference", b)])
             self.replicas.append(actor)
             starts.append(actor.start.remote(self.serve_options))
+        # The learner actors start (a process each, importing the climb) while the replicas
+        # compile; they climb once the replicas serve (`run`).
+        learner = ray.remote(RayLearner)
+        bundles = [(i, b) for i, b in enumerate(self.bundles) if b.role == "learner"]
+        # max_concurrency 2: `interrupt` runs beside `run` (the climb then runs off the main
+        # thread, so the actor sets no signal handler of its own).
+        self.learners = [learner.options(**_actor_options(
+            b, self.group, i, max_concurrency=2,
+            name=f"hcjax-learner-{b.index}-{os.getpid()}")).remote(
+                self.gin_files, [*self.gin_params, *_mesh_bindings("learner", b)], b.index,
+                len(bundles)) for i, b in bundles]
         ready, pending = ray.wait(starts, num_returns=len(starts), timeout=cfg.ready_timeout)
         if pending:
             raise TimeoutError(f"{len(pending)} of {len(starts)} inference replicas did not serve "
@@ -263,15 +289,6 @@ class RayClimb:
         # optional: ray, imported only when Placement.backend = "ray" runs
         import ray
 
-        learner = ray.remote(RayLearner)
-        bundles = [(i, b) for i, b in enumerate(self.bundles) if b.role == "learner"]
-        # max_concurrency 2: `interrupt` runs beside `run` (the climb then runs off the main
-        # thread, so the actor sets no signal handler of its own).
-        self.learners = [learner.options(**_actor_options(
-            b, self.group, i, max_concurrency=2,
-            name=f"hcjax-learner-{b.index}-{os.getpid()}")).remote(
-                self.gin_files, [*self.gin_params, *_mesh_bindings("learner", b)], b.index,
-                len(bundles)) for i, b in bundles]
         coordinator = (ray.get(self.learners[0].coordinator_address.remote())
                        if len(self.learners) > 1 else None)
         runs = [a.run.remote(self.output_dir, self.addresses, coordinator, self.climb_options)

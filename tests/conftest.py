@@ -36,8 +36,27 @@ if os.environ.get("HCJAX_TEST_COMPILATION_CACHE", "1") != "0" and \
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     os.environ.setdefault("JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY", "1")
 
+# One scratch folder for the whole test run, shared the same way (the xdist workers inherit its
+# name) and removed at the end by the process that made it: what tests build once per run for
+# every worker (the tiny base, tests/test_climb.py shared_base).
+_OWN_RUN_DIR = None
+if "HCJAX_TEST_RUN_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_RUN_DIR = tempfile.mkdtemp(prefix="hcjax-test-run-")
+    os.environ["HCJAX_TEST_RUN_DIR"] = _OWN_RUN_DIR
+
 import gin  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_base():
+    """tests/test_climb.py's TINY base, pre-trained once per run for every worker: the
+    --base_checkpoint of the climb tests that do not test pre-training the base."""
+    from tests.test_climb import shared_base
+
+    return shared_base()
 
 
 @pytest.fixture(autouse=True)
@@ -83,8 +102,9 @@ def pytest_unconfigure(config):
     import sys
     import threading
 
-    if _OWN_CACHE_DIR is not None:
-        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
+    for own in (_OWN_CACHE_DIR, _OWN_RUN_DIR):
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
     if any(t.is_alive() and t.name.startswith("plan-send-") for t in threading.enumerate()):
         sys.stdout.flush()

@@ -2,8 +2,11 @@
 (train-inference log-prob gap), every output file, resume to more steps, and a kill -9 mid-run
 whose restart loses no accepted group."""
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +55,35 @@ TINY_MODEL = dict(
     attention_pattern=("local", "global"), window=16, d_ff=64, num_experts=4, moe_latent_dim=16,
     moe_d_ff=32, max_seq_len=64, dtype="float32",
 )
+
+
+# What pre-training the tiny base reads (hcjax.sft's configurables); the climb's own bindings
+# do not change the base.
+SFT_CONFIGURABLES = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
+
+
+def shared_base(params=TINY) -> Path:
+    """The base `python -m hcjax.climb` would pre-train for `params` into OUTPUT_DIR/base,
+    pre-trained once per test run (by `python -m hcjax.sft`, as the climb runs it) into the
+    run-wide folder tests/conftest.py makes, under a file lock, so that every xdist worker's
+    climb tests that do not test pre-training start from the same one (--base_checkpoint).
+    The folder is named by the bindings, so a base matches the model it is loaded into."""
+    bindings = [p for p in params if p.startswith(SFT_CONFIGURABLES)]
+    key = hashlib.sha256("\n".join(bindings).encode()).hexdigest()[:12]
+    base = Path(os.environ["HCJAX_TEST_RUN_DIR"], f"tiny-base-{key}")
+    with open(f"{base}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not base.is_dir():
+            partial = Path(f"{base}.partial")
+            shutil.rmtree(partial, ignore_errors=True)  # a failed attempt's
+            args = [sys.executable, "-m", "hcjax.sft", "--output_dir", str(partial)]
+            for b in [*bindings, "run_sft.eval_problems = 0"]:
+                args += ["--gin_param", b]
+            proc = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True,
+                                  timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            partial.rename(base)  # complete, or absent
+    return base
 
 
 def command(out_dir, steps, *extra):
@@ -134,8 +166,8 @@ TEMPERATURE = ("--gin_param", "EntropyController.temperature_delta = 0.05",
 
 
 @pytest.mark.slow
-def test_kill_and_restart_loses_no_accepted_group(first_run, tmp_path):
-    base = first_run[0] / "base"
+def test_kill_and_restart_loses_no_accepted_group(tiny_base, tmp_path):
+    base = tiny_base
     out = tmp_path / "killed"
     proc = subprocess.Popen(command(out, 200, "--base_checkpoint", str(base), *TEMPERATURE),
                             cwd=REPO,
@@ -217,12 +249,11 @@ def test_self_distillation_then_climb_from_the_distilled_model(first_run, tmp_pa
 
 
 @pytest.mark.slow
-def test_climb_with_partial_rollouts(first_run, tmp_path):
+def test_climb_with_partial_rollouts(tiny_base, tmp_path):
     """Kimi partial rollouts end to end: a token budget below the responses' length makes the
     workers continue partial samples through the server; full-length responses still come back
     and the climb trains on them."""
-    base = first_run[0] / "base"
-    s = climb(tmp_path / "partial", 2, "--base_checkpoint", str(base),
+    s = climb(tmp_path / "partial", 2, "--base_checkpoint", str(tiny_base),
               "--gin_param", "ClimbConfig.token_budget = 3")
     assert s["steps"] == 2
     assert s["worker_stats"]["continuations"] > 0

@@ -265,7 +265,7 @@ def test_readme_custom_suite_runs_through_the_climb_seams():
 
 
 @pytest.mark.slow
-def test_dataset_suite_climb_resumes_after_kill(tmp_path):
+def test_dataset_suite_climb_resumes_after_kill(tiny_base, tmp_path):
     from tests.test_climb import TINY, env
 
     data = tmp_path / "sums.jsonl"
@@ -279,7 +279,8 @@ def test_dataset_suite_climb_resumes_after_kill(tmp_path):
               "DatasetSuite.num_heldout = 8", "DatasetSuite.extraction = 'flexible'"]
 
     def command(out, steps, *extra):
-        args = [sys.executable, "-m", "hcjax.climb", "--output_dir", str(out), "--quiet"]
+        args = [sys.executable, "-m", "hcjax.climb", "--output_dir", str(out), "--quiet",
+                "--base_checkpoint", str(tiny_base)]  # the suite does not change the base
         for b in [*params, f"ClimbConfig.num_steps = {steps}"]:
             args += ["--gin_param", b]
         return args + list(extra)

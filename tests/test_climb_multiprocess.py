@@ -163,9 +163,6 @@ def test_layout_checks_name_the_bad_values():
 # The real placement: python -m hcjax.serve (x2) + the learner process -----------------------------
 
 
-SFT_CONFIGURABLES = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
-
-
 def tiny_params():
     from tests.test_climb import TINY
 
@@ -237,29 +234,22 @@ def final_learner_params(out_dir, step):
 
 
 @pytest.mark.slow
-def test_multi_process_climb_moves_weights_by_plan(tmp_path):
+def test_multi_process_climb_moves_weights_by_plan(tiny_base, tmp_path):
     from flax import nnx
 
     from hcjax.model import ModelConfig, create_sharded
     from hcjax.sharding import MeshConfig, make_mesh
     from tests.test_climb import TINY_MODEL
 
-    # Each inference process shards the model over 2 devices; the learner holds it on 1. The
-    # tiny base is pre-trained (as the climb would) while the inference processes start.
+    # Each inference process shards the model over 2 devices; the learner holds it on 1 and
+    # starts from the run's tiny base.
     replicas = [start_inference(2), start_inference(2)]
-    base = tmp_path / "base"
-    sft = subprocess.Popen(
-        [sys.executable, "-m", "hcjax.sft", "--output_dir", str(base),
-         *gin_args([p for p in tiny_params() if p.startswith(SFT_CONFIGURABLES)]),
-         "--gin_param", "run_sft.eval_problems = 0"],
-        cwd=REPO, env=climb_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert sft.wait(timeout=300) == 0, sft.stderr.read()[-3000:]
         addresses = [wait_serving(p) for p in replicas]
         out = tmp_path / "climb"
         learner = subprocess.run(
             [sys.executable, "-m", "hcjax.climb", "--output_dir", str(out), "--quiet",
-             "--mode", "on_policy", "--base_checkpoint", str(base),
+             "--mode", "on_policy", "--base_checkpoint", str(tiny_base),
              *gin_args([*tiny_params(), "ClimbConfig.num_steps = 3"]),
              *[arg for a in addresses for arg in ("--inference_address", a)]],
             cwd=REPO, env=climb_env(2), capture_output=True, text=True, timeout=400)
@@ -267,10 +257,10 @@ def test_multi_process_climb_moves_weights_by_plan(tmp_path):
         assert "dropped from weight sync" not in learner.stderr
         statuses = [weights_status(a, digests=True) for a in addresses]
     finally:
-        for proc in [*replicas, sft]:
+        for proc in replicas:
             if proc.poll() is None:
                 proc.terminate()
-        for proc in [*replicas, sft]:
+        for proc in replicas:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -301,7 +291,7 @@ def test_multi_process_climb_moves_weights_by_plan(tmp_path):
 
 
 @pytest.mark.slow
-def test_learner_over_two_processes_climbs_with_a_remote_replica(tmp_path):
+def test_learner_over_two_processes_climbs_with_a_remote_replica(tiny_base, tmp_path):
     """Two learner processes (jax.distributed on 127.0.0.1, one CPU device each, one fsdp mesh
     over both) climb with one inference process: process 0 drives, process 1 follows; the
     replica ends up serving exactly the params both learner processes checkpointed.
@@ -310,21 +300,13 @@ def test_learner_over_two_processes_climbs_with_a_remote_replica(tmp_path):
     (mask_truncated = False) so that every step runs the lockstep train on both processes rather
     than being skipped for want of usable rollouts."""
     replica = start_inference(1)
-    base = tmp_path / "base"
-    sft = subprocess.run(
-        [sys.executable, "-m", "hcjax.sft", "--output_dir", str(base),
-         *gin_args([p for p in tiny_params() if p.startswith(SFT_CONFIGURABLES)]),
-         "--gin_param", "run_sft.eval_problems = 0"],
-        cwd=REPO, env=climb_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        timeout=300)
-    assert sft.returncode == 0, sft.stderr[-3000:]
     out = tmp_path / "climb"
     coordinator = f"127.0.0.1:{free_port()}"
     try:
         address = wait_serving(replica)
         learners = [subprocess.Popen(
             [sys.executable, "-m", "hcjax.climb", "--output_dir", str(out), "--quiet",
-             "--mode", "on_policy", "--base_checkpoint", str(base),
+             "--mode", "on_policy", "--base_checkpoint", str(tiny_base),
              "--coordinator_address", coordinator, "--num_processes", "2",
              "--process_id", str(i), "--inference_address", address,
              *gin_args([*tiny_params(), "ClimbConfig.num_steps = 3",

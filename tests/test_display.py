@@ -283,9 +283,8 @@ def test_climb_in_a_terminal_shows_the_live_panel(pty_run):
 
 
 @pytest.mark.slow
-def test_climb_in_a_pipe_prints_json_lines(pty_run, tmp_path):
-    base = pty_run[0] / "base"
-    proc = subprocess.run(climb_args(tmp_path / "pipe", 2, "--base_checkpoint", str(base)),
+def test_climb_in_a_pipe_prints_json_lines(tiny_base, tmp_path):
+    proc = subprocess.run(climb_args(tmp_path / "pipe", 2, "--base_checkpoint", str(tiny_base)),
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -305,10 +304,9 @@ def _wait_for(predicate, proc, what, timeout=300):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_saves_and_resumes(pty_run, tmp_path):
-    base = pty_run[0] / "base"
+def test_ctrl_c_stops_saves_and_resumes(tiny_base, tmp_path):
     out = tmp_path / "interrupted"
-    args = climb_args(out, 500, "--base_checkpoint", str(base))
+    args = climb_args(out, 500, "--base_checkpoint", str(tiny_base))
     ckpts = out / "checkpoints"
 
     def saved() -> list[int]:

@@ -14,7 +14,7 @@ import pytest
 
 from hcjax import config
 from hcjax.config import cpu_xla_flags
-from hcjax.ray_placement import check_fits
+from hcjax.ray_placement import check_fits, merged_xla_flags
 from hcjax.rl.placement import Placement, RayPlacement
 from hcjax.sharding import MeshConfig
 
@@ -40,6 +40,17 @@ def test_bundles_follow_the_meshes_on_cpu():
     assert all(b.env["JAX_PLATFORMS"] == "cpu" for b in bundles)
     assert bundles[0].mesh == MeshConfig(fsdp=2, device_offset=0, num_devices=2)
     assert bundles[2].mesh == MeshConfig(fsdp=1, tensor=2, device_offset=0, num_devices=2)
+
+
+def test_actors_keep_the_drivers_other_xla_flags():
+    # The bundle's device count replaces the driver's; the optimisation level and a dump folder
+    # reach the actor, so it compiles (and hits the compilation cache) as the driver would.
+    driver = ("--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=2 "
+              "--xla_dump_to=/tmp/d")
+    own = "--xla_force_host_platform_device_count=1"
+    assert merged_xla_flags(driver, own).split() == [
+        "--xla_backend_optimization_level=0", "--xla_dump_to=/tmp/d", own]
+    assert merged_xla_flags("", own) == own
 
 
 def test_bundles_on_gpus_and_tpu_chips():
