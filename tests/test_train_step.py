@@ -7,6 +7,7 @@ below are that script's). Also: the optimiser config both job configs derive, an
 DPO equal to one pass, and scanned layers adding their gradients into the running sum inside
 the backward."""
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -17,9 +18,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from hcjax.distill.dpo import DPOConfig, PreferenceObjective, make_dpo_step, reference_logprobs
 from hcjax.model import ModelConfig, Transformer
+from hcjax.model.transformer import shard_state
 from hcjax.rl.advantages import assign_advantages
 from hcjax.rl.batch import pack_rollouts, to_device
 from hcjax.rl.entropy import EntropyController
@@ -351,10 +354,16 @@ def test_scanned_layers_add_their_gradients_into_the_sum_inside_the_backward(pol
     and dropout keys reaching the recomputed layers, and one gradient-sized buffer less."""
     batch = {k: jnp.asarray(v) for k, v in lm_batch(0, rows=6).items()}
     out, temp = {}, {}
-    for accumulate in (True, False):
+    # fp32: also sharded (fsdp x expert on 4 CPU devices): the in-place adds into a sharded sum,
+    # under the model's sharding constraints.
+    mesh = make_mesh(MeshConfig(fsdp=2, expert=2, num_devices=4)) if dtype == "float32" else None
+    for accumulate in (True, False, "mesh") if mesh else (True, False):
         cfg = dataclasses.replace(CFG, num_layers=4, scan_layers=True, remat_policy=policy,
-                                  dtype=dtype, dropout_rate=0.2, accumulate_in_scan=accumulate)
+                                  dtype=dtype, dropout_rate=0.2,
+                                  accumulate_in_scan=bool(accumulate))
         graphdef, params, rest = nnx.split(initial_model(cfg), nnx.Param, ...)
+        if accumulate == "mesh":
+            params = shard_state(params, mesh)
         params = nnx.to_pure_dict(params)
         if "routing" not in batch:  # the record of the model's own routing, replayed
             model = nnx.merge(graphdef, params, rest)
@@ -363,8 +372,17 @@ def test_scanned_layers_add_their_gradients_into_the_sum_inside_the_backward(pol
                     model, batch))
         fn = jax.jit(make_loss_and_grad(
             model_forward(graphdef, rest), _ReplayingNextToken(num_microbatches=3),
-            model_cfg=cfg, load_balance_coef=0.5, dropout_seed=7)).lower(params, batch).compile()
-        out[accumulate] = jax.device_get(fn(params, batch))
+            model_cfg=cfg, load_balance_coef=0.5, dropout_seed=7))
+        with jax.set_mesh(mesh) if accumulate == "mesh" else contextlib.nullcontext():
+            fn = fn.lower(params, batch).compile()
+            out[accumulate] = jax.device_get(fn(params, batch))
+        if accumulate == "mesh":
+            assert params["scan_blocks"][0]["ffn"]["w_up"].sharding.spec == PartitionSpec(
+                None, "expert", "fsdp", "tensor")
+            # Sharded reductions add in another order.
+            for a, b in zip(jax.tree.leaves(out["mesh"]), jax.tree.leaves(out[True])):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+            continue
         temp[accumulate] = fn.memory_analysis().temp_size_in_bytes
     (loss, grads, metrics), (ref_loss, ref_grads, ref_metrics) = out[True], out[False]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
