@@ -42,9 +42,10 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def sampled(model):
+def sampled(model, sort_only_sampler):
     """Rollouts from the real rollout engine (continuous batching: 6 samples on 4 slots, cached
-    decode), graded with made-up rewards. All run to max_tokens; we treat them as complete."""
+    decode; its sampler's sort-only setting, bit-identical to the CPU tuning's), graded with
+    made-up rewards. All run to max_tokens; we treat them as complete."""
     from hcjax.rollout import Engine, generate
     from hcjax.rollout.request import SamplingOptions
 
