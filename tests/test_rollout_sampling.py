@@ -334,14 +334,21 @@ def test_defaults_follow_the_platform_tuning(monkeypatch):
     logits, temperature, top_p = _mixed_batch(rng, 16, 400)
     keys = _keys(16, seed=3)
     args = (logits, keys, temperature, top_p)
-    cpu_searched, cpu_out = searched_rows(*args), sample(*args)
+
+    def traced_now(fn):
+        """`fn` jitted through a new function, so traced under the tuning in force now:
+        `jax.jit(fn)` again would reuse an earlier trace of `fn` for the same shapes."""
+        return jax.jit(lambda *args: fn(*args))
+
+    cpu_searched, cpu_out = traced_now(searched_rows)(*args), sample(*args)
     assert not np.any(cpu_searched)  # 400 ids <= SORT_UP_TO: the CPU's last level sorts
     monkeypatch.setattr(sampling, "backend", lambda: "gpu")
     monkeypatch.setitem(sampling.SAMPLER_TUNING, "gpu", ((4,), 0))
-    gpu_searched = searched_rows(*args)
-    np.testing.assert_array_equal(gpu_searched, searched_rows(*args, candidates=(4,), sort_up_to=0))
+    gpu_searched = traced_now(searched_rows)(*args)
+    searched_4 = jax.jit(functools.partial(searched_rows, candidates=(4,), sort_up_to=0))
+    np.testing.assert_array_equal(gpu_searched, searched_4(*args))
     assert np.any(gpu_searched)
-    _assert_same(jax.jit(sample_eager)(*args), cpu_out)  # traced afresh under the "gpu" tuning
+    _assert_same(traced_now(sample_eager)(*args), cpu_out)  # the "gpu" tuning's draw
 
 
 def test_greedy_and_top_p_one_rows_match_reference_with_ties():
