@@ -257,8 +257,9 @@ def test_cached_greedy_decoding_is_the_same_scanned(family):
 
 
 @pytest.mark.slow
-def test_rollout_engine_serves_the_scanned_model():
-    """The engine finds the batch axis of the stacked cache ([n, B, S, ...]) by itself."""
+def test_rollout_engine_serves_the_scanned_model(sort_only_sampler):
+    """The engine finds the batch axis of the stacked cache ([n, B, S, ...]) by itself (its
+    sampler's sort-only setting: bit-identical, compiles faster)."""
     from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 
     cfg = FAMILIES["mai"]

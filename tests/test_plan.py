@@ -208,7 +208,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 @pytest.mark.slow
-def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model():
+def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model(sort_only_sampler_in_test):
     """With impl "auto" the kernels are chosen for the mesh's platform (TPU here, on a CPU host),
     run on local shards under shard_map, and compile through Mosaic (not interpret mode)."""
     model = dataclasses.replace(_tiny(), num_layers=2, attention_impl="auto", moe_impl="auto")
@@ -227,7 +227,7 @@ def test_pallas_kernels_compile_for_tpu_inside_the_sharded_model():
 
 
 @pytest.mark.slow
-def test_decode_step_gathers_no_whole_weight():
+def test_decode_step_gathers_no_whole_weight(sort_only_sampler_in_test):
     """The default inference layout (tensor x expert, no FSDP) never all-gathers a whole weight
     in a decode step; an FSDP inference mesh does, and the check sees it."""
     # A period of the layer pattern (2 here) under the scan + 1 unrolled tail: gathers inside
@@ -322,7 +322,7 @@ def test_kv_fit_counts_slot_and_paged_sequences_by_hand():
     assert fit["paged_over_slot"] > 3
 
 
-def test_paged_decode_step_compiles_the_paged_kernel_for_tpu():
+def test_paged_decode_step_compiles_the_paged_kernel_for_tpu(sort_only_sampler_in_test):
     """kv_layout="paged": the decode step on a pool of pages compiles with the paged Mosaic
     kernel under shard_map (pages split with the batch over data, heads over tensor)."""
     model = dataclasses.replace(_tiny(), num_layers=2, attention_pattern=("local", "global"),

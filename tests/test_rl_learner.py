@@ -42,9 +42,10 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def sampled(model):
+def sampled(model, sort_only_sampler):
     """Rollouts from the real rollout engine (continuous batching: 6 samples on 4 slots, cached
-    decode), graded with made-up rewards. All run to max_tokens; we treat them as complete."""
+    decode; its sampler's sort-only setting, bit-identical to the CPU tuning's), graded with
+    made-up rewards. All run to max_tokens; we treat them as complete."""
     from hcjax.rollout import Engine, generate
     from hcjax.rollout.request import SamplingOptions
 
@@ -100,14 +101,15 @@ def test_chunked_logprobs_match_whole_rows_with_ties(replay):
     def chunked(h, w):
         return chunked_token_logprobs(h, w, targets, temperature, n_kept, replay, 3)
 
-    (want, want_miss), (got, got_miss) = whole(hidden, head), chunked(hidden, head)
+    # Jitted: one compile each rather than one per op, forward and backward.
+    (want, want_miss), (got, got_miss) = jax.jit(whole)(hidden, head), jax.jit(chunked)(hidden, head)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got_miss, want_miss)
     if replay:
         assert np.any(want_miss) and not np.all(want_miss)
     loss = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0] * jnp.arange(t))  # noqa: E731
-    for g_want, g_got in zip(jax.grad(loss(whole), (0, 1))(hidden, head),
-                             jax.grad(loss(chunked), (0, 1))(hidden, head)):
+    for g_want, g_got in zip(jax.jit(jax.grad(loss(whole), (0, 1)))(hidden, head),
+                             jax.jit(jax.grad(loss(chunked), (0, 1)))(hidden, head)):
         np.testing.assert_allclose(g_got, g_want, rtol=1e-5, atol=1e-6)
 
 

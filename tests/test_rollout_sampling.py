@@ -113,12 +113,17 @@ def test_same_seed_same_tokens_under_jit():
 # Candidate sampler vs full-sort reference --------------------------------------------------------
 
 
+@functools.cache
+def _fast(candidates, sort_up_to=0):
+    """The candidate sampler with these levels (by default with the threshold search at every
+    vocabulary, not the sort it uses up to SORT_UP_TO ids), one jitted function per setting so
+    that tests of one setting and shape trace and compile it once."""
+    return jax.jit(functools.partial(sample_eager, candidates=candidates, sort_up_to=sort_up_to))
+
+
 def _both(candidates, sort_up_to=0):
-    """The candidate sampler (by default with the threshold search at every vocabulary, not the
-    sort it uses up to SORT_UP_TO ids) and the one-sort reference."""
-    fast = jax.jit(functools.partial(sample_eager, candidates=candidates, sort_up_to=sort_up_to))
-    ref = jax.jit(sample_reference)
-    return fast, ref
+    """`_fast(candidates, sort_up_to)` and the one-sort reference."""
+    return _fast(candidates, sort_up_to), jax.jit(sample_reference)
 
 
 def _assert_same(a, b):
@@ -307,15 +312,14 @@ def test_each_level_gives_the_same_row_result():
     v, b = 400, 16
     logits, temperature, top_p = _mixed_batch(rng, b, v)
     keys = _keys(b, seed=3)
-    outs = [jax.jit(functools.partial(sample_eager, candidates=c, sort_up_to=s))(
-        logits, keys, temperature, top_p)
+    outs = [_fast(c, s)(logits, keys, temperature, top_p)
             for c, s in [((4,), 0), ((4,), SORT_UP_TO), ((4, 32), 0), ((v,), SORT_UP_TO),
                          ((4, 32, 128), 0)]]
     for out in outs[1:]:
         # Fixed-point masses: the kept mass is the same integer whichever level summed it.
         _assert_same(out, outs[0])
     # Alone in its batch (the others greedy: no level runs for them), each row is bit-identical.
-    one_level = jax.jit(functools.partial(sample_eager, candidates=(4,), sort_up_to=0))
+    one_level = _fast((4,), 0)  # outs[0]'s program
     for row in range(b):
         only = jnp.where(jnp.arange(b) == row, temperature, 0.0)
         alone = one_level(logits, keys, only, top_p)
@@ -330,23 +334,30 @@ def test_defaults_follow_the_platform_tuning(monkeypatch):
     logits, temperature, top_p = _mixed_batch(rng, 16, 400)
     keys = _keys(16, seed=3)
     args = (logits, keys, temperature, top_p)
-    cpu_searched, cpu_out = searched_rows(*args), sample(*args)
+
+    def traced_now(fn):
+        """`fn` jitted through a new function, so traced under the tuning in force now:
+        `jax.jit(fn)` again would reuse an earlier trace of `fn` for the same shapes."""
+        return jax.jit(lambda *args: fn(*args))
+
+    cpu_searched, cpu_out = traced_now(searched_rows)(*args), sample(*args)
     assert not np.any(cpu_searched)  # 400 ids <= SORT_UP_TO: the CPU's last level sorts
     monkeypatch.setattr(sampling, "backend", lambda: "gpu")
     monkeypatch.setitem(sampling.SAMPLER_TUNING, "gpu", ((4,), 0))
-    gpu_searched = searched_rows(*args)
-    np.testing.assert_array_equal(gpu_searched, searched_rows(*args, candidates=(4,), sort_up_to=0))
+    gpu_searched = traced_now(searched_rows)(*args)
+    searched_4 = jax.jit(functools.partial(searched_rows, candidates=(4,), sort_up_to=0))
+    np.testing.assert_array_equal(gpu_searched, searched_4(*args))
     assert np.any(gpu_searched)
-    _assert_same(jax.jit(sample_eager)(*args), cpu_out)  # traced afresh under the "gpu" tuning
+    _assert_same(traced_now(sample_eager)(*args), cpu_out)  # the "gpu" tuning's draw
 
 
 def test_greedy_and_top_p_one_rows_match_reference_with_ties():
     logits = jnp.array([[0.0, 2.0, 2.0, -1.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0],
                         [5.0, 4.0, 5.0, 0.0, 0.0]])
     keys = _keys(3, seed=9)
+    fast, ref = _both((2,))
     for temperature, top_p in [(0.0, 0.5), (1.0, 1.0), (0.8, 1e-6), (1.0, 0.5)]:
         t, p = jnp.full((3,), temperature), jnp.full((3,), top_p)
-        fast, ref = _both((2,))
         a = fast(logits, keys, t, p)
         _assert_same(a, ref(logits, keys, t, p))
     greedy = sample(logits, keys, jnp.zeros((3,)), jnp.full((3,), 0.97))
@@ -372,7 +383,7 @@ def test_candidate_sampler_frequencies_match_truncated_softmax(top_p, n_range, s
     z[3:] = np.linspace(1.0, 0.0, v - 3)
     z = z[np.random.default_rng(0).permutation(v)]
     keys = sampling_keys(jnp.full((n,), 7), jnp.arange(n), jnp.zeros((n,), jnp.int32))
-    fn = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=sort_up_to))
+    fn = _fast((8,), sort_up_to)
     # All 20000 rows at once: the threshold search takes them one at a time (all at once, its
     # two 65536-bin histograms per row came to 10 GB).
     rows = jnp.tile(jnp.asarray(z, jnp.float32), (n, 1))
@@ -428,7 +439,7 @@ def test_threshold_search_row_by_row_equals_reference_and_bounds_memory():
     rng = np.random.default_rng(17)
     b, v = 40, 600
     ref = jax.jit(sample_reference)
-    fast = jax.jit(functools.partial(sample_eager, candidates=(8,), sort_up_to=0))
+    fast = _fast((8,), 0)
     for flat_rows in (1, 5, 13, 40):
         logits, _, _ = _mixed_batch(rng, b, v)
         flat = rng.permutation(np.arange(b) < flat_rows)
