@@ -16,6 +16,10 @@ from hcjax.model import hf
 from hcjax.model.safetensors_io import SafetensorsCheckpoint
 from tests.hf_fixtures import fixture
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 
 def poison(folder, name, count=3, value=np.nan):
     """Overwrite the first `count` values of fp32 tensor `name` in place."""

@@ -23,6 +23,10 @@ from hcjax.rollout.service import (
 )
 from hcjax.rpc.auth import Security
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 TOKEN = "health-test-token-0123456789"
 
 

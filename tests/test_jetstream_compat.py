@@ -26,6 +26,10 @@ from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingOption
 from hcjax.rollout.engine import register_with_jetstream
 from hcjax.rollout.testing import tiny_model
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 MAX_TOKENS = 12
 TIMEOUT = 300
 

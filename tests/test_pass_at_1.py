@@ -27,6 +27,10 @@ from hcjax.rollout import Engine, SampledRollout, SamplingOptions, generate
 from hcjax.rollout.testing import perturbed
 from hcjax.tasks import ArithmeticSuite, MixtureSuite
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 TINY = ModelConfig(
     vocab_size=272, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
     attention_pattern=("local", "global"), window=4, ffn_pattern=("moe", "dense"), d_ff=64,

@@ -11,6 +11,10 @@ from hcjax.rollout.engine import VersionedParams
 from hcjax.rollout.prefix_cache import PrefixCache
 from hcjax.rollout.testing import tiny_model
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 
 def _payload(i):
     return (f"kv{i}", np.full((2, 4, 2), i, np.int32))

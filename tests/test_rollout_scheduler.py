@@ -11,6 +11,10 @@ from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
 from hcjax.rollout.testing import tiny_model
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 
 @pytest.fixture(scope="module")
 def tiny_engine():

@@ -23,6 +23,10 @@ from hcjax.rollout.service import RolloutClient, serve_grpc
 from hcjax.rollout.testing import tiny_model
 from hcjax.rollout.wire import decode, encode
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 PROMPT = [1, 5, 9, 3, 7, 2, 11]
 REPO = Path(__file__).resolve().parent.parent
 

@@ -34,6 +34,10 @@ from hcjax.rpc.auth import Security, check_exposure, is_loopback
 from hcjax.transfer import PlanReceiver, UntrustedPeer
 from hcjax.transfer.remote import check_trusted, trusted_peers_from_env
 
+# The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
+# a third of the compile; tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("sort_only_sampler")
+
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-token-0123456789abcdef"
 GOOD = GenerateRequest(prompt=[1, 2, 3], max_tokens=2, seed=0)
