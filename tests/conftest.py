@@ -13,17 +13,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # hcjax.config.cpu_xla_flags. HCJAX_TEST_XLA_OPT=1 compiles as production does.
 # XLA's older elemental emitters instead of its fusion emitters: another ~20% off compiles of the
 # suite's programs (the engine and model-scale tests 134 s -> 109 s; the sampler alone 2.7 s ->
-# 1.9 s) from the same HLO. Eigen's matmuls and convolutions on one thread: the suite's arrays
-# are tiny, and its three workers and their subprocesses already fill the two cores, so the
-# thread pool's hand-offs only burn CPU (tests/test_model_scale.py + test_kernels_self_attention
-# on three workers: 181-208 s of CPU -> 162-171 s). HCJAX_TEST_XLA_OPT=1 turns all three off.
+# 1.9 s) from the same HLO. HCJAX_TEST_XLA_OPT=1 turns both off.
 if os.environ.get("HCJAX_TEST_XLA_OPT", "0") != "1":
     if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
     if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-    if "xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 
 # One persistent compilation cache for the whole test run, this process and every subprocess it
 # starts (they inherit the environment): the suite compiles the same tiny models' steps in dozens
