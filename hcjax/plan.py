@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hcjax import config as hcfg
 from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer, param_shardings
+from hcjax.model.config import FULL_REMAT
 from hcjax.rl.batch import BATCH_AXES, LearnerBatch
 from hcjax.rl.learner import LearnerConfig, LearnerState, make_learner_step
 from hcjax.rollout.engine import Engine
@@ -963,7 +964,7 @@ def plan(pc: PlanConfig, model_cfg: ModelConfig | None = None, learner_cfg=None,
         ctx_g, ctx_l = _causal_mean_ctx(pc.seq_len, model_cfg.window)
         split = model_flops_split(model_cfg, params, pc.global_batch_tokens, ctx_g, ctx_l, True)
         # Full remat runs each layer's forward again in the backward: 4 passes instead of 3.
-        remat = 4 / 3 if model_cfg.remat_policy in ("full", "full_compute") else 1.0
+        remat = 4 / 3 if model_cfg.remat_policy in FULL_REMAT else 1.0
         account_flops(step, split, len(devices), remat)
         roofline(step, spec, len(devices), split["total"])
         step["active_params"] = n_active

@@ -43,6 +43,9 @@ ATTENTION_IMPLS = SELF_ATTENTION_IMPLS
 # matmuls without batch dimensions (the weight matmuls, not attention scores), "minimal" saves
 # only the activations tagged with `checkpoint_name` (each layer's attention and FFN outputs).
 REMAT_POLICIES = ("none", "full", "full_compute", "dots", "minimal")
+# The policies that keep only each layer's input and recompute the whole layer (what
+# `accumulate_in_scan` and the planner's remat factor assume).
+FULL_REMAT = ("full", "full_compute")
 
 
 @gin.configurable

@@ -37,7 +37,7 @@ from hcjax.model.attention import (
     init_paged_layer_cache,
     make_attention,
 )
-from hcjax.model.config import ModelConfig
+from hcjax.model.config import FULL_REMAT, ModelConfig
 from hcjax.model.layers import DenseMLP, RMSNorm, dropout, param
 from hcjax.model.moe import MoE, correction_bias_step, load_balance_loss_from_stats
 
@@ -406,7 +406,7 @@ class Transformer(nnx.Module):
         if grad_accumulator is None:
             x_btd, outs = jax.lax.scan(period_step, x_btd, xs)
         else:
-            if cfg.remat_policy not in ("full", "full_compute") or any(c is not None
+            if cfg.remat_policy not in FULL_REMAT or any(c is not None
                                                                       for c in caches):
                 raise ValueError(
                     "a gradient accumulator needs training (no cache) with ModelConfig."

@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 
 from hcjax.model import ModelConfig, load_balance_loss
+from hcjax.model.config import FULL_REMAT
 
 __all__ = [
     "Objective",
@@ -211,7 +212,7 @@ def make_loss_and_grad(forward: Forward, objective: Objective, *, model_cfg: Mod
 
     def accumulate_in_scan(params):
         return (model_cfg.scan_layers and model_cfg.accumulate_in_scan
-                and model_cfg.remat_policy in ("full", "full_compute")
+                and model_cfg.remat_policy in FULL_REMAT
                 and any(_in_scan(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)))
 
     def global_expert_counts(params, inputs, keys, m):
