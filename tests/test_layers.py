@@ -34,7 +34,7 @@ LAYERS = {
     # Entry points (`python -m hcjax.X`) and what only they use.
     "hcjax.climb": 7, "hcjax.serve": 7, "hcjax.sft": 7, "hcjax.convert": 7, "hcjax.plan": 7,
     "hcjax.consolidate": 7, "hcjax.long2short": 7, "hcjax.dpo": 7, "hcjax.merge": 7,
-    "hcjax.rejection": 7, "hcjax.ray_placement": 7,
+    "hcjax.rejection": 7, "hcjax.ray_placement": 7, "hcjax.generate": 7,
     "hcjax.cluster": 7,  # the launchers' Python: layouts, JobSet, readiness, storage
     "hcjax.bench": 8,
 }

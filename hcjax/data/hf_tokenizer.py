@@ -19,6 +19,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _RustTokenizer
 
+from hcjax.data import gguf_file
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -125,10 +127,12 @@ def _token_string(value: Any, where: str) -> str | None:
     )
 
 
-def _chat_templates(folder: str, config: Mapping[str, Any], config_path: str) -> dict[str, str]:
+def _chat_templates(folder: str | None, config: Mapping[str, Any], config_path: str
+                    ) -> dict[str, str]:
     """Named templates, "default" being the main one: `chat_template.jinja` wins over the
     `chat_template` key of tokenizer_config.json (as in transformers), which may be a string or a
-    list of {"name", "template"} dicts; `additional_chat_templates/*.jinja` add named ones."""
+    list of {"name", "template"} dicts; `additional_chat_templates/*.jinja` add named ones.
+    `folder` None: the config alone (a tokenizer built in memory)."""
     templates: dict[str, str] = {}
     raw = config.get("chat_template")
     if isinstance(raw, str):
@@ -150,6 +154,8 @@ def _chat_templates(folder: str, config: Mapping[str, Any], config_path: str) ->
             f"{config_path!r} chat_template is a {type(raw).__name__}; expected a string or a "
             "list of {name, template} dicts"
         )
+    if folder is None:
+        return templates
     extra_dir = os.path.join(folder, EXTRA_TEMPLATES_DIR)
     if os.path.isdir(extra_dir):
         for fname in sorted(os.listdir(extra_dir)):
@@ -261,14 +267,17 @@ class HFTokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
-        """Read a local Hugging Face model folder; only `tokenizer.json` is required."""
+        """Read a local Hugging Face model folder (only `tokenizer.json` is required), or the
+        tokenizer a `.gguf` file's metadata describes (`gguf_file.tokenizer_files`)."""
         folder = os.fspath(path)
+        if gguf_file.is_gguf(folder):
+            return cls.from_gguf(folder)
         if not os.path.exists(folder):
             raise FileNotFoundError(f"tokenizer folder {folder!r} does not exist")
         if not os.path.isdir(folder):
             raise NotADirectoryError(
                 f"{folder!r} is not a folder; expected a Hugging Face model folder holding "
-                f"{TOKENIZER_FILE}"
+                f"{TOKENIZER_FILE} (or a .gguf file)"
             )
         tok_path = os.path.join(folder, TOKENIZER_FILE)
         if not os.path.isfile(tok_path):
@@ -279,14 +288,34 @@ class HFTokenizer:
             raise ValueError(f"{tok_path!r} could not be parsed: {e}") from e
         config_path = os.path.join(folder, CONFIG_FILE)
         config = _read_json(config_path, required=False) or {}
+        gen_path = os.path.join(folder, GENERATION_CONFIG_FILE)
+        gen_config = _read_json(gen_path, required=False)
+        return cls._build(tok, config, config_path, gen_config, gen_path, folder)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> HFTokenizer:
+        """The tokenizer, special tokens, stop ids and chat template of a `.gguf` file, through
+        the same files a Hugging Face folder holds (built in memory)."""
+        where = os.fspath(path)
+        files = gguf_file.tokenizer_files(gguf_file.open_file(where))
+        if "tokenizer.json" not in files:
+            raise ValueError(f"{where!r} has no tokenizer in its GGUF metadata")
+        try:
+            tok = _RustTokenizer.from_str(json.dumps(files["tokenizer.json"]))
+        except Exception as e:  # the library raises a bare Exception on a bad definition
+            raise ValueError(f"the tokenizer of {where!r} could not be built: {e}") from e
+        return cls._build(tok, files["tokenizer_config.json"], f"{where} (tokenizer metadata)",
+                          files.get("generation_config.json"), f"{where} (eos metadata)", where)
+
+    @classmethod
+    def _build(cls, tok: _RustTokenizer, config: Mapping[str, Any], config_path: str,
+               gen_config: Mapping[str, Any] | None, gen_path: str, name: str) -> HFTokenizer:
         special = {
             f: _token_string(config.get(f), f"{config_path} {f}") for f in SPECIAL_TOKEN_FIELDS
         }
-        gen_path = os.path.join(folder, GENERATION_CONFIG_FILE)
-        gen_config = _read_json(gen_path, required=False)
         eos_ids = _eos_ids(gen_config, gen_path, special["eos_token"], tok, config_path)
-        templates = _chat_templates(folder, config, config_path)
-        return cls(tok, special, eos_ids, templates, name=folder)
+        templates = _chat_templates(name if os.path.isdir(name) else None, config, config_path)
+        return cls(tok, special, eos_ids, templates, name=name)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from hcjax.finite import check_finite_array
-from hcjax.model import quant
+from hcjax.model import gguf, quant
 from hcjax.model.config import ModelConfig
 from hcjax.model.hf_config import from_hf_config, to_hf_config
 from hcjax.model.safetensors_io import SafetensorsCheckpoint, write_safetensors
@@ -298,6 +298,10 @@ class HFReader:
 
 
 def read_hf_config(path: str) -> dict:
+    """config.json of the Hugging Face folder `path`, or the one a `.gguf` file's metadata
+    describes (`hcjax.model.gguf`)."""
+    if gguf.is_gguf(path):
+        return gguf.hf_config(gguf.open_file(path))
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Hugging Face model folder {path!r} does not exist")
@@ -453,7 +457,7 @@ def load(
     if cfg.scan_layers:
         return _load_scanned(path, cfg, dtype, mesh, rules=rules, param_dtype=param_dtype,
                              progress=progress, report=report, **config_overrides)
-    ckpt = SafetensorsCheckpoint.open(path)
+    ckpt = open_checkpoint(path, hf_config)
     block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
     reader = HFReader(ckpt, block)
     table = mapping(cfg)
@@ -504,6 +508,14 @@ def load(
         report.largest_tensor_bytes = max(ckpt.nbytes(n) for n in ckpt.names)
         report.peak_host_bytes = peak
     return nnx.merge(graphdef, state), cfg
+
+
+def open_checkpoint(path: str, hf_config: dict | None = None
+                    ) -> SafetensorsCheckpoint | gguf.GGUFCheckpoint:
+    """The tensors of a Hugging Face folder, or of a `.gguf` file under Hugging Face names."""
+    if gguf.is_gguf(path):
+        return gguf.GGUFCheckpoint(gguf.open_file(path), hf_config)
+    return SafetensorsCheckpoint.open(path)
 
 
 def _target_shardings(abstract, mesh: Mesh | None, rules):
@@ -609,9 +621,17 @@ HF_SIDE_FILES = (
 
 
 def copy_side_files(src: str, dst: str, skip: Sequence[str] = ()) -> list[str]:
-    """Copy the HF folder's config and tokenizer files (not the weights) from `src` to `dst`."""
+    """Copy the HF folder's config and tokenizer files (not the weights) from `src` to `dst`; for
+    a `.gguf` file, write the ones its metadata describes."""
     os.makedirs(dst, exist_ok=True)
     copied = []
+    if gguf.is_gguf(src):
+        for name, content in gguf.side_files(gguf.open_file(src)).items():
+            if name not in skip:
+                with open(os.path.join(dst, name), "w", encoding="utf-8") as f:
+                    json.dump(content, f, indent=2, ensure_ascii=False)
+                copied.append(name)
+        return copied
     for name in HF_SIDE_FILES:
         if name not in skip and os.path.isfile(os.path.join(src, name)):
             shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
