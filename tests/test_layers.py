@@ -18,10 +18,11 @@ REPO = Path(__file__).resolve().parent.parent
 # Lower numbers are lower layers; entries on one level may import each other (never in a circle).
 LAYERS = {
     # Leaves: kernels, gin plumbing, meshes, progress display and metrics, profiling, host memory,
-    # the gRPC server and auth every service runs on, the NaN/Inf refusal of weights, the sandbox.
+    # the gRPC server and auth every service runs on, the NaN/Inf refusal of weights, the sandbox,
+    # the table of chips and links.
     "pallas_kernels": 0, "hcjax.config": 0, "hcjax.sharding": 0, "hcjax.display": 0,
     "hcjax.metrics": 0, "hcjax.profiling": 0, "hcjax.host_memory": 0, "hcjax.rpc": 0,
-    "hcjax.finite": 0, "hcjax.sandbox": 0,
+    "hcjax.finite": 0, "hcjax.sandbox": 0, "hcjax.hardware": 0,
     "hcjax.model": 1, "hcjax.data": 1, "hcjax.checkpoint": 1,
     # Models in and out of run folders and Hugging Face folders (every job reads models through
     # it, the standalone server included); reshard plans and the weights service; graders; tools.
@@ -31,6 +32,8 @@ LAYERS = {
     "hcjax.train": 4,
     "hcjax.rl": 5,
     "hcjax.distill": 6,
+    # The planner: the learner's and the engine's steps compiled on abstract inputs and costed.
+    "hcjax.planner": 6,
     # Entry points (`python -m hcjax.X`) and what only they use.
     "hcjax.climb": 7, "hcjax.serve": 7, "hcjax.sft": 7, "hcjax.convert": 7, "hcjax.plan": 7,
     "hcjax.consolidate": 7, "hcjax.long2short": 7, "hcjax.dpo": 7, "hcjax.merge": 7,
@@ -185,10 +188,10 @@ def test_the_sandbox_is_a_leaf_and_rewards_and_envs_form_no_circle():
 
 def test_transfer_sees_no_model_and_no_layer_that_does():
     """transfer/ (reshard plans, their executors, the weights service) moves pytrees of arrays:
-    besides its own modules it reaches only the rpc and finite leaves, never the model, rollout
-    or RL layers."""
+    besides its own modules it reaches only the rpc, finite and hardware (the link table) leaves,
+    never the model, rollout or RL layers."""
     reached = reachable(unit_graph(), "hcjax.transfer")
-    assert reached <= {"hcjax.rpc", "hcjax.finite"}, sorted(reached)
+    assert reached <= {"hcjax.rpc", "hcjax.finite", "hcjax.hardware"}, sorted(reached)
 
 
 def test_rewards_envs_the_sandbox_and_the_curriculum_import_no_jax():

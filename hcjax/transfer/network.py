@@ -1,7 +1,7 @@
 """How long a weight push takes over the path between the learner and the inference chips: an
-estimate from public link figures, for full pushes and for delta pushes at a stated fraction of
-changed elements (hcjax.transfer.delta's sparse encoding: a uint32 index beside each changed
-value). `hcjax.plan` prints it; it is a bandwidth bound, not a measurement.
+estimate from public link figures (hcjax.hardware.LINKS), for full pushes and for delta pushes at
+a stated fraction of changed elements (hcjax.transfer.delta's sparse encoding: a uint32 index
+beside each changed value). `hcjax.plan` prints it; it is a bandwidth bound, not a measurement.
 
 Paths:
   ici   learner and inference on one slice: each inference chip receives its share of the bytes
@@ -17,40 +17,12 @@ Paths:
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 
 import gin
 
-__all__ = ["LINKS", "SyncPathConfig", "chips_of", "summary_lines", "sync_estimate"]
+from hcjax.hardware import LINKS, Link, chips_of
 
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    bytes_per_s: float  # per chip (TPU DCN, GPU fabric and NVLink are per accelerator)
-    chips_per_host: int
-    source: str
-
-
-# Public figures (per chip or GPU, bytes/s; divided by 8 where the source gives bits):
-LINKS: dict[str, Link] = {
-    # cloud.google.com/tpu/docs/v5p, specification table: "Data center network (DCN) bandwidth
-    # per chip (Gbps): 50"; 4-chip VMs (v5p:2x2x1 = 4 chips, 1 host).
-    "v5p-dcn": Link(50e9 / 8, 4, "cloud.google.com/tpu/docs/v5p: DCN 50 Gbps per chip, 4 chips "
-                    "per host"),
-    # cloud.google.com/tpu/docs/v5e: "Per-host NIC configuration: 2 x 100 Gbps NIC", 8 chips per
-    # host (25 Gbps per chip; the pod's 6.4 Tbps DCN over 256 chips agrees).
-    "v5e-dcn": Link(2 * 100e9 / 8 / 8, 8, "cloud.google.com/tpu/docs/v5e: 2 x 100 Gbps NIC per "
-                    "host, 8 chips per host"),
-    # NVIDIA H100 SXM datasheet: NVLink 900 GB/s per GPU (fourth-generation NVLink, 18 links).
-    "h100-nvlink": Link(900e9, 8, "NVIDIA H100 SXM datasheet: NVLink 900 GB/s per GPU, 8 GPUs "
-                        "per HGX node"),
-    # NVIDIA DGX H100 datasheet: 8 x ConnectX-7 single-port 400 Gb/s InfiniBand/Ethernet, one per
-    # GPU (the compute fabric; the storage NICs are not counted).
-    "h100-fabric": Link(400e9 / 8, 8, "NVIDIA DGX H100 datasheet: 8 x 400 Gb/s ConnectX-7 "
-                        "(InfiniBand/RoCE), one per GPU"),
-}
-_TOPOLOGY_RE = re.compile(r"^(v4|v5e|v5p|v6e|h100):(\d+(?:x\d+)*)$")
+__all__ = ["SyncPathConfig", "summary_lines", "sync_estimate"]
 
 
 @gin.configurable
@@ -79,33 +51,31 @@ class SyncPathConfig:
                              "in [0, 1]")
 
 
-def chips_of(topology: str, num_slices: int = 1) -> tuple[str, int]:
-    """("v5p", 1024) for "v5p:8x8x16" (times `num_slices`); "h100:16x8" is 16 nodes of 8 GPUs."""
-    m = _TOPOLOGY_RE.match(topology)
-    if not m:
-        raise ValueError(f"topology={topology!r} is not like 'v5p:8x8x16' or 'h100:16x8'")
-    return m.group(1), math.prod(int(d) for d in m.group(2).split("x")) * num_slices
-
-
 def _dcn(chip: str, cfg: SyncPathConfig) -> tuple[float, int, str]:
     if cfg.dcn_bytes_per_s_per_chip is not None:
         per_host = LINKS[f"{chip}-dcn"].chips_per_host if f"{chip}-dcn" in LINKS else 4
         return cfg.dcn_bytes_per_s_per_chip, per_host, "SyncPathConfig.dcn_bytes_per_s_per_chip"
     if f"{chip}-dcn" not in LINKS:
-        raise ValueError(f"no DCN figure for {chip} in hcjax.transfer.network.LINKS; set "
+        raise ValueError(f"no DCN figure for {chip} in hcjax.hardware.LINKS; set "
                          "SyncPathConfig.dcn_bytes_per_s_per_chip")
     link = LINKS[f"{chip}-dcn"]
     return link.bytes_per_s, link.chips_per_host, link.source
 
 
+def _ici(chip: str, what: str) -> Link:
+    if f"{chip}-ici" not in LINKS:
+        raise ValueError(f"{what} needs an ICI figure for {chip}; hcjax.hardware.LINKS has none")
+    return LINKS[f"{chip}-ici"]
+
+
 def sync_estimate(nbytes: float, learner_topology: str, inference_topology: str | None, *,
-                  ici_bytes_per_s: float | None = None, inference_replicas: int = 1,
+                  inference_replicas: int = 1,
                   learner_slices: int = 1, inference_slices: int = 1, value_bytes: int = 2,
                   cfg: SyncPathConfig | None = None) -> dict:
     """Estimated seconds to push `nbytes` of served weights (one copy), full and delta.
 
-    ici_bytes_per_s: one inference chip's ICI bandwidth (hcjax.plan's chip table); needed for
-    the ici path and the dcn path's fan-out to `inference_replicas` data-parallel replicas.
+    inference_replicas: data-parallel inference replicas; on the dcn path one copy crosses and
+    the others are filled from it over the inference chips' ICI.
     value_bytes: bytes of one served element (2 for bf16): a delta sends 4 + value_bytes per
     changed element."""
     cfg = cfg or SyncPathConfig()
@@ -125,11 +95,10 @@ def sync_estimate(nbytes: float, learner_topology: str, inference_topology: str 
     links: dict[str, dict] = {}
     fanout_s = 0.0
     if path == "ici":
-        if not ici_bytes_per_s:
-            raise ValueError("the ici path needs ici_bytes_per_s")
-        rate = i_chips * ici_bytes_per_s
-        links["ici"] = {"bytes_per_s": ici_bytes_per_s, "per": "inference chip",
-                        "source": "hcjax.plan CHIP_SPECS (Cloud TPU chip tables)"}
+        ici = _ici(i_chip, "the ici path")
+        rate = i_chips * ici.bytes_per_s
+        links["ici"] = {"bytes_per_s": ici.bytes_per_s, "per": "inference chip",
+                        "source": ici.source}
         narrowest = f"ICI of {i_chips} inference chips ({rate / 1e9:,.0f} GB/s)"
         per_host = {"inference_chip": nbytes / i_chips}
         assumptions.append("same slice: every inference chip receives its share over its own "
@@ -147,11 +116,10 @@ def sync_estimate(nbytes: float, learner_topology: str, inference_topology: str 
                      f"{rate / 1e9:,.1f} GB/s")
         per_host = {"learner_host": nbytes / l_hosts, "inference_host": nbytes / i_hosts}
         if inference_replicas > 1:
-            if not ici_bytes_per_s:
-                raise ValueError("the fan-out to inference replicas needs ici_bytes_per_s")
-            fanout_s = nbytes / (i_chips / inference_replicas * ici_bytes_per_s)
-            links["ici"] = {"bytes_per_s": ici_bytes_per_s, "per": "inference chip",
-                            "source": "hcjax.plan CHIP_SPECS (Cloud TPU chip tables)"}
+            ici = _ici(i_chip, "the fan-out to inference replicas")
+            fanout_s = nbytes / (i_chips / inference_replicas * ici.bytes_per_s)
+            links["ici"] = {"bytes_per_s": ici.bytes_per_s, "per": "inference chip",
+                            "source": ici.source}
         assumptions += [
             f"separate slices: one copy crosses the DCN, every host at its NICs' full rate "
             f"({l_hosts} learner hosts, {i_hosts} inference hosts, {chips_per_host} chips each)",
@@ -168,8 +136,8 @@ def sync_estimate(nbytes: float, learner_topology: str, inference_topology: str 
                            "source": fabric.source}
         narrowest = (f"cluster fabric: {gpus} GPUs x {fabric.bytes_per_s * 8 / 1e9:,.0f} Gb/s "
                      f"= {rate / 1e9:,.1f} GB/s")
-        per_host = {"learner_node": nbytes / max(1, l_chips // 8),
-                    "inference_node": nbytes / max(1, i_chips // 8)}
+        per_host = {"learner_node": nbytes / max(1, l_chips // fabric.chips_per_host),
+                    "inference_node": nbytes / max(1, i_chips // fabric.chips_per_host)}
         assumptions.append("learner and inference on different nodes: bytes cross the fabric, "
                            "one NIC per GPU at full rate (NVLink inside a node is faster)")
     return {
