@@ -4,6 +4,8 @@ extraction) on correct, partial, wrong and malformed responses, categories with 
 determinism by seed, one-line errors for bad names and configs, gin, and the lazy import."""
 
 import collections
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ from reasoning_gym.utils import extract_answer
 
 from hcjax.tasks import ArithmeticSuite, MixtureSuite, ReasoningGymSuite, check_suite
 from hcjax.tasks import reasoning_gym as rg_suite
+from hcjax.tasks.reasoning_gym import EXTRACTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,36 +100,56 @@ def _responses(reference):
         "wrong, after the right one": f"<answer>{reference}</answer> no: <answer>{wrong}</answer>",
         "partial": f"<answer>{reference} legs</answer>",
         "empty": "<answer></answer>",
-        "malformed": f"The answer is {reference}.",
+        "untagged": f"2 + 2 = 4, so the answer is {reference}.",
+        "untagged, wrong": f"The answer is {wrong}",
         "unclosed": f"<answer>{reference}",
+        "no answer": "I do not know.",
     }
 
 
+def _expected(response, extraction):
+    """The answer each extraction reads, by reasoning-gym's own tag extraction (and for flexible,
+    the last integer: every answer of these datasets is one)."""
+    tagged = extract_answer(response)
+    numbers = re.findall(r"-?\d+", response)
+    flexible = tagged if tagged is not None else (numbers[-1] if numbers else None)
+    return {"strict": tagged, "flexible": flexible}
+
+
+@pytest.mark.parametrize("extraction", EXTRACTIONS)
 @pytest.mark.parametrize("name", sorted(DATASETS))
-def test_grades_equal_the_datasets_own_scorer(suite, name):
+def test_grades_equal_the_datasets_own_scorer(suite, name, extraction):
+    graded = dataclasses.replace(suite, extraction=extraction)
     scorer = reasoning_gym.get_score_answer_fn(name)  # a dataset object of reasoning-gym's own
     problems = [p for p in suite.heldout() if p.meta["label"] == name][:10]
     problems += [p for p in (suite.train_problem(i) for i in range(200))
                  if p.meta["label"] == name][:10]
     seen = collections.Counter()
     for p in problems:
-        entry = suite.entry(p)[1]
+        entry = graded.entry(p)[1]
         assert p.reference == entry["answer"] and entry["question"].strip() in p.prompt
         for kind, response in _responses(p.reference).items():
-            want = scorer(extract_answer(response), entry)
-            g = suite.grade(p, response)
+            answers = _expected(response, extraction)
+            scores = {m: scorer(a, entry) for m, a in answers.items()}
+            want = scores[extraction]
+            g = graded.grade(p, response)
             assert g.reward == want, (p.id, kind, response, g)
             assert g.correct == (want == 1.0)
-            assert g.components == {"score": want, "format": float("<answer>" in response
-                                                                   and "</answer>" in response)}
+            assert g.components == {"score": want, "format": float(answers["strict"] is not None),
+                                    "strict": float(scores["strict"] == 1.0),
+                                    "flexible": float(scores["flexible"] == 1.0)}
             label = g.reason.split(":", 1)[0]
-            assert label == {"correct": "correct", "correct, spaced, last": "correct",
-                             "malformed": "malformed", "unclosed": "malformed"}.get(kind, "wrong")
+            assert label == ("malformed" if answers[extraction] is None else
+                             "correct" if want == 1.0 else "wrong"), (kind, g.reason)
             seen[kind, label, 0 < want < 1] += 1
-        assert suite.grade(p, p.target).correct
+        assert graded.grade(p, p.target).correct
+    n = len(problems)
+    assert seen["correct", "correct", False] == seen["correct, spaced, last", "correct", False] == n
+    assert seen["wrong", "wrong", False] == seen["no answer", "malformed", False] == n
+    assert seen["untagged", "malformed" if extraction == "strict" else "correct", False] == n
     # A partial score is a reward but not a success (pass@1 counts `correct`).
     if name == "basic_arithmetic":
-        assert seen["partial", "wrong", True] == len(problems)
+        assert seen["partial", "wrong", True] == n
 
 
 def test_answer_format_and_prompt_are_fields():
@@ -229,6 +252,7 @@ def test_bad_names_and_configs_are_one_line_errors(datasets, words):
     ({"prompt_template": "{question} {oops}"}, ["prompt_template", "'oops'"]),
     ({"prompt_template": "no question"}, ["no {question}"]),
     ({"num_heldout": -1}, ["num_heldout=-1"]),
+    ({"extraction": "loose"}, ["extraction='loose'", "('strict', 'flexible')"]),
 ])
 def test_bad_suite_fields_are_one_line_errors(kwargs, words):
     with pytest.raises(ValueError) as excinfo:

@@ -20,11 +20,13 @@ import numpy as np
 
 from hcjax.rewards.types import Grade
 from hcjax.tasks.base import SuiteBase, TaskProblem
+from hcjax.tasks.dataset import last_number
 
-__all__ = ["ENTRY_KEYS", "INSTALL_HINT", "ReasoningGymSuite"]
+__all__ = ["ENTRY_KEYS", "EXTRACTIONS", "INSTALL_HINT", "ReasoningGymSuite"]
 
 INSTALL_HINT = "reasoning-gym is not installed: pip install -r requirements-real.txt"
 ENTRY_KEYS = ("dataset", "weight", "config", "difficulty", "num_heldout")
+EXTRACTIONS = ("strict", "flexible")
 MAX_LEVELS = 16  # a difficulty axis with more values than this stays out of the category
 PLACEHOLDER = "{answer}"
 SPLITS = ("train", "heldout")
@@ -119,11 +121,15 @@ class ReasoningGymSuite(SuiteBase):
       (never the item of another index). Changing `seed` alone keeps the held-out split.
     Prompt: `prompt_template` with {question} (the dataset's, stripped) and {format}
       (`answer_format` with "..." for its {answer}); `system_prompt`, when given, comes first.
-    Grading: the answer is the text between the last `answer_format` prefix and its suffix (to the
-      end of the line when the suffix is empty), stripped; the reward is the dataset's
-      `score_answer(answer, entry)` (None when there is none), which can be partial (e.g. 0.01 for
-      an answer it cannot parse); correct only when that score is 1. Reasons start "correct",
-      "wrong" or "malformed" (no answer in the format); components: score, format (1 when found).
+    Grading: the "strict" answer is the text between the last `answer_format` prefix and its
+      suffix (to the end of the line when the suffix is empty), stripped; the "flexible" one is
+      that, else the last number after the reasoning (hcjax.tasks.dataset.last_number: for
+      numeric datasets, and models that answer "70 - 12 = 58" without the format). The reward is
+      the dataset's `score_answer(answer, entry)` of `extraction`'s answer (None when there is
+      none), which can be partial (e.g. 0.01 for an answer it cannot parse); correct only when
+      that score is 1. Reasons start "correct", "wrong" or "malformed" (no answer); components:
+      score (the reward), format (1 when the strict answer is there), strict and flexible (1 when
+      that extraction's answer scores 1).
     reference: the dataset's answer; target: that answer in `answer_format` (for SFT).
     """
 
@@ -135,6 +141,7 @@ class ReasoningGymSuite(SuiteBase):
     answer_format: str = "<answer>{answer}</answer>"
     prompt_template: str = "{question}\nGive your final answer as {format}."
     system_prompt: str | None = None
+    extraction: str = "strict"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
@@ -144,6 +151,9 @@ class ReasoningGymSuite(SuiteBase):
                 or self.num_heldout < 0:
             raise ValueError(f"ReasoningGymSuite.num_heldout={self.num_heldout!r} must be an "
                              "integer >= 0")
+        if self.extraction not in EXTRACTIONS:
+            raise ValueError(f"ReasoningGymSuite.extraction={self.extraction!r} is not one of "
+                             f"{EXTRACTIONS}")
         if not isinstance(self.answer_format, str) or self.answer_format.count(PLACEHOLDER) != 1 \
                 or self.answer_format.startswith(PLACEHOLDER):
             raise ValueError(f"ReasoningGymSuite.answer_format={self.answer_format!r} must hold "
@@ -371,22 +381,30 @@ class ReasoningGymSuite(SuiteBase):
         return dataset, entry
 
     def grade(self, problem: TaskProblem, response: str) -> Grade:
-        """The dataset's own score of the answer in `answer_format` (class docstring)."""
+        """The dataset's own score of `extraction`'s answer (class docstring)."""
         dataset, entry = self.entry(problem)
         found = self._answer_re.findall(response)
-        answer = found[-1].strip() if found else None
-        try:
-            score = float(dataset.score_answer(answer, entry))
-        except Exception as e:  # a scorer that fails on a model's text: that answer is wrong
-            score, note = 0.0, f" (score_answer raised {_one_line(e)})"
-        else:
-            note = ""
-        correct = answer is not None and score >= 1.0
+        strict = found[-1].strip() if found else None
+        answers = {"strict": strict, "flexible": strict if found else last_number(response)}
+        scores, notes = {}, {}
+        for answer in dict.fromkeys(answers.values()):
+            try:
+                scores[answer] = float(dataset.score_answer(answer, entry))
+            except Exception as e:  # a scorer that fails on a model's text: that answer is wrong
+                scores[answer] = 0.0
+                notes[answer] = f" (score_answer raised {_one_line(e)})"
+        right = {mode: a is not None and scores[a] >= 1.0 for mode, a in answers.items()}
+        answer = answers[self.extraction]
+        score = scores[answer]
+        where = " (last number)" if answer is not None and strict is None else ""
         if answer is None:
-            reason = f"malformed: no {self.answer_format.replace(PLACEHOLDER, '...')}"
-        elif correct:
-            reason = f"correct: {answer!r}"
+            reason = f"malformed: no {self.answer_format.replace(PLACEHOLDER, '...')}" + (
+                " and no number" if self.extraction == "flexible" else "")
+        elif right[self.extraction]:
+            reason = f"correct: {answer!r}{where}"
         else:
-            reason = f"wrong: {answer!r} scored {score:g} against {problem.reference!r}"
-        return Grade(score, reason + note, correct=correct,
-                     components={"score": score, "format": float(answer is not None)})
+            reason = (f"wrong: {answer!r}{where} scored {score:g} against "
+                      f"{problem.reference!r}")
+        return Grade(score, reason + notes.get(answer, ""), correct=right[self.extraction],
+                     components={"score": score, "format": float(strict is not None),
+                                 **{mode: float(ok) for mode, ok in right.items()}})
