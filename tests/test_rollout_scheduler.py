@@ -141,15 +141,16 @@ def test_a_line_is_bounded_and_a_waiter_that_does_not_come_back_leaves_it():
     # (no release yet: each refusal's hint is the default 0.25 s; a waiter is due back by 0.45 s)
     assert (adm.host_work, adm.host_requests) == (50, 2)
     adm.admit("a", 45)
-    for ticket in ("first", "second", "third"):
-        with pytest.raises(QueueFull):
-            adm.admit("a", 10, ticket=ticket)
-    assert adm.snapshot()["waiting"]["a"]["requests"] == 2  # the host's share of requests
+    for i in range(5):
+        with pytest.raises(QueueFull) as err:
+            adm.admit("a", 10, ticket=i)
+        assert err.value.in_line == (i < 4)
+    assert adm.snapshot()["waiting"]["a"]["requests"] == 4  # the server's request capacity
     adm.release("a", 45)
-    adm.admit("a", 5)  # 5 + the 10 kept for "first" + 10 <= 50
-    assert adm.snapshot()["waiting"]["a"] == {"requests": 2, "head_work": 10}
-    time.sleep(0.6)  # neither waiter came back by its hint + reserve_seconds: both left
-    assert adm.snapshot()["waiting"]["a"]["requests"] == 2  # (a snapshot does not expire them)
+    adm.admit("a", 5)  # 5 + the 10 kept for the first + 10 <= 50
+    assert adm.snapshot()["waiting"]["a"] == {"requests": 4, "head_work": 10}
+    time.sleep(0.6)  # no waiter came back by its hint + reserve_seconds: they all left
+    assert adm.snapshot()["waiting"]["a"]["requests"] == 4  # (a snapshot does not expire them)
     adm.admit("a", 35)  # 5 + 35 <= 50: no room kept any more
     assert adm.snapshot()["waiting"] == {}
     with pytest.raises(ValueError, match="reserve_seconds=0"):

@@ -118,7 +118,8 @@ class Admission:
     admitted only if it leaves that room, so no stream of smaller requests overtakes a larger
     one for ever. A waiter not back within `reserve_seconds` of the time its refusal's hint said
     leaves the line (its client gave up, or sends a new message each try); a line holds at most
-    the host's share of requests. Other hosts are not affected, and the server's capacity keeps
+    the server's request capacity (a bound on what one host can make it remember, but room for
+    everything a busy host sends beyond its share, so a place is not a lottery). Other hosts are not affected, and the server's capacity keeps
     no reservation (a light host is never held for a heavy one). Every refusal carries a
     retry-after hint: the room missing over the rate at which the host (or, for the capacity,
     the server) has been giving work back. A caller that holds refused requests (the gRPC
@@ -291,7 +292,7 @@ class Admission:
         if waiter is not None:
             waiter.stalls = waiter.stalls + 1 if waiter.mark == self._releases else 0
             waiter.mark = self._releases
-        elif own_share and (line is None or len(line) < self.host_requests):
+        elif own_share and (line is None or len(line) < self.request_capacity):
             waiter = self._lines.setdefault(client, OrderedDict())[ticket] = _Waiter(
                 cost, self._releases)
         return waiter

@@ -6,15 +6,16 @@ holds no thread, and Health and Metrics answer in the event loop whatever Genera
 flight. Each client host (the peer address without its port) is a lane of the server's fair
 queues and holds at most its share of the server's work (RolloutServer, scheduler.py). A request
 refused for that share takes a place in its host's line (scheduler.Admission) and waits there,
-holding no thread, up to `hold_seconds`, asked again each time the host gives work back; asked
-again after that, it is recognised by a digest of its message and keeps its place.
+holding no thread, asked again each time the host gives work back, until the host has given
+nothing back for `hold_seconds`; asked again after that, it is recognised by a digest of its
+message and keeps its place.
 
 Every request is parsed and checked in full (wire format, option types and ranges, continuation
 records, the engine's limits, `RequestLimits`) before it is queued, so no message can fail the
 server. Status codes: INVALID_ARGUMENT (with the reason) for any malformed or out-of-limit
 request, RESOURCE_EXHAUSTED (naming the limit and by how much, and carrying a retry-after hint in
 its message and in the trailing metadata `retry-after-ms`; read it with `retry_after`) when the
-client's share still has no room after that wait, or its line or the server's capacity has
+client's share has no room and its line does not move, or its line or the server's capacity has
 none, UNAVAILABLE when the server is stopping or failed, UNAUTHENTICATED without the shared token
 (hcjax.rpc.auth). The service keeps serving after any of them.
 
@@ -155,9 +156,10 @@ class RolloutServicer:
     def __init__(self, server: RolloutServer, limits: RequestLimits | None = None, *,
                  stall_seconds: float = 120.0, hold_seconds: float = 2.0) -> None:
         """stall_seconds: requests in flight with no token streamed for this long make Health
-        answer NOT_SERVING (the step-progress watchdog's server-side half). hold_seconds: how
-        long a request refused for its host's share waits in the host's line, asked again
-        each time the host gives work back, before it gets RESOURCE_EXHAUSTED (0: at once)."""
+        answer NOT_SERVING (the step-progress watchdog's server-side half). hold_seconds: a
+        request refused for its host's share waits in the host's line, asked again each time
+        the host gives work back, and gets RESOURCE_EXHAUSTED once the host has given nothing
+        back for this long (0: at once)."""
         if stall_seconds <= 0:
             raise ValueError(f"stall_seconds={stall_seconds} must be positive")
         if hold_seconds < 0:
@@ -238,7 +240,8 @@ class RolloutServicer:
                       ) -> RequestHandle:
         """Submit the request; refused for its host's share with a place in the host's line, it
         waits there (holding no thread) and is submitted again each time the host gives work
-        back or its hint comes due, for up to hold_seconds; then the last QueueFull."""
+        back or its hint comes due, until hold_seconds pass with nothing given back; then the
+        last QueueFull."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.hold_seconds
         entry = (loop, asyncio.Event())
@@ -255,6 +258,7 @@ class RolloutServicer:
                         raise
                     try:
                         await asyncio.wait_for(entry[1].wait(), min(remaining, e.retry_after))
+                        deadline = loop.time() + self.hold_seconds  # its line moves: it stays
                     except TimeoutError:
                         pass
         except asyncio.CancelledError:  # its client went away while it waited: no place kept
