@@ -9,6 +9,7 @@ import pytest
 
 from hcjax.rollout import GenerateRequest
 from hcjax.rollout.router import NoReplicaAvailable, Router
+from hcjax.rollout.service import RETRY_AFTER_KEY, retry_after
 
 
 class FakeReplica:
@@ -158,8 +159,8 @@ def test_router_rejects_bad_settings():
 
 
 class _Refusal(grpc.RpcError):
-    def __init__(self, details):
-        self._details = details
+    def __init__(self, details, metadata=()):
+        self._details, self._metadata = details, metadata
 
     def code(self):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -167,21 +168,50 @@ class _Refusal(grpc.RpcError):
     def details(self):
         return self._details
 
+    def trailing_metadata(self):
+        return self._metadata
+
 
 class BusyReplica(FakeReplica):
-    """Refuses for lack of room (its client host's share is full) `refusals` times, then serves."""
+    """Refuses for lack of room (its client host's share is full) `refusals` times, then serves;
+    each refusal carries the retry-after hint `hint_ms` in its trailing metadata if given."""
 
-    def __init__(self, refusals):
+    def __init__(self, refusals, hint_ms=None):
         super().__init__()
-        self.refusals = refusals
+        self.refusals, self.hint_ms = refusals, hint_ms
+        self.requests = []
 
     def generate(self, request, timeout=None, on_event=None):
         with self.lock:
             self.calls += 1
+            self.requests.append(request)
             if self.refusals:
                 self.refusals -= 1
-                raise _Refusal("client ipv4:127.0.0.1 holds 96 tokens of work ... retry later")
+                metadata = () if self.hint_ms is None else ((RETRY_AFTER_KEY, str(self.hint_ms)),)
+                raise _Refusal("client ipv4:127.0.0.1 holds 96 tokens of work ... retry later",
+                               metadata)
         return [f"record-{request.seed}"]
+
+
+def test_retry_after_reads_the_trailing_metadata_then_the_message():
+    assert retry_after(_Refusal("... retry after 9.00 s", ((RETRY_AFTER_KEY, "350"),))) == 0.35
+    assert retry_after(_Refusal("client a holds 5 requests ...; retry after 1.25 s")) == 1.25
+    assert retry_after(_Refusal("... retry later", (("other", "1"),))) is None
+    assert retry_after(_Refusal("Received message larger than max (5 vs. 1)")) is None
+
+
+def test_the_router_asks_again_when_the_refusal_says_with_the_same_request():
+    """Two refusals that say 'retry after 0.4 s': the router waits that long each time (its own
+    backoff would be 0.05 + 0.1 s) and asks again with the same request, seed included, so the
+    replica recognises it and it keeps its place in the host's line there."""
+    busy = BusyReplica(refusals=2, hint_ms=400)
+    with _router([busy]) as router:
+        t0 = time.monotonic()
+        assert router.generate(GenerateRequest(prompt=[1]), timeout=30)
+        waited = time.monotonic() - t0
+    assert waited >= 0.8 and busy.calls == 3
+    assert busy.requests[0] == busy.requests[1] == busy.requests[2]
+    assert busy.requests[0].seed is not None
 
 
 def test_a_replica_refusing_for_lack_of_room_is_waited_out_not_failed():

@@ -23,9 +23,11 @@ from hcjax.config import cpu_xla_flags
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 from hcjax.rollout.request import request_from_dict
 from hcjax.rollout.service import (
+    RETRY_AFTER_KEY,
     RequestLimits,
     RolloutClient,
     _request_to_bytes,
+    retry_after,
     serve_grpc,
 )
 from hcjax.rollout.testing import tiny_model
@@ -405,6 +407,71 @@ def test_one_client_gets_only_its_share_of_the_server():
         stalled.stop()
     with pytest.raises(ValueError, match="queue_share=0"):
         RolloutServer(engine, queue_share=0)
+
+
+def test_a_refused_request_waits_in_line_keeps_its_place_and_is_told_when_to_retry():
+    """On a server that never drains, two services: one refuses at once (hold_seconds 0), one
+    holds a refused request in its host's line. A request refused for its host's share keeps
+    its room against later, smaller requests of the host; sent again (the same message) it keeps
+    its place, and held it is admitted as soon as the host gives work back, without asking
+    again; one whose client leaves while held gives its place up. Every refusal carries the
+    retry-after hint in its message and trailing metadata."""
+    engine = Engine(tiny_model(0), max_concurrent_decodes=1, max_prefill_length=MAX_PREFILL,
+                    max_target_length=MAX_TARGET)
+    stalled = RolloutServer(engine, max_queue=8, queue_share=0.5)  # a host's share: 288 tokens
+    refusing, port_now = serve_grpc(stalled, security=Security(), hold_seconds=0)
+    holding, port_held = serve_grpc(stalled, security=Security(), hold_seconds=60)
+    channels = [grpc.insecure_channel(f"127.0.0.1:{p}") for p in (port_now, port_held)]
+    now, held = (c.unary_stream("/hcjax.Rollout/Generate") for c in channels)
+    first = _message({"prompt": [1] * 8, "n": 2, "max_tokens": 56})  # 2 x 64 tokens
+    large = _message({"prompt": [2] * 8, "n": 2, "max_tokens": 56, "seed": 7})  # 128, another
+    small = _message({"prompt": [3] * 8, "n": 1, "max_tokens": 8})  # 16 tokens
+    admission = stalled.admission
+
+    def wait_for(check) -> None:
+        deadline = time.monotonic() + 30
+        while not check(admission.snapshot()):
+            assert time.monotonic() < deadline, admission.snapshot()
+            time.sleep(0.01)
+
+    def refusal(message: bytes) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as err:
+            list(now(message, timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return err.value
+
+    streams = []
+    try:
+        streams += [now(first, timeout=30) for _ in range(2)]
+        wait_for(lambda snap: snap["requests"] == 2)
+        err = refusal(large)  # 256 + 128 > 288: it takes the first place in the host's line
+        hint = retry_after(err)
+        assert dict(err.trailing_metadata())[RETRY_AFTER_KEY] == str(round(hint * 1000))
+        assert f"; retry after {hint:.2f} s" in err.details() and 0 < hint <= 2.0
+        # 256 + 16 fits the share, but not beside the 128 kept for the large request
+        assert "kept for its oldest waiting request" in refusal(small).details()
+        assert admission.snapshot()["waiting"] == {"ipv4:127.0.0.1": {"requests": 2,
+                                                                       "head_work": 128}}
+        streams.append(held(large, timeout=30))  # asked again: held, still first in line
+        time.sleep(0.2)
+        assert admission.snapshot()["requests"] == 2
+        streams[0].cancel()  # the host gives 128 back: the held request gets in at once
+        wait_for(lambda snap: snap["requests"] == 2 and snap["hosts"]["ipv4:127.0.0.1"]["work"]
+                 == 256 and snap["waiting"]["ipv4:127.0.0.1"]["head_work"] == 16)
+        streams.append(now(small, timeout=30))  # first in line now: 256 + 16 <= 288
+        wait_for(lambda snap: snap["requests"] == 3 and snap["waiting"] == {})
+        leaving = held(_message({"prompt": [4] * 8, "n": 1, "max_tokens": 24}), timeout=30)
+        wait_for(lambda snap: snap["waiting"])  # 272 + 32 > 288: held in line
+        leaving.cancel()
+        wait_for(lambda snap: snap["waiting"] == {} and snap["requests"] == 3)
+    finally:
+        for stream in streams:
+            stream.cancel()
+        for channel in channels:
+            channel.close()
+        refusing.stop(None)
+        holding.stop(None)
+        stalled.stop()
 
 
 # Authentication, TLS, exposure -------------------------------------------------------------------

@@ -6,8 +6,15 @@ Per server size: a light client's latency (one sample, 8 tokens) alone; then flo
 their full share busy with n=16 x 32-token requests while the light client asks again, a
 learner pushes new weights every few seconds, and a probe calls Health every 50 ms. Prints the
 light client's p50/p99 alone and under the flood, what each host held against its share
-(sampled from Metrics), the RESOURCE_EXHAUSTED count, Health p50/p99, the push times and the
-server's memory; the last stdout line is one JSON object.
+and how many waited in its line (sampled from Metrics), the RESOURCE_EXHAUSTED count, Health
+p50/p99, the push times and the server's memory.
+
+Then the mixed case (8 slots, --max_queue 64, --queue_share 0.5, --max_n 16, --max_target_length
+64): 64 threads of one host send 256 valid requests, 8 at the limits (n=16, prompt 32, max_tokens
+32: 1,024 tokens of the host's 2,304) and the rest small, each RESOURCE_EXHAUSTED asked again
+after the server's retry-after hint (exponential backoff from 50 ms without one), at most 2 s
+apart and 30 tries in all. Prints how many were answered, the large and the small requests'
+p50/p99 and the most times one request was refused. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -232,6 +240,146 @@ def _pusher(address: str, gin_params: list, every: float, stop, out) -> None:
     out.put({"seconds": seconds, "errors": errors})
 
 
+# The mixed case: the server as `python -m hcjax.serve` with these flags beside LAUNCHER_SIZES.
+MIXED_SERVE_ARGS = ["--max_queue", "64", "--queue_share", "0.5", "--max_n", "16",
+                    "--max_target_length", "64"]
+LARGE = {"n": 16, "prompt_len": 32, "max_tokens": 32}  # at the mixed server's limits
+
+
+def mixed_requests(count: int, large: int, seed: int = 0) -> list:
+    """`count` valid requests in a seeded order: `large` at the limits (LARGE), the rest smaller
+    (n 4 or 8, prompt 16 or 32, max_tokens 32: 192-512 tokens of work, 336 on average, so
+    seven fill the host's share); each with its own seed, so no two share a message."""
+    # after the flags: --help stays fast (this loads JAX)
+    from hcjax.rollout import GenerateRequest
+
+    if not 0 <= large <= count:
+        raise ValueError(f"large={large} must be in [0, count={count}]")
+    rng = random.Random(seed)
+    shapes = [LARGE] * large + [
+        {"n": rng.choice((4, 8)), "prompt_len": rng.choice((16, 32)), "max_tokens": 32}
+        for _ in range(count - large)]
+    rng.shuffle(shapes)
+    return [GenerateRequest(prompt=[1 + (i + j) % 60 for j in range(shape["prompt_len"])],
+                            n=shape["n"], max_tokens=shape["max_tokens"], temperature=1.0,
+                            seed=i)
+            for i, shape in enumerate(shapes)]
+
+
+def mixed_load(address: str, requests: Sequence, *, threads: int, tries: int = 30,
+               backoff: float = 0.05, max_backoff: float = 2.0) -> list[dict]:
+    """Send `requests` to `address` from `threads` threads of this host (one channel each),
+    each taking the next request when its last one ends. A RESOURCE_EXHAUSTED is asked again
+    after the refusal's retry-after hint if it has one, else after `backoff` doubling, at most
+    `max_backoff` s, `tries` times in all. Per request: its kind ("large" if n is LARGE's),
+    whether it was answered, the seconds from the first try to the answer, its refusals and
+    the hints it was given."""
+    # after the flags: --help stays fast (this loads JAX)
+    from hcjax.rollout.service import RolloutClient, retry_after
+
+    pending = list(enumerate(requests))
+    out: list[dict] = [{} for _ in requests]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        with RolloutClient(address, Security()) as client:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    i, request = pending.pop(0)
+                row = {"kind": "large" if request.n == LARGE["n"] else "small",
+                       "answered": False, "refusals": 0, "hints": 0, "error": None}
+                t0, wait = time.perf_counter(), backoff
+                for _ in range(tries):
+                    try:
+                        client.generate(request, timeout=600)
+                    except grpc.RpcError as err:
+                        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            row["error"] = f"{err.code().name}: {err.details()}"
+                            break
+                        row["refusals"] += 1
+                        hint = retry_after(err)
+                        row["hints"] += hint is not None
+                        time.sleep(min(max_backoff, wait if hint is None else hint))
+                        if hint is None:
+                            wait *= 2
+                        continue
+                    row["answered"] = True
+                    row["seconds"] = time.perf_counter() - t0
+                    break
+                out[i] = row
+
+    pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return out
+
+
+def summarise_mixed(rows: Sequence[dict]) -> dict:
+    """The mixed case's figures from `mixed_load`'s rows."""
+    def seconds(kind: str) -> list[float]:
+        return [r["seconds"] for r in rows if r["kind"] == kind and r["answered"]]
+
+    large, small = _percentiles(seconds("large")), _percentiles(seconds("small"))
+    return {
+        "requests": len(rows), "answered": sum(r["answered"] for r in rows),
+        "large_answered": sum(r["answered"] for r in rows if r["kind"] == "large"),
+        "large": large, "small": small,
+        "large_p99_over_p50": (round(large["p99_ms"] / large["p50_ms"], 2)
+                               if large["n"] else None),
+        "refusals": sum(r["refusals"] for r in rows),
+        "max_refusals": max((r["refusals"] for r in rows), default=0),
+        "max_refusals_large": max((r["refusals"] for r in rows if r["kind"] == "large"),
+                                  default=0),
+        "refusals_with_hint": sum(r["hints"] for r in rows),
+        "errors": sorted({r["error"] for r in rows if r["error"]})[:4],
+    }
+
+
+def run_mixed(slots: int, *, requests: int, large: int, threads: int, tries: int,
+              gin_params: Sequence[str], out_dir: Path,
+              serve_args: Sequence[str] = tuple(MIXED_SERVE_ARGS), log=print) -> dict:
+    """The mixed case (see the module doc) against its own server; afterwards the server must
+    hold nothing and answer another request."""
+    # after the flags: --help stays fast (this loads JAX)
+    from hcjax.rollout import GenerateRequest
+    from hcjax.rollout.service import RolloutClient
+
+    proc, serving, server_log = _start_server(slots, gin_params,
+                                              out_dir / f"serve_mixed_{slots}.log", serve_args)
+    address = f"127.0.0.1:{serving['port']}"
+    try:
+        batch = mixed_requests(requests, large)
+        with RolloutClient(address, Security()) as control:
+            # The programs the case meets (prefill of every prompt length and row count, decode
+            # blocks of every length) are compiled by a run of the same mix in another order,
+            # untimed, so the timed one measures admission rather than compiles.
+            warm = mixed_load(address, mixed_requests(requests, large, seed=1),
+                              threads=threads, tries=tries)
+            result = {"warmup_answered": sum(r["answered"] for r in warm)}
+            t0 = time.perf_counter()
+            rows = mixed_load(address, batch, threads=threads, tries=tries)
+            result.update(slots=slots, serve_args=list(serve_args), threads=threads,
+                          tries=tries, seconds=round(time.perf_counter() - t0, 1),
+                          **summarise_mixed(rows))
+            admission = control.metrics(timeout=10)["admission"]
+            result["held_after"] = {"work": admission["work"], "requests": admission["requests"]}
+            control.generate(GenerateRequest(prompt=PROMPT, n=1, max_tokens=4), timeout=120)
+            result["answers_after"] = True
+        log(f"[mixed, {slots} slots] {result}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        server_log.close()
+    return result
+
+
 def run_size(slots: int, *, light_requests: int, flood_streams: int, flood_hosts: int,
              flood_seconds: float, push_every: float, gin_params: Sequence[str],
              out_dir: Path, serve_args: Sequence[str] = (), log=print) -> dict:
@@ -285,6 +433,7 @@ def run_size(slots: int, *, light_requests: int, flood_streams: int, flood_hosts
 
         share: dict = {}
         held_max: dict[str, dict] = {}
+        line_max: dict[str, int] = {}  # requests waiting in each host's line
         watching = threading.Event()
 
         def watch() -> None:  # what each host holds, from the server's Metrics
@@ -298,6 +447,8 @@ def run_size(slots: int, *, light_requests: int, flood_streams: int, flood_hosts
                     top = held_max.setdefault(host, {"work": 0, "requests": 0})
                     top["work"] = max(top["work"], held["work"])
                     top["requests"] = max(top["requests"], held["requests"])
+                for host, line in adm.get("waiting", {}).items():
+                    line_max[host] = max(line_max.get(host, 0), line["requests"])
                 time.sleep(0.1)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -329,6 +480,7 @@ def run_size(slots: int, *, light_requests: int, flood_streams: int, flood_hosts
                            "resource_exhausted": sum(h["resource_exhausted"] for h in hosts)}
         result["host_share"] = share
         result["held_max"] = held_max
+        result["line_max"] = line_max
         result["over_share"] = sorted(
             h for h, held in held_max.items()
             if held["work"] > share.get("work", 0) or held["requests"] > share.get("requests", 0))
@@ -370,6 +522,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="at least this long under flood")
     parser.add_argument("--push_every", type=float, default=2.0,
                         help="seconds between weight pushes during the flood")
+    parser.add_argument("--mixed_requests", type=int, default=256,
+                        help="requests of the mixed case from one host (0: no mixed case)")
+    parser.add_argument("--mixed_large", type=int, default=8,
+                        help="of which at the limits (n=16, prompt 32, max_tokens 32)")
+    parser.add_argument("--mixed_threads", type=int, default=64,
+                        help="the mixed case's concurrent client threads")
+    parser.add_argument("--mixed_tries", type=int, default=30,
+                        help="tries per request of the mixed case before it fails")
     parser.add_argument("--gin_param", action="append", default=[],
                         help="gin binding for the served model (and the learner's copy)")
     parser.add_argument("--output_dir", default=None, help="server logs (default: a temp dir)")
@@ -387,6 +547,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             push_every=args.push_every, gin_params=args.gin_param, out_dir=out_dir,
             log=lambda m: print(m, file=sys.stderr, flush=True))
     summary = {"bench": "serve_load", "cpu_count": os.cpu_count(), "sizes": results}
+    if args.mixed_requests:
+        summary["mixed"] = run_mixed(
+            8, requests=args.mixed_requests, large=args.mixed_large,
+            threads=args.mixed_threads, tries=args.mixed_tries, gin_params=args.gin_param,
+            out_dir=out_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -7,7 +7,8 @@ A step-progress watchdog opens the breaker of a replica that has requests in fli
 no token for `stall_seconds` (a hung or SIGSTOPped process still accepts connections) and
 cancels its calls, so they retry elsewhere. A retried request keeps its seed, so it samples the
 same tokens on the new replica (given the same weight version). Invalid requests are never
-retried.
+retried. A replica that refuses for lack of room (RESOURCE_EXHAUSTED) is not failing: the
+request is asked again when the refusal's retry-after hint says.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from concurrent import futures
 import grpc
 
 from hcjax.rollout.request import GenerateRequest, SampledRollout, TokenEvent
-from hcjax.rollout.service import RolloutClient
+from hcjax.rollout.service import RolloutClient, retry_after
 
 __all__ = ["NoReplicaAvailable", "Router"]
 
@@ -30,9 +31,11 @@ CLOSED, OPEN = "closed", "open"  # circuit-breaker states: closed = healthy, tak
 
 # Errors that say "this request is wrong", not "this replica is unwell": never retried.
 _FATAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
-# A replica that refuses for lack of room (RESOURCE_EXHAUSTED) is asked again after this long,
-# doubling up to the maximum.
+# A replica that refuses for lack of room (RESOURCE_EXHAUSTED) is asked again when its
+# retry-after hint says (at most _MAX_HINT s: a bad hint cannot park a request), or, from a
+# replica that gives none, after this long, doubling up to the maximum.
 _PRESSURE_BACKOFF, _MAX_PRESSURE_BACKOFF = 0.05, 1.0
+_MAX_HINT = 10.0
 
 
 def _too_large(err: grpc.RpcError) -> bool:
@@ -208,7 +211,9 @@ class Router:
                     raise ValueError(e.details()) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # Back-pressure (the replica holds this host's share), not ill health: wait
-                    # and ask again, without opening the breaker or spending an attempt.
+                    # as the replica says and ask again (the same message: a replica that refused
+                    # it keeps its place in this host's line), without opening the breaker or
+                    # spending an attempt.
                     self._release(rep, ok=True, count=False)
                     last_error = e
                     now = time.monotonic()
@@ -216,8 +221,11 @@ class Router:
                         break
                     with self._cond:
                         self._backpressure += 1
-                    time.sleep(pressure if deadline is None else min(pressure, deadline - now))
-                    pressure = min(2 * pressure, _MAX_PRESSURE_BACKOFF)
+                    hint = retry_after(e)
+                    wait = pressure if hint is None else min(hint, _MAX_HINT)
+                    time.sleep(wait if deadline is None else min(wait, deadline - now))
+                    if hint is None:
+                        pressure = min(2 * pressure, _MAX_PRESSURE_BACKOFF)
                     continue
                 self._release(rep, ok=False)
                 last_error = e

@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import gin
@@ -385,12 +385,13 @@ class RolloutServer:
     # Public API ------------------------------------------------------------------------------
     def submit(
         self, request: GenerateRequest, *, block: bool = True, timeout: float | None = None,
-        client: str = "local", priority: int | None = None,
+        client: str = "local", priority: int | None = None, ticket: Hashable | None = None,
     ) -> RequestHandle:
         """Queue a request in the lane of (client, priority; default the request's). Raises
         QueueFull when the client's share or the server's capacity has no room (at once, or
         after `timeout` s of waiting when `block`), ValueError when the request can never be
-        served (beyond the engine's limits or larger than one client's share)."""
+        served (beyond the engine's limits or larger than one client's share). ticket: what
+        identifies the request when it is asked again (`Admission.admit`)."""
         if self._stop.is_set():
             raise ServerStopped(self._error or "server stopped")
         self._check_limits(request)
@@ -398,7 +399,7 @@ class RolloutServer:
         done = tuple(rec.response_len for rec in request.continue_from)
         cost = request_cost(len(request.prompt), request.n, request.max_tokens,
                             request.token_budget, done)
-        self.admission.admit(client, cost, block=block, timeout=timeout)
+        self.admission.admit(client, cost, block=block, timeout=timeout, ticket=ticket)
         seed = request.seed if request.seed is not None else random.randrange(2**32)
         handle = RequestHandle(request, seed, client=client, priority=priority,
                                on_end=lambda: self.admission.release(client, cost))

@@ -4,15 +4,20 @@ matching client. Generic method handlers with our own byte format (wire.py), so 
 The service runs on an asyncio server (hcjax.rpc.server): a Generate stream waiting in the queue
 holds no thread, and Health and Metrics answer in the event loop whatever Generate traffic is in
 flight. Each client host (the peer address without its port) is a lane of the server's fair
-queues and holds at most its share of the server's work (RolloutServer, scheduler.py).
+queues and holds at most its share of the server's work (RolloutServer, scheduler.py). A request
+refused for that share takes a place in its host's line (scheduler.Admission) and waits there,
+holding no thread, asked again each time the host gives work back, until the host has given
+nothing back for `hold_seconds`; asked again after that, it is recognised by a digest of its
+message and keeps its place.
 
 Every request is parsed and checked in full (wire format, option types and ranges, continuation
 records, the engine's limits, `RequestLimits`) before it is queued, so no message can fail the
 server. Status codes: INVALID_ARGUMENT (with the reason) for any malformed or out-of-limit
-request, RESOURCE_EXHAUSTED (naming the limit and by how much) when the client's share or the
-server's capacity has no room, UNAVAILABLE when the server is stopping or failed,
-UNAUTHENTICATED without the shared token (hcjax.rpc.auth). The service keeps serving after any
-of them.
+request, RESOURCE_EXHAUSTED (naming the limit and by how much, and carrying a retry-after hint in
+its message and in the trailing metadata `retry-after-ms`; read it with `retry_after`) when the
+client's share has no room and its line does not move, or its line or the server's capacity has
+none, UNAVAILABLE when the server is stopping or failed, UNAUTHENTICATED without the shared token
+(hcjax.rpc.auth). The service keeps serving after any of them.
 
 Health answers {"status": "SERVING" | "NOT_SERVING", "version", ...}: NOT_SERVING when the
 server's threads failed or when requests are in flight and no token has streamed for
@@ -25,7 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -46,12 +53,33 @@ from hcjax.rollout.wire import (
 from hcjax.rpc.auth import Security, open_channel
 from hcjax.rpc.server import RpcServer
 
-__all__ = ["NOT_SERVING", "SERVING", "RequestLimits", "RolloutClient", "RolloutServicer",
-           "rpc_server", "serve_grpc", "wait_ready"]
+__all__ = ["NOT_SERVING", "RETRY_AFTER_KEY", "SERVING", "RequestLimits", "RolloutClient",
+           "RolloutServicer", "retry_after", "rpc_server", "serve_grpc", "wait_ready"]
 
 SERVICE = "hcjax.Rollout"
 SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED: when to ask again
+_RETRY_AFTER_TEXT = re.compile(r"retry after (\d+(?:\.\d+)?) s")
 _MB = 1 << 20
+
+
+def retry_after(err: grpc.RpcError) -> float | None:
+    """The server's retry-after hint (s) in a RESOURCE_EXHAUSTED: from the trailing metadata,
+    else from the message; None when it gives none (a server without hints, or gRPC's own
+    message-size refusal)."""
+    try:
+        metadata = err.trailing_metadata() or ()
+    except AttributeError:  # an RpcError that is not a call (a test's fake, a wrapper)
+        metadata = ()
+    for key, value in metadata:
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, float(value) / 1000.0)
+            except ValueError:
+                break
+    details = err.details() if hasattr(err, "details") else None
+    match = _RETRY_AFTER_TEXT.search(details or "")
+    return float(match.group(1)) if match else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +154,23 @@ class RolloutServicer:
     number of servers."""
 
     def __init__(self, server: RolloutServer, limits: RequestLimits | None = None, *,
-                 stall_seconds: float = 120.0) -> None:
+                 stall_seconds: float = 120.0, hold_seconds: float = 2.0) -> None:
         """stall_seconds: requests in flight with no token streamed for this long make Health
-        answer NOT_SERVING (the step-progress watchdog's server-side half)."""
+        answer NOT_SERVING (the step-progress watchdog's server-side half). hold_seconds: a
+        request refused for its host's share waits in the host's line, asked again each time
+        the host gives work back, and gets RESOURCE_EXHAUSTED once the host has given nothing
+        back for this long (0: at once)."""
         if stall_seconds <= 0:
             raise ValueError(f"stall_seconds={stall_seconds} must be positive")
+        if hold_seconds < 0:
+            raise ValueError(f"hold_seconds={hold_seconds} must be >= 0")
         self.server = server
         self.stall_seconds = stall_seconds
+        self.hold_seconds = hold_seconds
+        # Streams held in their host's line, by host: (their event loop, the event that wakes
+        # them). Woken from the server's threads when the host gives work back.
+        self._held: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        server.admission.add_listener(self._released)
         self._last_progress = time.monotonic()
         self.limits = limits or RequestLimits()
         self._inflight: Counter[str] = Counter()  # streams per client host
@@ -164,8 +202,9 @@ class RolloutServicer:
                                  f"{list(rec.routing.shape)}; this engine records "
                                  f"[{layers}, P + R - 1, {k}]")
 
-    def _parse(self, data: bytes) -> GenerateRequest:
-        """The request in `data`, checked; ValueError naming what is wrong, whatever the bytes."""
+    def _parse(self, data: bytes) -> tuple[GenerateRequest, bytes]:
+        """The request in `data`, checked, and its admission ticket (a digest of the message: a
+        retry sends the same bytes); ValueError naming what is wrong, whatever the bytes."""
         try:
             request = _request_from_bytes(data)
         except ValueError:
@@ -173,7 +212,7 @@ class RolloutServicer:
         except Exception as e:  # noqa: BLE001 - any parse failure is the message's fault
             raise ValueError(f"malformed request message ({type(e).__name__}: {e})") from None
         self.validate(request)
-        return request
+        return request, hashlib.blake2b(data, digest_size=16).digest()
 
     def _enter(self, client: str) -> None:
         with self._lock:
@@ -187,27 +226,73 @@ class RolloutServicer:
             if self._inflight[client] <= 0:
                 del self._inflight[client]
 
+    def _released(self, client: str) -> None:
+        """Admission's listener (a server thread): wake the streams held in `client`'s line."""
+        with self._lock:
+            held = list(self._held.get(client, ()))
+        for loop, wake in held:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # that loop closed: its server stopped
+                pass
+
+    async def _submit(self, request: GenerateRequest, client: str, ticket: bytes
+                      ) -> RequestHandle:
+        """Submit the request; refused for its host's share with a place in the host's line, it
+        waits there (holding no thread) and is submitted again each time the host gives work
+        back or its hint comes due, until hold_seconds pass with nothing given back; then the
+        last QueueFull."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.hold_seconds
+        entry = (loop, asyncio.Event())
+        with self._lock:  # before the first try: a release in between still wakes it
+            self._held.setdefault(client, set()).add(entry)
+        try:
+            while True:
+                entry[1].clear()
+                try:
+                    return self.server.submit(request, block=False, client=client, ticket=ticket)
+                except QueueFull as e:
+                    remaining = deadline - loop.time()
+                    if not e.in_line or remaining <= 0:
+                        raise
+                    try:
+                        await asyncio.wait_for(entry[1].wait(), min(remaining, e.retry_after))
+                        deadline = loop.time() + self.hold_seconds  # its line moves: it stays
+                    except TimeoutError:
+                        pass
+        except asyncio.CancelledError:  # its client went away while it waited: no place kept
+            self.server.admission.withdraw(client, ticket)
+            raise
+        finally:
+            with self._lock:
+                held = self._held[client]
+                held.discard(entry)
+                if not held:
+                    del self._held[client]
+
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                     message: str):
+                     message: str, trailing_metadata: tuple = ()):
         with self._lock:
             self.rejected[code.name] += 1
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata)
 
     # RPCs ------------------------------------------------------------------------------------
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         try:  # a large message is parsed off the event loop
-            request = await loop.run_in_executor(None, self._parse, data)
+            request, ticket = await loop.run_in_executor(None, self._parse, data)
         except ValueError as e:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         client = _client_of(context)
         try:
-            handle = self.server.submit(request, block=False, client=client)
+            handle = await self._submit(request, client, ticket)
         except ValueError as e:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
-            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                              ((RETRY_AFTER_KEY, str(round(e.retry_after * 1000))),))
         except ServerStopped as e:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
         self._enter(client)
@@ -306,14 +391,17 @@ def serve_grpc(
     *,
     security: Security | None = None,
     limits: RequestLimits | None = None,
+    hold_seconds: float = 2.0,
 ) -> tuple[RpcServer, int]:
     """Start a gRPC server for `server` on `address`; returns (the RpcServer, bound port).
 
-    security None: from the environment (HCJAX_TOKEN / HCJAX_TOKEN_FILE / HCJAX_TLS_DIR)."""
+    security None: from the environment (HCJAX_TOKEN / HCJAX_TOKEN_FILE / HCJAX_TLS_DIR).
+    hold_seconds: as RolloutServicer's."""
     security = Security.from_env() if security is None else security
     limits = limits or RequestLimits()
     host = rpc_server(security, max_receive_mb=limits.max_message_mb)
-    host.add_generic_rpc_handlers((RolloutServicer(server, limits).handler(),))
+    host.add_generic_rpc_handlers(
+        (RolloutServicer(server, limits, hold_seconds=hold_seconds).handler(),))
     port = host.bind(address)
     host.start()
     return host, port
