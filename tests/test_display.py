@@ -232,8 +232,8 @@ def test_step_bar_shows_eta_and_fields():
 
 @pytest.mark.parametrize("module", [
     "hcjax.climb", "hcjax.serve", "hcjax.sft", "hcjax.plan", "hcjax.convert", "hcjax.consolidate",
-    "hcjax.merge", "hcjax.rejection", "hcjax.dpo", "hcjax.long2short",
-    "hcjax.bench.climb", "hcjax.bench.learner", "hcjax.bench.moe",
+    "hcjax.merge", "hcjax.rejection", "hcjax.dpo", "hcjax.long2short", "hcjax.generate",
+    "hcjax.bench.climb", "hcjax.bench.real", "hcjax.bench.learner", "hcjax.bench.moe",
     "hcjax.bench.rollout", "hcjax.bench.sandbox", "hcjax.bench.sft", "hcjax.bench.transfer"])
 def test_help_ends_with_examples(module, capsys):
     import importlib

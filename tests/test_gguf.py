@@ -238,3 +238,29 @@ def test_smollm2_greedy_answers_and_logits_equal_the_float64_reference(smollm2):
         assert [int(t) for t in record.response_ids] == expected, tok.decode(expected)
     assert "12" in tok.decode(records[0].response_ids) or "Paris" in tok.decode(
         records[1].response_ids)
+
+
+def test_generate_cli_streams_the_greedy_reply(tmp_path, family_ggufs, capsys):
+    """`python -m hcjax.generate` on a GGUF: the chat template applied, the reply streamed to
+    stdout, equal to the one generate path's greedy record for the same prompt."""
+    from hcjax import generate as generate_cli
+    from hcjax.data.template import messages_prompt_ids, stop_ids
+    from hcjax.rollout.offline import generate
+    from hcjax.rollout.request import SamplingOptions
+
+    path = family_ggufs["qwen3"]
+    items = generate_cli.main(["--hf_checkpoint", path, "--message", "Say hi", "--max_tokens",
+                               "6", "--output_dir", str(tmp_path / "out")])
+    streamed = capsys.readouterr().out
+    tok = HFTokenizer.from_pretrained(path)
+    model, _ = hf.load(path)
+    prompt = messages_prompt_ids([{"role": "user", "content": "Say hi"}], tok)
+    record = generate(model, [prompt], SamplingOptions(max_tokens=6, temperature=0.0,
+                                                       stop_tokens=stop_ids(tok)))[0]
+    expected = tok.decode(record.response_ids, skip_special=True)
+    assert items["reply"] == expected and streamed.rstrip("\n") == expected
+    assert items["prompt_tokens"] == len(prompt)
+    assert items["response_tokens"] == len(record.response_ids)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "hcjax.generate" in summary and "tokens_per_second" in summary
+    assert (tmp_path / "out" / "operative_config.gin").is_file()
