@@ -37,7 +37,7 @@ TINY = [
     "ModelConfig.moe_d_ff = 32", "ModelConfig.max_seq_len = 64",
     "ArithmeticSuite.kinds = ('add',)", "ArithmeticSuite.max_digits = 1",
     "ArithmeticSuite.num_heldout = 16",
-    "SFTConfig.num_steps = 4", "SFTConfig.batch_size = 8",
+    "TrainerConfig.num_steps = 4", "TrainerConfig.batch_size = 8",
     "DataConfig.row_len = 64",
     "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
     "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
@@ -59,7 +59,8 @@ TINY_MODEL = dict(
 
 # What pre-training the tiny base reads (hcjax.sft's configurables); the climb's own bindings
 # do not change the base.
-SFT_CONFIGURABLES = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
+SFT_CONFIGURABLES = ("ModelConfig", "DataConfig", "TrainerConfig", "AdamWConfig",
+                     "ArithmeticSuite")
 
 
 def shared_base(params=TINY) -> Path:
@@ -231,8 +232,8 @@ def test_self_distillation_then_climb_from_the_distilled_model(first_run, tmp_pa
     model = [p for p in TINY if p.startswith(("ModelConfig", "DataConfig"))]
     args = [sys.executable, "-m", "hcjax.sft", "--output_dir", str(sft_dir)]
     for p in [*model, 'DataConfig.source = "chat_jsonl"', f'DataConfig.path = "{sd}"',
-              f'SFTConfig.init_checkpoint = "{out / "base"}"', "SFTConfig.num_steps = 2",
-              "SFTConfig.batch_size = 8", "run_sft.eval_problems = 0"]:
+              f'TrainerConfig.init_checkpoint = "{out / "base"}"', "TrainerConfig.num_steps = 2",
+              "TrainerConfig.batch_size = 8", "run_sft.eval_problems = 0"]:
         args += ["--gin_param", p]
     proc = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -94,7 +94,8 @@ def test_cli_config_error_is_one_clear_line():
 def test_another_jobs_binding_is_skipped_and_an_unknown_name_is_not():
     """Gin files are shared between jobs: a configurable hcjax defines but this process never
     imported is another job's setting and is skipped; a name hcjax does not define fails."""
-    assert {"SFTConfig", "ClimbConfig", "PlanConfig", "run_sft"} <= hcfg.project_configurables()
+    assert {"TrainerConfig", "AdamWConfig", "ClimbConfig", "PlanConfig",
+            "run_sft"} <= hcfg.project_configurables()
     code = ("import sys\n"
             "from hcjax import config\n"
             "config.bind(['climb_tiny.gin'], ['ClimbConfig.group = 4'])\n"

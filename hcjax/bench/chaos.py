@@ -47,7 +47,7 @@ MODEL = [
     "ArithmeticSuite.kinds = ('add',)", "ArithmeticSuite.max_digits = 1",
     "ArithmeticSuite.num_heldout = 32", "DataConfig.row_len = 64",
 ]
-SFT = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
+SFT = ("ModelConfig", "DataConfig", "TrainerConfig", "AdamWConfig", "ArithmeticSuite")
 MAX_PROMPT, MAX_TOKENS = 32, 40
 CLIMB = [
     "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
@@ -438,8 +438,8 @@ class Chaos:
             sft = Process("sft", [sys.executable, "-m", "hcjax.sft", "--output_dir",
                                   str(self.base),
                                   *_gin([b for b in MODEL if b.startswith(SFT)]),
-                                  *_gin([f"SFTConfig.num_steps = {self.s.sft_steps}",
-                                         f"SFTConfig.batch_size = {self.s.sft_batch}",
+                                  *_gin([f"TrainerConfig.num_steps = {self.s.sft_steps}",
+                                         f"TrainerConfig.batch_size = {self.s.sft_batch}",
                                          "run_sft.eval_problems = 0"])],
                           _env(1, self.token), self.logs)
             sft.start()

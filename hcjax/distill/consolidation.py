@@ -18,16 +18,14 @@ from typing import Any
 import gin
 
 from hcjax import sharding as shd
-from hcjax.checkpoint import CheckpointConfig
-from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.display import Phase, Phases
 from hcjax.model import ModelConfig
-from hcjax.model_io import load_model
+from hcjax.model_io import load_model, run_tokenizer
 from hcjax.rl.climber import Climb, ClimbConfig
 from hcjax.rl.pass_at_1 import ModelEvaluator
 from hcjax.rl.store import distillation_conversations
 from hcjax.train.pipeline import DataConfig
-from hcjax.train.sft import SFTConfig, SFTTrainer
+from hcjax.train.sft import sft_trainer
 
 __all__ = ["ConsolidateConfig", "build_mix", "mix_counts", "run_consolidate", "write_report"]
 
@@ -138,15 +136,16 @@ def _components(suite: Any, n: int) -> list[Any]:
 
 
 def _run_sft(output_dir: str, mix_path: str, base: str) -> dict[str, Any]:
-    """SFT of `base` (any hcjax run) on the chat JSONL mix, with gin's SFTConfig / ModelConfig /
-    DataConfig (source and path replaced). Resumes from OUTPUT_DIR's checkpoints."""
+    """SFT of `base` (any hcjax run, with its tokenizer) on the chat JSONL mix, with gin's
+    TrainerConfig / AdamWConfig / ModelConfig / DataConfig (source and path replaced). Resumes
+    from OUTPUT_DIR's checkpoints."""
 
     mesh = shd.make_mesh(shd.MeshConfig())
     model_cfg = ModelConfig()
     model, _ = load_model(base, mesh, model_cfg)
     data_cfg = dataclasses.replace(DataConfig(), source="chat_jsonl", path=mix_path, suite=None)
-    trainer = SFTTrainer(output_dir, model_cfg, SFTConfig(), data_cfg, CheckpointConfig(), mesh,
-                         progress=False, model=model, tok=ByteTokenizer())
+    trainer = sft_trainer(output_dir, model_cfg, data_cfg, mesh, model=model,
+                          tok=run_tokenizer(base))
     try:
         result = trainer.train()
     finally:

@@ -71,7 +71,7 @@ __all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengt
 class ClimbConfig:
     """The climb's own settings; the placement (Placement), learner (LearnerConfig), controller
     (ControllerConfig), problem source (SourceConfig), model (ModelConfig) and base pre-training
-    (SFTConfig) have their own.
+    (TrainerConfig, AdamWConfig) have their own.
 
     suite: the TaskSuite to climb (None: ArithmeticSuite(), the synthetic suite of the tiny
       default); rewards: per suite name, its group reward shaping (hcjax.rewards.spec.RewardSpec).
