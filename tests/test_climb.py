@@ -41,7 +41,7 @@ TINY = [
     "DataConfig.row_len = 64",
     "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
     "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-    "ClimbConfig.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
+    "SamplingOptions.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
     "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
     "ClimbConfig.max_minutes = None",
     "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
@@ -255,7 +255,7 @@ def test_climb_with_partial_rollouts(tiny_base, tmp_path):
     workers continue partial samples through the server; full-length responses still come back
     and the climb trains on them."""
     s = climb(tmp_path / "partial", 2, "--base_checkpoint", str(tiny_base),
-              "--gin_param", "ClimbConfig.token_budget = 3")
+              "--gin_param", "SamplingOptions.token_budget = 3")
     assert s["steps"] == 2
     assert s["worker_stats"]["continuations"] > 0
     groups = read_groups(str(tmp_path / "partial" / "rollouts"))

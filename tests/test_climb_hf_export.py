@@ -111,7 +111,7 @@ TINY_TASK = [
 TINY_CLIMB = [
     "ClimbConfig.num_steps = 3", "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
     "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-    "ClimbConfig.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
+    "SamplingOptions.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
     "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
     "ClimbConfig.max_minutes = None", "SourceConfig.sampler = 'sequential'",
     "ArithmeticSuite.extraction = 'flexible'",

@@ -52,7 +52,7 @@ MAX_PROMPT, MAX_TOKENS = 32, 40
 CLIMB = [
     "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
     "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-    f"ClimbConfig.max_tokens = {MAX_TOKENS}", f"ClimbConfig.max_prompt_len = {MAX_PROMPT}",
+    f"SamplingOptions.max_tokens = {MAX_TOKENS}", f"ClimbConfig.max_prompt_len = {MAX_PROMPT}",
     "ClimbConfig.eval_problems = 32", "ClimbConfig.max_concurrent_decodes = 16",
     "ClimbConfig.max_minutes = None", "ClimbConfig.num_steps = 100000",
     "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",

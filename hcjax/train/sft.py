@@ -153,6 +153,15 @@ def sft_trainer(
                    meta=meta, model=model, name="hcjax.sft", **options)
 
 
+def pretrain_base(output_dir: str, progress: bool = False) -> str:
+    """Pre-train the tiny base (gin's ModelConfig, DataConfig and loop configs) into
+    OUTPUT_DIR/base, resuming a previous run there, for a job that starts from it (the climb's
+    default); no evaluation. progress: its step bar with the ETA. Returns the base's folder."""
+    base_dir = os.path.join(output_dir, "base")
+    run_sft(base_dir, progress=progress, eval_problems=0)
+    return base_dir
+
+
 @gin.configurable
 def run_sft(
     output_dir: str,
