@@ -259,6 +259,11 @@ class Checkpointer:
                               CheckpointFallback, stacklevel=3)
         self._mngr.reload()
 
+    def saved_structure(self, step: int) -> Any:
+        """The tree of `step`'s saved state with array metadata (shape, dtype) at its leaves,
+        read without reading any array."""
+        return self._mngr.item_metadata(step)["state"]
+
     def restore_subtree(self, step: int, key: str, target: Any) -> Any:
         """Only `state[key]` of a checkpoint (e.g. the params of another run, whose optimiser
         state may differ), read straight into the shardings and dtypes of `target`.
@@ -267,7 +272,7 @@ class Checkpointer:
         devices that hold its shards, so no device ever holds the whole subtree: the checkpoint
         may come from another device topology (e.g. a base pre-trained with more devices).
         """
-        meta = self._mngr.item_metadata(step)["state"]
+        meta = self.saved_structure(step)
         if key not in meta:
             raise ValueError(f"checkpoint {self.directory!r} step {step} has no {key!r} entry")
         where = f"checkpoint {self.directory!r} step {step}: {key!r}"

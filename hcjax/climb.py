@@ -1,10 +1,12 @@
 """`python -m hcjax.climb`: the RL climb end to end (RECIPE §1, §3, §4).
 
-Flags → gin → `hcjax.rl.climber.Climb` → run → summary. With no arguments it pre-trains the tiny
-base (hcjax.sft) and climbs the synthetic arithmetic suite (configs/climb_tiny.gin): rollouts on
-an in-process inference replica, the GRPO learner on disjoint devices, weights pushed through a
-transfer plan. What to climb (`ClimbConfig.suite`, rewards per suite), where each role runs
-(`Placement`) and how problems are drawn (`SourceConfig`) are gin bindings. `--hf_checkpoint DIR`
+Flags → gin → the climb's settings, checked → the base → `hcjax.rl.climber.Climb` → run → summary.
+With no arguments it pre-trains the tiny base (hcjax.sft's trainer, into OUTPUT_DIR/base) and
+climbs the synthetic arithmetic suite (configs/climb_tiny.gin): rollouts on an in-process
+inference replica, the GRPO learner on disjoint devices, weights pushed through a transfer plan.
+What to climb (`TaskConfig.suite`, rewards per suite), how rollouts are drawn
+(`SamplingOptions`), where each role runs (`Placement`) and how problems are drawn
+(`SourceConfig`) are gin bindings. `--hf_checkpoint DIR`
 climbs a Hugging Face folder with its tokenizer and chat template; `--inference_address` sends
 rollouts to remote `python -m hcjax.serve` processes; `Placement.backend = "ray"` runs the learner
 and the replicas as Ray actors (hcjax.ray_placement).
@@ -29,10 +31,16 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 from hcjax import config  # noqa: E402
-from hcjax.display import climb_summary_text, resolve_format, resume_hint  # noqa: E402
+from hcjax.display import (  # noqa: E402
+    climb_summary_text,
+    pretraining_note,
+    resolve_format,
+    resume_hint,
+)
 
 __all__ = ["main"]
 
@@ -110,11 +118,26 @@ def _check_mismatch(args) -> dict:
     return out
 
 
-def _climb_on_ray(flags, output_dir: str):
+def _base(args, output_dir: str, log_format: str) -> tuple[str | None, float]:
+    """(base_checkpoint, seconds spent making it): the one given, or the tiny base pre-trained
+    into OUTPUT_DIR/base (resumed when a previous command began it); None with --hf_checkpoint."""
+    if args.base_checkpoint is not None or args.hf_checkpoint is not None:
+        return args.base_checkpoint, 0.0
+    # after the flags: --help stays fast
+    from hcjax.train.sft import pretrain_base
+
+    t0 = time.perf_counter()
+    live = log_format == "display" and not args.quiet
+    pretraining_note(os.path.join(output_dir, "base"), "display" if live else "off")
+    return pretrain_base(output_dir, progress=live), time.perf_counter() - t0
+
+
+def _climb_on_ray(flags, output_dir: str, log_format: str):
     """Placement.backend = "ray": the learner and the replicas as Ray actors
     (hcjax.ray_placement), which bind the same gin files and parameters."""
     # after the flags: --help stays fast (main imported it before binding)
-    from hcjax.ray_placement import climb_on_ray
+    from hcjax.ray_placement import RayClimb
+    from hcjax.rl.climber import ClimbResult
 
     args = flags.extra
     for flag, value in (("--inference_address", args.inference_address),
@@ -122,9 +145,32 @@ def _climb_on_ray(flags, output_dir: str):
         if value:
             raise ValueError(f"{flag} {value} with Placement.backend='ray': the Ray placement "
                              "starts its replicas and learner processes itself (RayPlacement)")
-    return climb_on_ray(output_dir, flags.gin_files, flags.gin_params,
-                        base_checkpoint=args.base_checkpoint, hf_checkpoint=args.hf_checkpoint,
-                        mode=args.mode, progress=not args.quiet)
+    if args.hf_checkpoint is not None:
+        raise ValueError(f"hf_checkpoint={args.hf_checkpoint!r} with Placement.backend='ray': "
+                         "the Ray placement's replicas serve gin models only for now")
+    rc = RayClimb(output_dir, flags.gin_files, flags.gin_params, mode=args.mode,
+                  progress=not args.quiet,
+                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    rc.check_base(args.base_checkpoint)
+    base, seconds = _base(args, output_dir, log_format)
+    with rc:
+        summary = rc.run(base, base_seconds=seconds)
+    return ClimbResult(rc.output_dir, summary)
+
+
+def _climb(flags, output_dir: str, log_format: str, leader: bool):
+    """The climb in this process (its learner maybe spanning several): settings checked, then
+    the base made if none is given, then the Climb built on it."""
+    # after the flags: --help stays fast (main imported it before binding)
+    from hcjax.rl.climber import Climb, ClimbSettings
+
+    args = flags.extra
+    settings = ClimbSettings.from_gin(inference_addresses=args.inference_address, mode=args.mode)
+    settings.check_base(args.base_checkpoint, args.hf_checkpoint)
+    base, seconds = _base(args, output_dir, log_format)
+    return Climb(output_dir, base_checkpoint=base, hf_checkpoint=args.hf_checkpoint,
+                 settings=settings, progress=not args.quiet and leader, log_format=log_format,
+                 base_seconds=seconds)
 
 
 def main(argv: Sequence[str] | None = None):
@@ -132,11 +178,12 @@ def main(argv: Sequence[str] | None = None):
                                default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
     args = flags.extra
     # After the flags, so --help stays fast: the climb in every placement (in-process, remote
-    # replicas, Ray actors), so that every configurable it reads is registered when gin binds.
+    # replicas, Ray actors) and the base's pre-training, so that every configurable they read is
+    # registered when gin binds.
     import jax
 
     import hcjax.ray_placement  # noqa: F401  (Placement.backend = "ray")
-    from hcjax.rl.climber import Climb
+    import hcjax.train.sft  # noqa: F401  (the base's pre-training)
     from hcjax.rl.placement import Placement
 
     config.bind(flags.gin_files, flags.gin_params)
@@ -156,12 +203,9 @@ def main(argv: Sequence[str] | None = None):
     on_ray = Placement().backend == "ray"
     try:
         if on_ray:
-            result = _climb_on_ray(flags, output_dir)
+            result = _climb_on_ray(flags, output_dir, log_format)
         else:
-            climb = Climb(output_dir, base_checkpoint=args.base_checkpoint,
-                          hf_checkpoint=args.hf_checkpoint,
-                          inference_addresses=args.inference_address, mode=args.mode,
-                          progress=not args.quiet and leader, log_format=log_format)
+            climb = _climb(flags, output_dir, log_format, leader)
     except KeyboardInterrupt:
         # Ctrl-C before climbing (pre-training the base, compiling): nothing to save yet beyond
         # the base's own checkpoints.

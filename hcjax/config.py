@@ -259,8 +259,10 @@ def bind(gin_files: Sequence[str], gin_params: Sequence[str], *, finalize: bool 
         gin.finalize()
 
 
-# A module-level `@gin.configurable` (possibly under other decorators) on a class or function.
-_CONFIGURABLE_RE = re.compile(r"^@gin\.configurable\b.*\n(?:@.*\n)*(?:class|def)\s+(\w+)", re.M)
+# A module-level `@gin.configurable` (possibly under other decorators) on a class or function,
+# or a class registered by `gin.external_configurable(Name, ...)`.
+_CONFIGURABLE_RE = re.compile(r"^@gin\.configurable\b.*\n(?:@.*\n)*(?:class|def)\s+(\w+)"
+                              r"|gin\.external_configurable\((\w+)\b", re.M)
 
 
 @functools.cache
@@ -269,7 +271,8 @@ def project_configurables() -> frozenset[str]:
     rather than imported (importing all of it is what an entry point must not need)."""
     package = Path(__file__).resolve().parent
     return frozenset(name for path in package.rglob("*.py")
-                     for name in _CONFIGURABLE_RE.findall(path.read_text(encoding="utf-8")))
+                     for names in _CONFIGURABLE_RE.findall(path.read_text(encoding="utf-8"))
+                     for name in names if name)
 
 
 def write_config(output_dir: str | os.PathLike, flags: Flags | None = None) -> Path:

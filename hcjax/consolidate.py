@@ -3,7 +3,7 @@
 per-climb weights, then one RL climb over the union of their task suites, and a report of
 held-out pass@1 of the base, each specialist and the consolidated model on every suite.
 
-The union suite is gin's `ClimbConfig.suite`: a MixtureSuite whose i-th component is the suite of
+The union suite is gin's `TaskConfig.suite`: a MixtureSuite whose i-th component is the suite of
 the i-th `--climb` (a climb's own gin is not re-read: gin state is global, and the specialists'
 suites usually share a name that a mixture must tell apart). Flags → gin → mix → SFT → climb →
 report (hcjax.distill.consolidation: the SFT is `SFTTrainer`, the climb `hcjax.rl.climber.Climb`,
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def extra(parser):
         parser.add_argument("--climb", action="append", required=True,
                             help="a specialist climb's output folder (repeatable, in the order "
-                            "of ClimbConfig.suite's component suites)")
+                            "of TaskConfig.suite's component suites)")
         parser.add_argument("--base_checkpoint", default=None,
                             help="the SFT's starting checkpoint (any hcjax run); default: the "
                             "first climb's OUT/base")

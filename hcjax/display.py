@@ -31,8 +31,9 @@ from rich.progress import (
 from rich.text import Text
 
 __all__ = ["FORMATS", "PHASE_MODES", "ClimbDisplay", "ClimbState", "Phase", "Phases", "StepBar",
-           "climb_summary_text", "duration", "eta_seconds", "render_climb", "render_phase",
-           "resolve_format", "resume_command", "resume_hint", "serve_banner", "serve_status_line"]
+           "climb_summary_text", "duration", "eta_seconds", "pretraining_note", "render_climb",
+           "render_phase", "resolve_format", "resume_command", "resume_hint", "serve_banner",
+           "serve_status_line"]
 
 FORMATS = ("auto", "json", "display")
 # The per-step JSON line of `python -m hcjax.climb` (machine output): these keys of the step's
@@ -238,12 +239,6 @@ class ClimbDisplay:
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def pretraining(self, base_dir: str) -> None:
-        """The base is pre-trained first (its own step bar follows; display only)."""
-        if self.live:
-            self.note(f"pre-training the tiny base into {_path(base_dir)} (Ctrl-C aborts it; "
-                      "the same command resumes it)")
-
     def base(self, pass_at_1: float, resumed_from: int | None, step: int) -> None:
         """The base's held-out pass@1; climbing starts (or resumes) at `step`."""
         s = self.state
@@ -302,6 +297,15 @@ class ClimbDisplay:
         if self.live:
             os.write(1, b"\x1b[?25h\n")
         os.write(2, f"{message}\n".encode())
+
+
+def pretraining_note(base_dir: str, log_format: str) -> None:
+    """The line before a climb whose job pre-trains its base first (the base's own step bar
+    follows); on a terminal display only."""
+    if log_format == "display":
+        Console(file=sys.stdout, highlight=False).print(
+            f"pre-training the tiny base into {_path(base_dir)} (Ctrl-C aborts it; the same "
+            "command resumes it)", markup=False)
 
 
 def _path(p: str) -> str:

@@ -29,7 +29,7 @@ def _extra_args(parser: argparse.ArgumentParser) -> None:
                         help="a samples.jsonl of hcjax.rejection; repeatable")
     parser.add_argument("--init_checkpoint", default=None,
                         help="the starting params and the frozen reference (any hcjax run; "
-                        "default: the optimiser's SFTConfig.init_checkpoint)")
+                        "default: the optimiser's TrainerConfig.init_checkpoint)")
     parser.add_argument("--quiet", action="store_true")
     config.set_examples(parser, EXAMPLES)
 
@@ -40,8 +40,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     each rejection-sampling samples.jsonl; returns the run's summary."""
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                extra_args=_extra_args)
-    # After the flags, so --help stays fast; it registers DPOConfig, run_dpo, the optimiser's
-    # SFTConfig and ModelConfig.
+    # After the flags, so --help stays fast; it registers DPOConfig, run_dpo, the loop's
+    # TrainerConfig and AdamWConfig, and ModelConfig.
     from hcjax.distill.dpo import DPOConfig, pairs_from_samples, pairs_from_store, run_dpo
 
     config.bind(flags.gin_files, flags.gin_params)

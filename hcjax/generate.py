@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -34,8 +33,8 @@ def _extra_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     hcfg.add_hf_checkpoint_flag(source)
     source.add_argument("--checkpoint", metavar="RUN",
-                        help="an hcjax run folder (its latest step; its tokenizer: RUN/hf when "
-                        "it started from a Hugging Face model, else the byte tokenizer)")
+                        help="an hcjax run folder (its latest step; the tokenizer it trained with: "
+                        "its Hugging Face source's, else the byte tokenizer)")
     parser.add_argument("--message", required=True, help="the user message")
     parser.add_argument("--system", default=None,
                         help="a system message (default: the chat template's own, if any)")
@@ -52,14 +51,13 @@ def _load(args) -> tuple[Any, Any]:
     """(model, tokenizer) from --hf_checkpoint or --checkpoint."""
     # After the flags, so --help stays fast (main imports them before binding gin).
     from hcjax.data.tokenizer import load_tokenizer
-    from hcjax.model_io import load_hf_model, load_model
+    from hcjax.model_io import load_hf_model, load_model, run_tokenizer
 
     if args.hf_checkpoint:
         model, _ = load_hf_model(args.hf_checkpoint)
         return model, load_tokenizer(args.hf_checkpoint)
     model, _ = load_model(args.checkpoint)
-    hf_dir = os.path.join(args.checkpoint, "hf")
-    return model, load_tokenizer(hf_dir if os.path.isdir(hf_dir) else None)
+    return model, run_tokenizer(args.checkpoint)
 
 
 class _TextStream:

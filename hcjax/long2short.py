@@ -1,5 +1,5 @@
 """`python -m hcjax.long2short`: compare a long-response model with its shortened versions (Kimi
-k1.5 long2short, RECIPE §5) on the held-out split of `ClimbConfig.suite`: greedy pass@1, mean
+k1.5 long2short, RECIPE §5) on the held-out split of `TaskConfig.suite`: greedy pass@1, mean
 response length, and whether each cuts the length by `--min_cut` at pass@1 within `--max_drop`
 of the first (reference) model. The methods themselves are their own steps: merging
 (hcjax.merge), shortest rejection sampling (hcjax.rejection, then hcjax.sft), DPO (hcjax.dpo)
@@ -35,25 +35,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             "long reference)")
         parser.add_argument("--eval_problems", type=int, default=200)
         parser.add_argument("--max_new_tokens", type=int, default=None,
-                            help="default: the reference's budget, ClimbConfig.max_tokens")
+                            help="default: the reference's budget, SamplingOptions.max_tokens")
         parser.add_argument("--min_cut", type=float, default=0.25)
         parser.add_argument("--max_drop", type=float, default=0.02)
         config.set_examples(parser, EXAMPLES)
 
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=extra)
-    # After the flags, so --help stays fast; they register ClimbConfig (the suite and the token
-    # budget), the task suites and ModelConfig before gin binds.
+    # After the flags, so --help stays fast; they register TaskConfig, the task suites,
+    # SamplingOptions (the token budget) and ModelConfig before gin binds.
     from hcjax.distill.shortening import compare, evaluate_runs
-    from hcjax.rl.climber import ClimbConfig
+    from hcjax.rollout.request import sampling_options_from_gin
+    from hcjax.tasks.task_config import TaskConfig
 
     config.bind(flags.gin_files, flags.gin_params)
     a = flags.extra
-    climb = ClimbConfig()
-    suite = climb.make_suite()
+    suite = TaskConfig().make_suite()
     problems = list(suite.heldout())[: a.eval_problems]
     results = evaluate_runs(a.checkpoint, suite, problems,
-                            max_tokens=a.max_new_tokens or climb.max_tokens,
+                            max_tokens=a.max_new_tokens or sampling_options_from_gin().max_tokens,
                             phases=Phases("hcjax.long2short"))
     table = compare(results, min_cut=a.min_cut, max_drop=a.max_drop)
     for name, r in table.items():

@@ -1,7 +1,7 @@
 """`python -m hcjax.merge`: merge the latest params of hcjax runs of one architecture into a new
 run folder (hcjax.distill.merge): their weighted average, or task vectors against `--base`. Flags
 → gin → `merge_checkpoints` → its summary as one JSON line; OUT/checkpoints is a
-`--base_checkpoint` of the climb and an `SFTConfig.init_checkpoint`.
+`--base_checkpoint` of the climb and an `TrainerConfig.init_checkpoint`.
 """
 
 from __future__ import annotations

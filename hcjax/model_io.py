@@ -1,5 +1,5 @@
-"""Models in and out of folders: the run folders every hcjax job writes (sft, convert, merge, dpo:
-params as a plain dict; the climb: each param as {"value": array}) and Hugging Face folders. Read
+"""Models in and out of folders: the run folders every hcjax job writes (params as a plain dict,
+whichever job wrote them) and Hugging Face folders. Read
 a run's model config and params into a mesh's shardings, write params as a run folder, load a
 Hugging Face folder as a model with its source recorded, and convert between the two.
 
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from hcjax.checkpoint import CheckpointConfig, Checkpointer, IncompatibleCheckpoint, jsonable
 from hcjax.data.byte_hf import BYTE_TOKEN_IDS, write_byte_tokenizer
-from hcjax.data.tokenizer import ByteTokenizer
+from hcjax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from hcjax.model import ModelConfig, Transformer, abstract_model, gguf, hf, param_shardings
 from hcjax.model.hf_config import class_defaults, from_hf_config
 from hcjax.sharding import MeshConfig, make_mesh
@@ -38,7 +38,9 @@ __all__ = [
     "model_identity",
     "read_checkpoint",
     "run_to_hf",
+    "run_tokenizer",
     "write_checkpoint",
+    "wrapped_params_layout",
     "write_model_gin",
 ]
 
@@ -113,13 +115,23 @@ def _check_identity(written: ModelConfig, model_cfg: ModelConfig, where: str) ->
                                      + "; ".join(diff))
 
 
+def wrapped_params_layout(ck: Checkpointer, step: int) -> bool:
+    """Whether `step` holds its parameters in the layout the climb's learner wrote before every
+    job saved plain dicts: each parameter as {"value": array} (an nnx.State as Orbax saves it).
+    Nothing writes that layout now; its one reader (`_restore_params`, and the learner's resume)
+    is kept so that climb run folders written before the change stay readable (as bases,
+    DPO starts, conversions, evaluations, resumed climbs)."""
+    node = ck.saved_structure(step).get("params")
+    while isinstance(node, dict) and node:
+        if set(node) == {"value"} and not isinstance(node["value"], dict):
+            return True
+        node = next(iter(node.values()))
+    return False
+
+
 def _restore_params(ck: Checkpointer, step: int, target: Any) -> Any:
-    try:
+    if not wrapped_params_layout(ck, step):
         return ck.restore_subtree(step, "params", target)
-    except ValueError as err:
-        if "different structure" not in str(err):
-            raise
-    # The climb's learner saves each parameter as {"value": array} (an nnx.State).
     wrapped = jax.tree.map(lambda t: {"value": t}, target)
     return jax.tree.map(lambda d: d["value"], ck.restore_subtree(step, "params", wrapped),
                         is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
@@ -184,11 +196,32 @@ def load_model(directory: str, mesh: Mesh | None = None, model_cfg: ModelConfig 
     return nnx.merge(graphdef, state), cfg
 
 
+def run_tokenizer(directory: str) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer a run trained with: its Hugging Face source's (the copy under RUN/hf that
+    `hf_source_meta` made, else the recorded source folder) when it started from one, else the
+    byte tokenizer (every run started from hcjax's own initialisation)."""
+    copied = os.path.join(directory, "hf")
+    if os.path.isdir(copied):
+        return load_tokenizer(copied)
+    ck = _reader(directory)
+    try:
+        _, meta, _ = _step_and_config(ck, directory, None)
+    finally:
+        ck.close()
+    source = meta.get("hf_checkpoint")
+    if source is None:
+        return ByteTokenizer()
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"run {directory!r} started from the Hugging Face folder (or "
+                                f"GGUF file) {source!r}, which holds its tokenizer and is gone")
+    return load_tokenizer(source)
+
+
 def write_checkpoint(output_dir: str, params: Any, model_cfg: ModelConfig, *, step: int = 0,
                      extra_meta: dict[str, Any] | None = None) -> str:
     """Save `params` (a pure dict) as OUTPUT_DIR/checkpoints step `step` in the layout of an
     hcjax.sft run (meta {"model_config": model_identity, **extra_meta}), which `load_model`,
-    the climb's --base_checkpoint and SFTConfig.init_checkpoint read. Refuses a folder that
+    the climb's --base_checkpoint and TrainerConfig.init_checkpoint read. Refuses a folder that
     already holds checkpoints. Returns the checkpoints folder."""
     ckpt_dir = os.path.join(os.path.abspath(output_dir), "checkpoints")
     meta = {"model_config": model_identity(model_cfg), **(extra_meta or {})}

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import socket
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,12 +26,12 @@ from hcjax import config
 from hcjax.config import resolve_gin_file
 from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.model import ModelConfig
-from hcjax.rl.climber import Climb, ClimbConfig, ClimbResult, engine_lengths
+from hcjax.rl.climber import Climb, ClimbConfig, engine_lengths
 from hcjax.rl.placement import Placement, RayBundle, RayPlacement
 from hcjax.rollout.standalone import ServeOptions, serve
+from hcjax.tasks.task_config import TaskConfig
 
-__all__ = ["RayClimb", "RayInference", "RayLearner", "check_fits", "climb_on_ray",
-           "merged_xla_flags"]
+__all__ = ["RayClimb", "RayInference", "RayLearner", "check_fits", "merged_xla_flags"]
 
 REPO = Path(__file__).resolve().parents[2]
 # Requests wait in a replica's queue rather than being refused: the learner is its only client.
@@ -172,26 +171,21 @@ class RayLearner:
 
 
 class RayClimb:
-    """One climb on Ray. `with RayClimb(...) as rc:` starts (or joins) Ray, reserves the
-    placement group and starts the replicas and the learner actors; `rc.run()` runs the climb on
-    the learner actors and returns the leader's summary; leaving the block stops the actors, removes the group and shuts down a Ray
-    instance it started."""
+    """One climb on Ray. `RayClimb(...)` checks the bindings (before Ray starts or a base is
+    made); `with rc:` starts (or joins) Ray, reserves the placement group and starts the replicas
+    and the learner actors; `rc.run(base)` runs the climb from that base on the learner actors
+    and returns the leader's summary; leaving the block stops the actors, removes the group and
+    shuts down a Ray instance it started."""
 
     def __init__(self, output_dir: str, gin_files: Sequence[str], gin_params: Sequence[str], *,
-                 base_checkpoint: str | None = None, mode: str | None = None,
-                 progress: bool = True, log: Any = print) -> None:
+                 mode: str | None = None, progress: bool = True, log: Any = print) -> None:
         self.placement, self.cfg = Placement(), RayPlacement()
         # Everything a bad binding can break fails here, before Ray starts.
         self.bundles = self.cfg.bundles(self.placement)
-        if self.cfg.learner_processes > 1 and base_checkpoint is None:
-            raise ValueError(
-                f"RayPlacement.learner_processes={self.cfg.learner_processes} needs "
-                "--base_checkpoint: pre-train the base first with `python -m hcjax.sft` (every "
-                "learner process would pre-train its own)")
         if self.cfg.num_cpus is not None:
             check_fits(self.bundles, {"CPU": float(self.cfg.num_cpus)})
         climb_cfg = ClimbConfig()
-        lengths = engine_lengths(climb_cfg, climb_cfg.make_suite(), ByteTokenizer(),
+        lengths = engine_lengths(climb_cfg, TaskConfig().make_suite(), ByteTokenizer(),
                                  ModelConfig().max_seq_len)
         self.serve_options = {
             "host": self.cfg.host, "port": 0, "version": -1, "status_every": 0.0,
@@ -202,9 +196,7 @@ class RayClimb:
         # Absolute paths: the actors' working directory need not be ours.
         self.gin_files = [str(resolve_gin_file(f).resolve()) for f in gin_files]
         self.gin_params = list(gin_params)
-        self.climb_options = {
-            "base_checkpoint": base_checkpoint and os.path.abspath(base_checkpoint),
-            "mode": mode, "progress": progress, "log_format": "json"}
+        self.climb_options = {"mode": mode, "progress": progress, "log_format": "json"}
         self.log = log
         self.started_ray = False
         self.group = None
@@ -282,16 +274,28 @@ class RayClimb:
         self.addresses = ray.get(starts)
         self.log(f"ray: inference replicas serving at {', '.join(self.addresses)}")
 
+    def check_base(self, base_checkpoint: str | None) -> None:
+        """No base given means the job pre-trains one here first: refused when the learner spans
+        processes, whose actors may run where this folder is not."""
+        if self.cfg.learner_processes > 1 and base_checkpoint is None:
+            raise ValueError(
+                f"RayPlacement.learner_processes={self.cfg.learner_processes} needs "
+                "--base_checkpoint: pre-train the base first with `python -m hcjax.sft` (every "
+                "learner process would pre-train its own)")
+
     # Run ----------------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        """Run the learner actors to the end of the climb; the leader's summary, with the
-        placement recorded as "ray" (also in summary.json)."""
+    def run(self, base_checkpoint: str, base_seconds: float = 0.0) -> dict[str, Any]:
+        """Run the learner actors to the end of the climb from `base_checkpoint` (any hcjax run;
+        base_seconds: what making it took, see `Climb`); the leader's summary, with the placement
+        recorded as "ray" (also in summary.json)."""
         # optional: ray, imported only when Placement.backend = "ray" runs
         import ray
 
         coordinator = (ray.get(self.learners[0].coordinator_address.remote())
                        if len(self.learners) > 1 else None)
-        runs = [a.run.remote(self.output_dir, self.addresses, coordinator, self.climb_options)
+        options = {**self.climb_options, "base_checkpoint": os.path.abspath(base_checkpoint),
+                   "base_seconds": base_seconds}
+        runs = [a.run.remote(self.output_dir, self.addresses, coordinator, options)
                 for a in self.learners]
         interrupted = False
         while True:
@@ -337,19 +341,3 @@ class RayClimb:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
-
-
-def climb_on_ray(output_dir: str, gin_files: Sequence[str], gin_params: Sequence[str], *,
-                 base_checkpoint: str | None = None, hf_checkpoint: str | None = None,
-                 mode: str | None = None, progress: bool = True):
-    """Run the bound climb with Placement.backend = "ray" (gin_files / gin_params: the
-    bindings, which every actor binds again); a `ClimbResult`."""
-
-    if hf_checkpoint is not None:
-        raise ValueError(f"hf_checkpoint={hf_checkpoint!r} with Placement.backend='ray': the Ray "
-                         "placement's replicas serve gin models only for now")
-    with RayClimb(output_dir, gin_files, gin_params, base_checkpoint=base_checkpoint,
-                  mode=mode, progress=progress,
-                  log=lambda line: print(line, file=sys.stderr, flush=True)) as rc:
-        summary = rc.run()
-    return ClimbResult(rc.output_dir, summary)

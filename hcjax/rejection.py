@@ -1,5 +1,5 @@
 """`python -m hcjax.rejection`: shortest rejection sampling (Kimi k1.5 long2short, RECIPE §5).
-Flags → gin → `hcjax.distill.rejection.run_rejection` on `ClimbConfig.suite`'s training problems
+Flags → gin → `hcjax.distill.rejection.run_rejection` on `TaskConfig.suite`'s training problems
 with the params of `--checkpoint` → its summary as one JSON line. OUT/rejection.jsonl is an SFT
 set (DataConfig.source = "chat_jsonl"); OUT/samples.jsonl feeds `python -m hcjax.dpo --samples`.
 """
@@ -30,7 +30,7 @@ def _extra_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first_problem", type=int, default=0,
                         help="index of the first training problem sampled")
     parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help="default: ClimbConfig.max_tokens")
+                        help="default: SamplingOptions.max_tokens (the climb's budget)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     config.set_examples(parser, EXAMPLES)
@@ -38,22 +38,22 @@ def _extra_args(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """`python -m hcjax.rejection --checkpoint RUN --output_dir OUT [--k 8] [--num_problems N]
-    [--gin_file F]`: the suite is ClimbConfig.suite of the gin files; returns the summary."""
+    [--gin_file F]`: the suite is TaskConfig.suite of the gin files; returns the summary."""
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
-                               default_gin_files=["tiny_cpu.gin"], extra_args=_extra_args)
-    # After the flags, so --help stays fast; they register ClimbConfig (the suite and the token
-    # budget), the task suites and ModelConfig.
+                               default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
+    # After the flags, so --help stays fast; they register TaskConfig, the task suites,
+    # SamplingOptions (the token budget) and ModelConfig.
     from hcjax.distill.rejection import run_rejection
-    from hcjax.rl.climber import ClimbConfig
+    from hcjax.rollout.request import sampling_options_from_gin
+    from hcjax.tasks.task_config import TaskConfig
 
     config.bind(flags.gin_files, flags.gin_params)
     if not flags.output_dir:
         raise config.ConfigError("--output_dir is required")
-    climb = ClimbConfig()
     a = flags.extra
-    summary = run_rejection(a.checkpoint, flags.output_dir, climb.make_suite(), k=a.k,
+    summary = run_rejection(a.checkpoint, flags.output_dir, TaskConfig().make_suite(), k=a.k,
                             num_problems=a.num_problems, first_problem=a.first_problem,
-                            max_new_tokens=a.max_new_tokens or climb.max_tokens,
+                            max_new_tokens=a.max_new_tokens or sampling_options_from_gin().max_tokens,
                             temperature=a.temperature, seed=a.seed)
     print(json.dumps(summary))
     return summary

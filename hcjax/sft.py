@@ -40,9 +40,11 @@ def main(argv: Sequence[str] | None = None):
         argv, description="hcjax SFT / pre-training", default_gin_files=["tiny_cpu.gin"],
         extra_args=_extra_args,
     )
-    # After the flags, so --help stays fast; the trainer's module imports every configurable it
-    # reads (SFTConfig, run_sft, DataConfig and the task suites, ModelConfig, CheckpointConfig).
+    # After the flags, so --help stays fast; the trainer's modules import every configurable it
+    # reads (TrainerConfig, AdamWConfig, run_sft, DataConfig and the task suites, ModelConfig,
+    # CheckpointConfig), and TaskConfig names the suite its evaluation runs.
     from hcjax.rl.pass_at_1 import evaluate_model
+    from hcjax.tasks.task_config import TaskConfig
     from hcjax.train.sft import run_sft
 
     config.bind(flags.gin_files, flags.gin_params)
@@ -51,7 +53,7 @@ def main(argv: Sequence[str] | None = None):
     log_format = resolve_format(flags.extra.log_format)
     result = run_sft(output_dir, hf_checkpoint=flags.extra.hf_checkpoint,
                      progress=log_format == "display", json_lines=log_format == "json",
-                     evaluate=evaluate_model)
+                     evaluate=evaluate_model, eval_suite=TaskConfig().make_suite())
     config.write_operative_config(output_dir)
     with open(os.path.join(output_dir, "summary.txt"), encoding="utf-8") as f:
         print(f.read())

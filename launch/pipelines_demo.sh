@@ -68,7 +68,7 @@ step long "$OUT/long/summary.txt" \
 # Merging: the long model averaged with a short fine-tune of it (same init).
 step l2s_short "$OUT/l2s_short/summary.txt" \
   "$PY" -m hcjax.sft --gin_file long2short_short_tiny.gin --output_dir "$OUT/l2s_short" \
-    --gin_param "SFTConfig.init_checkpoint = '$OUT/long'" --log_format json
+    --gin_param "TrainerConfig.init_checkpoint = '$OUT/long'" --log_format json
 step l2s_merge "$OUT/l2s_merge/checkpoints" \
   "$PY" -m hcjax.merge --checkpoint "$OUT/long" --checkpoint "$OUT/l2s_short" \
     --weights 0.5,0.5 --output_dir "$OUT/l2s_merge"
@@ -79,7 +79,7 @@ step l2s_samples "$OUT/l2s_samples/rejection.json" \
 step l2s_rejection "$OUT/l2s_rejection/summary.txt" \
   "$PY" -m hcjax.sft --gin_file long2short_rejection_tiny.gin --output_dir "$OUT/l2s_rejection" \
     --gin_param "DataConfig.path = '$OUT/l2s_samples/rejection.jsonl'" \
-    --gin_param "SFTConfig.init_checkpoint = '$OUT/long'" --log_format json
+    --gin_param "TrainerConfig.init_checkpoint = '$OUT/long'" --log_format json
 # DPO on the same samples: shortest correct chosen, >= 1.5x longer correct or wrong rejected.
 step l2s_dpo "$OUT/l2s_dpo/summary.json" \
   "$PY" -m hcjax.dpo --gin_file long2short_dpo_tiny.gin \

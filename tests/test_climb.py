@@ -37,11 +37,11 @@ TINY = [
     "ModelConfig.moe_d_ff = 32", "ModelConfig.max_seq_len = 64",
     "ArithmeticSuite.kinds = ('add',)", "ArithmeticSuite.max_digits = 1",
     "ArithmeticSuite.num_heldout = 16",
-    "SFTConfig.num_steps = 4", "SFTConfig.batch_size = 8",
+    "TrainerConfig.num_steps = 4", "TrainerConfig.batch_size = 8",
     "DataConfig.row_len = 64",
     "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
     "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-    "ClimbConfig.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
+    "SamplingOptions.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
     "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
     "ClimbConfig.max_minutes = None",
     "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
@@ -59,7 +59,8 @@ TINY_MODEL = dict(
 
 # What pre-training the tiny base reads (hcjax.sft's configurables); the climb's own bindings
 # do not change the base.
-SFT_CONFIGURABLES = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
+SFT_CONFIGURABLES = ("ModelConfig", "DataConfig", "TrainerConfig", "AdamWConfig",
+                     "ArithmeticSuite")
 
 
 def shared_base(params=TINY) -> Path:
@@ -231,8 +232,8 @@ def test_self_distillation_then_climb_from_the_distilled_model(first_run, tmp_pa
     model = [p for p in TINY if p.startswith(("ModelConfig", "DataConfig"))]
     args = [sys.executable, "-m", "hcjax.sft", "--output_dir", str(sft_dir)]
     for p in [*model, 'DataConfig.source = "chat_jsonl"', f'DataConfig.path = "{sd}"',
-              f'SFTConfig.init_checkpoint = "{out / "base"}"', "SFTConfig.num_steps = 2",
-              "SFTConfig.batch_size = 8", "run_sft.eval_problems = 0"]:
+              f'TrainerConfig.init_checkpoint = "{out / "base"}"', "TrainerConfig.num_steps = 2",
+              "TrainerConfig.batch_size = 8", "run_sft.eval_problems = 0"]:
         args += ["--gin_param", p]
     proc = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -254,7 +255,7 @@ def test_climb_with_partial_rollouts(tiny_base, tmp_path):
     workers continue partial samples through the server; full-length responses still come back
     and the climb trains on them."""
     s = climb(tmp_path / "partial", 2, "--base_checkpoint", str(tiny_base),
-              "--gin_param", "ClimbConfig.token_budget = 3")
+              "--gin_param", "SamplingOptions.token_budget = 3")
     assert s["steps"] == 2
     assert s["worker_stats"]["continuations"] > 0
     groups = read_groups(str(tmp_path / "partial" / "rollouts"))

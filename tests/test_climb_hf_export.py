@@ -111,7 +111,7 @@ TINY_TASK = [
 TINY_CLIMB = [
     "ClimbConfig.num_steps = 3", "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
     "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-    "ClimbConfig.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
+    "SamplingOptions.max_tokens = 12", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 16",
     "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
     "ClimbConfig.max_minutes = None", "SourceConfig.sampler = 'sequential'",
     "ArithmeticSuite.extraction = 'flexible'",
@@ -152,8 +152,8 @@ def test_tiny_base_exports_to_hf_and_climbs_through_its_chat_template(tmp_path):
 
     base, exported, out = tmp_path / "base", tmp_path / "hf", tmp_path / "climb"
     _run("hcjax.sft", "--gin_file", "tiny_hf_cpu.gin", "--output_dir", str(base),
-         params=[*TINY_MODEL, *TINY_TASK, "SFTConfig.num_steps = 4", "SFTConfig.batch_size = 8",
-                 "run_sft.eval_problems = 0"])
+         params=[*TINY_MODEL, *TINY_TASK, "TrainerConfig.num_steps = 4",
+                 "TrainerConfig.batch_size = 8", "run_sft.eval_problems = 0"])
     _run("hcjax.convert", "--to_hf", str(base), "--output_dir", str(exported), "--quiet")
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "chat_template.jinja", "generation_config.json"} <= set(os.listdir(exported))

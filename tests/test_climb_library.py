@@ -172,6 +172,59 @@ def test_heldout_eval_goes_through_the_client_per_category():
                and r.priority == EVAL_PRIORITY and r.max_tokens == 16 for r in client.requests)
 
 
+def test_the_climb_samples_with_one_nested_sampling_options():
+    """ClimbConfig.sampling is gin's SamplingOptions (its defaults, `SamplingOptions.*`
+    bindings over them), built as plain options; SamplingOptions built in code never see those
+    bindings; the climb's own stop tokens and seeds may not be set there."""
+    from hcjax import config
+    from hcjax.rl.climber import ClimbConfig
+
+    config.bind([], ["SamplingOptions.max_tokens = 12", "SamplingOptions.top_p = 0.9"])
+    cfg = ClimbConfig()
+    assert cfg.sampling == SamplingOptions(max_tokens=12, top_p=0.9)
+    assert type(cfg.sampling) is SamplingOptions
+    assert cfg.longest_response() == 12 and cfg.max_tokens_at(7) == 12
+    assert SamplingOptions().max_tokens == 256  # the one set of defaults, unbound in code
+    config.bind([], ["ClimbConfig.sampling = @SamplingOptions()",
+                     "SamplingOptions.temperature = 0.5"])
+    assert ClimbConfig().sampling == SamplingOptions(temperature=0.5)
+    with pytest.raises(ValueError, match=r"stop_tokens=\(7,\) and seed=None: the climb's stop"):
+        ClimbConfig(sampling=SamplingOptions(stop_tokens=(7,)))
+    with pytest.raises(ValueError, match="seed=3"):
+        ClimbConfig(sampling=SamplingOptions(seed=3))
+    config.bind([], [])
+
+
+def test_one_task_config_names_the_suite_and_its_rewards():
+    from hcjax.tasks.task_config import TaskConfig
+
+    assert isinstance(TaskConfig().make_suite(), ArithmeticSuite)
+    mix = MixtureSuite(suites=(ArithmeticSuite(num_heldout=4), CodeSuite(num_heldout=4)))
+    assert TaskConfig(suite=mix, rewards={"code": RewardSpec()}).make_suite() is mix
+    with pytest.raises(ValueError, match=r"TaskConfig.rewards names suites \['tool_use'\]; "
+                                         r"the task's suites are \['arithmetic', 'code', "):
+        TaskConfig(suite=mix, rewards={"tool_use": RewardSpec()}).make_suite()
+    with pytest.raises(ValueError, match="must map suite names to RewardSpecs"):
+        TaskConfig(rewards={"arithmetic": 1.0})
+    with pytest.raises(TypeError, match="TaskConfig.suite=.* is not a TaskSuite"):
+        TaskConfig(suite="arithmetic").make_suite()
+
+
+def test_a_climb_is_given_its_base(tmp_path):
+    """The climb trains no base: with neither a run nor a Hugging Face folder it refuses, naming
+    what makes one, before building anything."""
+    from hcjax import config
+    from hcjax.rl.climber import Climb
+
+    config.bind(["climb_tiny.gin"], [])
+    with pytest.raises(ValueError, match="a climb starts from a base: give base_checkpoint"):
+        Climb(str(tmp_path / "climb"))
+    with pytest.raises(ValueError, match="the climb starts from one base, give one"):
+        Climb(str(tmp_path / "climb"), base_checkpoint="a", hf_checkpoint="b")
+    assert not (tmp_path / "climb").exists()
+    config.bind([], [])
+
+
 def test_reward_spec_shapes_a_group_before_advantages():
     from hcjax.rl.climber import _shaping_for
 
@@ -274,7 +327,7 @@ def test_dataset_suite_climb_resumes_after_kill(tiny_base, tmp_path):
         for i in range(300):
             a, b = (int(x) for x in rng.integers(0, 5, 2))
             f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b), "id": i}) + "\n")
-    params = [*TINY, "ClimbConfig.suite = @DatasetSuite()", f"DatasetSuite.path = '{data}'",
+    params = [*TINY, "TaskConfig.suite = @DatasetSuite()", f"DatasetSuite.path = '{data}'",
               "DatasetSuite.convention = 'plain'", "DatasetSuite.prompt_template = '{question}'",
               "DatasetSuite.num_heldout = 8", "DatasetSuite.extraction = 'flexible'"]
 
@@ -320,11 +373,12 @@ def test_length_curriculum_sets_the_response_budget_by_step():
     from hcjax.rl.climber import ClimbConfig
     from hcjax.rl.curriculum import LengthCurriculum
 
-    cfg = ClimbConfig(max_tokens=8, length_curriculum=LengthCurriculum(
+    eight = SamplingOptions(max_tokens=8)
+    cfg = ClimbConfig(sampling=eight, length_curriculum=LengthCurriculum(
         stage_steps=(3, 3), start=16, end=64))
     assert [cfg.max_tokens_at(s) for s in (0, 2, 3, 5, 6, 100)] == [16, 16, 32, 32, 64, 64]
     assert cfg.longest_response() == 64  # the engine is sized for the last stage
-    assert ClimbConfig(max_tokens=8).max_tokens_at(50) == 8
+    assert ClimbConfig(sampling=eight).max_tokens_at(50) == 8
 
 
 @pytest.mark.slow
@@ -338,7 +392,7 @@ def test_gsm8k_config_climbs_a_fixture_checkpoint(tmp_path):
     small = [
         "ClimbConfig.num_steps = 2", "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
         "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-        "ClimbConfig.max_tokens = 8", "ClimbConfig.eval_every = 1",
+        "SamplingOptions.max_tokens = 8", "ClimbConfig.eval_every = 1",
         "ClimbConfig.eval_problems = 4", "ClimbConfig.max_concurrent_decodes = 8",
         "ClimbConfig.max_prompt_len = 240", "ClimbConfig.checkpoint_every = 1",
         "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
@@ -372,12 +426,13 @@ def test_readme_custom_suite_binds_from_a_gin_file(tmp_path):
     """README's recipe: the suite in a module on PYTHONPATH, `import my_tasks` in a gin file."""
     (tmp_path / "my_tasks.py").write_text(readme_suite_source())
     (tmp_path / "reverse.gin").write_text(
-        "include 'climb_tiny.gin'\nimport my_tasks\nClimbConfig.suite = @Reverse()\n")
+        "include 'climb_tiny.gin'\nimport my_tasks\nTaskConfig.suite = @Reverse()\n")
     # As `python -m hcjax.climb --gin_file reverse.gin` does: the climb imported, then bound.
     code = ("from hcjax import config\n"
             "from hcjax.rl.climber import ClimbConfig\n"
+            "from hcjax.tasks.task_config import TaskConfig\n"
             f"config.bind([{str(tmp_path / 'reverse.gin')!r}], [])\n"
-            "print(ClimbConfig().make_suite().train_problem(1).messages[0]['content'])\n")
+            "print(TaskConfig().make_suite().train_problem(1).messages[0]['content'])\n")
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -432,11 +487,12 @@ def test_tool_episodes_stop_at_the_engine_context():
 def test_mixed_config_holds_out_and_climbs_the_harder_halves_with_shares():
     from hcjax import config
     from hcjax.rl.climber import ClimbConfig, engine_lengths
+    from hcjax.tasks.task_config import TaskConfig
     from hcjax.tasks.tool_use import encode_response
 
     config.bind(["climb_mixed_tiny.gin"], [])
     cfg, source = ClimbConfig(), SourceConfig()
-    mix = cfg.make_suite()
+    mix = TaskConfig().make_suite()
     assert source.suite_shares and source.sampler == "prioritized"
     groups, shares = mix.category_shares()
     assert set(groups.values()) == {"arithmetic", "code", "tool_use"} and all(shares.values())
@@ -454,6 +510,6 @@ def test_mixed_config_holds_out_and_climbs_the_harder_halves_with_shares():
     # The longest tool call is one model turn, and a whole episode fits the engine's prefill.
     lengths = engine_lengths(cfg, mix, TOK, 256)
     ids_masks = [encode_response(p.target, TOK) for p in held["tool_use"]]
-    assert max(mask.index(0) for _, mask in ids_masks) <= cfg.max_tokens
+    assert max(mask.index(0) for _, mask in ids_masks) <= cfg.sampling.max_tokens
     assert max(len(prompt_ids(p.prompt, TOK)) + len(ids)
                for p, (ids, _) in zip(held["tool_use"], ids_masks)) <= lengths.max_prefill_length

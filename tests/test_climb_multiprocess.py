@@ -212,25 +212,21 @@ def wait_serving(proc, timeout=180):
 
 
 def final_learner_params(out_dir, step):
-    """The learner's params at the end of the climb, from its final checkpoint."""
+    """The learner's params at the end of the climb, from its final checkpoint (read as any run's
+    by hcjax.model_io), with the leaf paths of the served tree, an nnx.State's
+    ('blocks/0/attn/wk/value')."""
     from flax import nnx
 
-    from hcjax.checkpoint import CheckpointConfig, Checkpointer
     from hcjax.model import ModelConfig, create_sharded
+    from hcjax.model_io import read_checkpoint
     from hcjax.sharding import MeshConfig, make_mesh
     from tests.test_climb import TINY_MODEL
 
     one = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1, expert=1, num_devices=1))
     _, target, _ = nnx.split(create_sharded(ModelConfig(**TINY_MODEL), one), nnx.Param, ...)
-    ckpt = Checkpointer(str(out_dir / "checkpoints"), CheckpointConfig(async_save=False), {})
-    try:
-        assert ckpt.latest_step() == step
-        # The learner's nnx.State is stored as {..., name: {"value": array}}: the same leaf paths
-        # as the served tree's ('blocks/0/attn/wk/value').
-        wrapped = jax.tree.map(lambda x: {"value": x}, nnx.to_pure_dict(target))
-        return ckpt.restore_subtree(step, "params", wrapped)
-    finally:
-        ckpt.close()
+    loaded = read_checkpoint(str(out_dir), target=nnx.to_pure_dict(target))
+    assert loaded.step == step
+    return jax.tree.map(lambda x: {"value": x}, loaded.params)
 
 
 @pytest.mark.slow

@@ -94,7 +94,8 @@ def test_cli_config_error_is_one_clear_line():
 def test_another_jobs_binding_is_skipped_and_an_unknown_name_is_not():
     """Gin files are shared between jobs: a configurable hcjax defines but this process never
     imported is another job's setting and is skipped; a name hcjax does not define fails."""
-    assert {"SFTConfig", "ClimbConfig", "PlanConfig", "run_sft"} <= hcfg.project_configurables()
+    assert {"TrainerConfig", "AdamWConfig", "ClimbConfig", "PlanConfig",
+            "run_sft"} <= hcfg.project_configurables()
     code = ("import sys\n"
             "from hcjax import config\n"
             "config.bind(['climb_tiny.gin'], ['ClimbConfig.group = 4'])\n"
@@ -195,7 +196,7 @@ def test_every_binding_entry_point_registers_what_it_can_reach_before_binding():
 
 
 def test_a_configurable_a_gin_value_names_is_imported_with_the_one_it_configures():
-    """A gin value may name another configurable (`ClimbConfig.rewards = {"arithmetic":
+    """A gin value may name another configurable (`TaskConfig.rewards = {"arithmetic":
     @RewardSpec()}`), built when the bound one is: the bound one's module imports its module, so
     it is registered wherever the bound one is (else that binding fails with "No configurable
     matching reference")."""
@@ -208,6 +209,9 @@ def test_a_configurable_a_gin_value_names_is_imported_with_the_one_it_configures
             if isinstance(node, ast.ClassDef | ast.FunctionDef) and any(
                     "gin.configurable" in ast.unparse(d) for d in node.decorator_list):
                 defined_in[node.name] = name
+        for registered in re.findall(r"gin\.external_configurable\((\w+)",
+                                     ast.unparse(modules[name])):
+            defined_in[registered] = name
     binding = re.compile(r"^(?:[\w.]+/)*(\w+)\.\w+\s*=")
     pairs, unregistered = set(), []
     for path in sorted((REPO / "configs").rglob("*.gin")):
@@ -222,14 +226,15 @@ def test_a_configurable_a_gin_value_names_is_imported_with_the_one_it_configures
         if defined_in[ref] not in _closure([defined_in[bound]], at_import):
             unregistered.append(f"gin binds {bound} (in {defined_in[bound]}) to @{ref}, but "
                                 f"{defined_in[bound]} does not import {defined_in[ref]}")
-    assert ("ClimbConfig", "RewardSpec") in pairs and ("DataConfig", "MixtureSuite") in pairs
+    assert ("TaskConfig", "RewardSpec") in pairs and ("DataConfig", "MixtureSuite") in pairs
     assert not unregistered, "\n".join(unregistered)
 
 
 def _configurable_modules() -> set[str]:
     return {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
             for p in (REPO / "hcjax").rglob("*.py")
-            if "@gin.configurable" in p.read_text(encoding="utf-8")}
+            if re.search(r"@gin\.configurable|gin\.external_configurable\(",
+                         p.read_text(encoding="utf-8"))}
 
 
 @pytest.mark.parametrize("name", sorted(str(p.relative_to(REPO / "configs"))

@@ -67,7 +67,7 @@ def test_two_specialists_consolidate_end_to_end(tmp_path):
     and sub climbs -> consolidate (mix, SFT, union climb, report). About 75 s on two CPU cores."""
     base = tmp_path / "base"
     args = [sys.executable, "-m", "hcjax.sft", "--output_dir", str(base)]
-    for p in [*TINY, "SFTConfig.num_steps = 800", "ArithmeticSuite.kinds = ('add', 'sub')",
+    for p in [*TINY, "TrainerConfig.num_steps = 800", "ArithmeticSuite.kinds = ('add', 'sub')",
               "run_sft.eval_problems = 0"]:
         args += ["--gin_param", p]
     proc = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
@@ -81,7 +81,7 @@ def test_two_specialists_consolidate_end_to_end(tmp_path):
             "--base_checkpoint", str(base), "--output_dir", str(out), "--quiet"]
     for p in [*TINY, "ClimbConfig.num_steps = 2", "ClimbConfig.max_minutes = None",
               "ConsolidateConfig.min_step_fraction = 0.0", "ConsolidateConfig.eval_problems = 8",
-              "SFTConfig.num_steps = 3"]:
+              "TrainerConfig.num_steps = 3"]:
         args += ["--gin_param", p]
     proc = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -66,7 +66,7 @@ def test_merge_cli_writes_a_checkpoint_init_checkpoint_reads(tmp_path):
     cfg = _tiny()
     pa, pb = _params(cfg, 0), _params(cfg, 1)
     write_checkpoint(str(tmp_path / "a"), pa, cfg)
-    # The climb's layout: every param as {"value": array}.
+    # The layout climbs wrote before every job saved plain dicts: each param as {"value": array}.
     write_checkpoint(str(tmp_path / "b"), jax.tree.map(lambda x: {"value": x}, pb), cfg)
     out = tmp_path / "merged"
     summary = main(["--checkpoint", str(tmp_path / "a"), "--checkpoint", str(tmp_path / "b"),

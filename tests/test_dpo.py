@@ -1,5 +1,6 @@
 """DPO: the loss against hand-computed values, pair selection (pure and from a rollout store), and
-training steps on a tiny model that lower the loss and write a checkpoint hcjax.model_io reads."""
+training steps on the one loop on a tiny model that lower the loss and write a checkpoint
+hcjax.model_io reads, with the starting run's tokenizer."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hcjax.data.tokenizer import ByteTokenizer
+from hcjax.data.tokenizer import ByteTokenizer, HFTokenizer
 from hcjax.distill.dpo import (
     DPOConfig,
     PreferencePair,
@@ -20,11 +21,12 @@ from hcjax.distill.dpo import (
     run_dpo,
     select_pairs,
 )
-from hcjax.model_io import read_checkpoint, write_checkpoint
+from hcjax.model_io import hf_to_run, read_checkpoint, write_checkpoint
 from hcjax.rl.losses import dpo_loss
 from hcjax.rl.store import rollout_to_json
 from hcjax.rollout.records import Rollout
-from hcjax.train.sft import SFTConfig
+from hcjax.train.loop import AdamWConfig, TrainerConfig
+from tests.hf_fixtures import fixture
 
 PC, PR = jnp.array([-1.0, -2.0]), jnp.array([-3.0, -1.0])
 RC, RR = jnp.array([-2.0, -2.0]), jnp.array([-2.0, -2.0])
@@ -133,14 +135,27 @@ def test_dpo_training_lowers_the_loss(tmp_path):
              for a in range(4)]
     tensors, dropped = encode_pairs(pairs, ByteTokenizer(), 64)
     assert dropped == 0 and tensors["tokens"].shape == (8, 64)
-    optim = SFTConfig(num_steps=6, batch_size=2, peak_lr=3e-3, end_lr=3e-3, warmup_fraction=0.0,
-                      log_every=1)
+    cfg = DPOConfig(beta=0.5, trainer=TrainerConfig(num_steps=6, batch_size=2, log_every=1),
+                    optimizer=AdamWConfig(peak_lr=3e-3, end_lr=3e-3, warmup_fraction=0.0))
     out = tmp_path / "dpo"
-    s = run_dpo(str(out), pairs, str(tmp_path / "base"), DPOConfig(beta=0.5, optim=optim),
-                progress=False)
+    s = run_dpo(str(out), pairs, str(tmp_path / "base"), cfg, progress=False)
     assert s["steps"] == 6 and s["pairs"] == 4
     # Step 1 starts at the reference: DPO loss log 2, margin 0 (the total adds load balance).
     assert s["first"]["dpo_loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert s["last"]["dpo_loss"] < s["first"]["dpo_loss"] - 0.05
     assert s["last"]["reward_margin"] > 0
     assert read_checkpoint(str(out)).step == 6
+
+
+def test_dpo_encodes_with_the_starting_runs_tokenizer(tmp_path):
+    """A run that started from a Hugging Face folder trains DPO with that folder's tokenizer and
+    chat template: this pair fits 100 tokens in the Qwen3 fixture's encoding, not in the byte
+    tokenizer's."""
+    hf_to_run(fixture("qwen3"), str(tmp_path / "base"), quiet=True)
+    question = ({"role": "user", "content": "What is twelve plus thirty, in words please?"},)
+    pairs = [PreferencePair(question, "forty-two", "the answer is forty-two " * 3, 4, 12)]
+    assert encode_pairs(pairs, ByteTokenizer(), 100)[1] == 1  # too long as bytes
+    assert encode_pairs(pairs, HFTokenizer.from_pretrained(fixture("qwen3")), 100)[1] == 0
+    cfg = DPOConfig(row_len=100, trainer=TrainerConfig(num_steps=1, batch_size=1))
+    s = run_dpo(str(tmp_path / "dpo"), pairs, str(tmp_path / "base"), cfg, progress=False)
+    assert s["pairs"] == 1 and s["pairs_dropped_overlong"] == 0 and s["steps"] == 1

@@ -38,7 +38,8 @@ def _error_line(capsys, module: str, argv: list[str]) -> str:
 @pytest.mark.parametrize("module, argv, says", [
     ("hcjax.climb", ["--gin_param", "ClimbConfig.group = 0"], "ClimbConfig.group=0 must be"),
     ("hcjax.serve", ["--gin_param", "MeshConfig.tensor = 3"], "cannot form the inference mesh"),
-    ("hcjax.sft", ["--gin_param", "SFTConfig.num_steps = 0"], "SFTConfig.num_steps=0 must be"),
+    ("hcjax.sft", ["--gin_param", "TrainerConfig.num_steps = 0"],
+     "TrainerConfig.num_steps=0 must be"),
     ("hcjax.convert", ["--from_hf", "/nonexistent/hf"], "does not exist"),
     ("hcjax.plan", ["--gin_param", "PlanConfig.nonsense = 1"], "nonsense"),
     ("hcjax.consolidate", [], "the following arguments are required: --climb"),

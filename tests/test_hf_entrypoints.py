@@ -199,8 +199,8 @@ def test_sft_from_hf_checkpoint(tmp_path):
     out = tmp_path / "sft"
     cmd = [sys.executable, "-m", "hcjax.sft", "--hf_checkpoint", str(folder),
            "--output_dir", str(out)]
-    for p in ("SFTConfig.num_steps = 3", "SFTConfig.batch_size = 4", "SFTConfig.peak_lr = 1e-3",
-              "SFTConfig.log_every = 1", "run_sft.eval_problems = 4",
+    for p in ("TrainerConfig.num_steps = 3", "TrainerConfig.batch_size = 4",
+              "AdamWConfig.peak_lr = 1e-3", "TrainerConfig.log_every = 1", "run_sft.eval_problems = 4",
               "run_sft.eval_max_new_tokens = 8"):
         cmd += ["--gin_param", p]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(1), capture_output=True, text=True,
@@ -240,7 +240,7 @@ def test_climb_from_hf_moe_checkpoint(tmp_path):
         "ArithmeticSuite.num_heldout = 8", "ClimbConfig.num_steps = 3",
         "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
         "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-        "ClimbConfig.max_tokens = 8", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 8",
+        "SamplingOptions.max_tokens = 8", "ClimbConfig.eval_every = 2", "ClimbConfig.eval_problems = 8",
         "ClimbConfig.max_concurrent_decodes = 16", "ClimbConfig.checkpoint_every = 1",
         "ClimbConfig.max_minutes = None", "SourceConfig.sampler = 'sequential'",
         "ArithmeticSuite.extraction = 'flexible'",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import hcjax.train.sft  # noqa: F401  (registered before these tests bind: hcjax.climb's main imports it)
 from hcjax import config
 from hcjax.config import cpu_xla_flags
 from hcjax.ray_placement import check_fits, merged_xla_flags

@@ -42,7 +42,7 @@ def test_temperature_trajectory_and_state():
         c.load_temperature({"temperature": 1.5})
     with pytest.raises(ValueError, match="entropy=inf"):
         c.next_temperature(t, float("inf"))
-    with pytest.raises(ValueError, match=r"ClimbConfig.temperature=2.0 is outside .*\(0.8, 1.2\)"):
+    with pytest.raises(ValueError, match=r"SamplingOptions.temperature=2.0 is outside .*\(0.8, 1.2\)"):
         c.initial_temperature(2.0)
 
 

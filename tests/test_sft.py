@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from hcjax.model import ModelConfig, Transformer
-from hcjax.train.sft import SFTConfig, make_sft_step, target_weights, token_nll
+from hcjax.train.loop import AdamWConfig, TrainerConfig
+from hcjax.train.sft import make_sft_step, target_weights, token_nll
 
 # One MoE layer keeps compile times small on 2 shared CPU cores.
 TINY = ModelConfig(
@@ -47,24 +48,28 @@ def test_token_nll_matches_numpy():
 
 def test_recipe_self_distillation_defaults():
     # RECIPE §3 self-distillation defaults (the schedule itself: tests/test_train_step.py).
-    d = SFTConfig()
-    assert (d.peak_lr, d.end_lr, d.warmup_fraction, d.weight_decay, d.load_balance_coef) == (
+    d, loop = AdamWConfig(), TrainerConfig()
+    assert (d.peak_lr, d.end_lr, d.warmup_fraction, d.weight_decay, loop.load_balance_coef) == (
         1.7e-5, 5.2e-6, 0.02, 0.001, 1e-2
     )
-    opt = d.optimizer()
+    opt = d.optimizer(loop.num_steps)
     assert (opt.learning_rate, opt.end_learning_rate, opt.warmup_steps, opt.total_steps) == (
         1.7e-5, 5.2e-6, 20, 1000
     )
     assert opt.decay_matrices_only and opt.max_grad_norm == d.grad_clip
 
 
-def test_bad_sft_config():
+def test_bad_loop_configs():
     with pytest.raises(ValueError, match="batch_size=6 is not a multiple of num_microbatches=4"):
-        SFTConfig(batch_size=6, num_microbatches=4)
-    with pytest.raises(ValueError, match="num_steps=0"):
-        SFTConfig(num_steps=0)
-    with pytest.raises(ValueError, match="grad_clip=0"):
-        SFTConfig(grad_clip=0)
+        TrainerConfig(batch_size=6, num_microbatches=4)
+    with pytest.raises(ValueError, match="TrainerConfig.num_steps=0"):
+        TrainerConfig(num_steps=0)
+    with pytest.raises(ValueError, match="TrainerConfig.load_balance_coef=-1"):
+        TrainerConfig(load_balance_coef=-1)
+    with pytest.raises(ValueError, match="AdamWConfig.grad_clip=0"):
+        AdamWConfig(grad_clip=0)
+    with pytest.raises(ValueError, match="AdamWConfig.warmup_fraction=1.0"):
+        AdamWConfig(warmup_fraction=1.0)
 
 
 def _batch(b=8, t=32, seed=0):
@@ -85,7 +90,7 @@ def test_accumulation_equals_one_big_batch():
     tx = optax.sgd(1.0)
     results = {}
     for m in (1, 4):
-        cfg = SFTConfig(batch_size=8, num_microbatches=m, load_balance_coef=0.5)
+        cfg = TrainerConfig(batch_size=8, num_microbatches=m, load_balance_coef=0.5)
         step = jax.jit(make_sft_step(graphdef, rest, tx, cfg, TINY))
         state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
         new, metrics = step(state, batch)
@@ -114,7 +119,7 @@ def test_dropout_is_active_and_deterministic_per_step():
     batch = _batch()
     tx = optax.sgd(0.0)
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    step = jax.jit(make_sft_step(graphdef, rest, tx, SFTConfig(batch_size=8), cfg_m))
+    step = jax.jit(make_sft_step(graphdef, rest, tx, TrainerConfig(batch_size=8), cfg_m))
     s1, a = step(state, batch)
     _, b = step(state, batch)
     _, c = step(s1, batch)

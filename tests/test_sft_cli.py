@@ -24,9 +24,9 @@ P = [
     "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2", "ModelConfig.num_heads = 2",
     "ModelConfig.num_kv_heads = 1", "ModelConfig.head_dim = 16", "ModelConfig.d_ff = 64",
     "ModelConfig.num_experts = 4", "ModelConfig.moe_latent_dim = 16", "ModelConfig.moe_d_ff = 32",
-    "ModelConfig.dropout_rate = 0.1", "DataConfig.row_len = 32", "SFTConfig.num_steps = 10",
-    "SFTConfig.batch_size = 8", "SFTConfig.peak_lr = 1e-3", "run_sft.eval_problems = 0",
-    "SFTConfig.log_every = 2",
+    "ModelConfig.dropout_rate = 0.1", "DataConfig.row_len = 32", "TrainerConfig.num_steps = 10",
+    "TrainerConfig.batch_size = 8", "AdamWConfig.peak_lr = 1e-3", "run_sft.eval_problems = 0",
+    "TrainerConfig.log_every = 2",
     "CheckpointConfig.save_every = 5", "run_sft.progress = False",
 ]
 
@@ -87,7 +87,7 @@ def test_exact_resume_outputs_traces_and_config_mismatch(tmp_path):
         assert (a / name).is_file(), name
     assert glob.glob(str(a / "tb" / "events.out.tfevents.*"))
     assert trace_files(str(a / "profile")), "no XProf trace written for steps 2..3"
-    assert "SFTConfig.num_steps = 10" in (a / "operative_config.gin").read_text()
+    assert "TrainerConfig.num_steps = 10" in (a / "operative_config.gin").read_text()
     steps = [json.loads(line)["step"] for line in open(a / "metrics.jsonl")]
     assert steps == [1, 2, 4, 5, 6, 8, 10]  # log steps, plus the checked-before-save step 5
     summary = (a / "summary.txt").read_text()
@@ -96,7 +96,7 @@ def test_exact_resume_outputs_traces_and_config_mismatch(tmp_path):
 
     # A checkpoint folder of another model config is refused with the difference named.
     with pytest.raises(ValueError, match="incompatible.*d_model.*32.*64"):
-        main(_args(a, "ModelConfig.d_model = 64", "SFTConfig.num_steps = 12"))
+        main(_args(a, "ModelConfig.d_model = 64", "TrainerConfig.num_steps = 12"))
 
 
 @pytest.mark.slow

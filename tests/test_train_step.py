@@ -20,7 +20,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from hcjax.distill.dpo import DPOConfig, PreferenceObjective, make_dpo_step, reference_logprobs
+from hcjax.distill.dpo import (
+    DPOConfig,
+    PreferenceObjective,
+    preference_inputs,
+    reference_logprobs,
+)
 from hcjax.model import ModelConfig, Transformer
 from hcjax.model.transformer import shard_state
 from hcjax.rl.advantages import assign_advantages
@@ -30,7 +35,8 @@ from hcjax.rl.learner import Learner, LearnerConfig
 from hcjax.rl.losses import LossConfig
 from hcjax.rollout.records import Rollout
 from hcjax.sharding import MeshConfig, make_mesh
-from hcjax.train.sft import NextTokenObjective, SFTConfig, make_sft_step
+from hcjax.train.loop import AdamWConfig, TrainerConfig, make_run_step
+from hcjax.train.sft import NextTokenObjective, make_sft_step
 from hcjax.train.step import (
     OptimizerConfig,
     expert_counts_from_record,
@@ -142,7 +148,7 @@ def floats(metrics) -> dict[str, float]:
 
 # Cases ------------------------------------------------------------------------------------------
 SFT_CASES = {
-    # (model dropout, SFTConfig fields)
+    # (model dropout, TrainerConfig and AdamWConfig fields)
     "sft_one_micro_batch": (0.0, dict(num_steps=20, batch_size=4, num_microbatches=1,
                                       peak_lr=1e-2, end_lr=1e-3, warmup_fraction=0.0,
                                       weight_decay=0.01, eps=1e-6, grad_clip=1.0,
@@ -168,13 +174,21 @@ GRPO_ENTROPY = dict(target=5.0, delta=0.25, k_max=0.5)
 REF = json.loads(REFERENCE.read_text())
 
 
+def loop_configs(fields: dict) -> tuple[TrainerConfig, AdamWConfig]:
+    """The fields of the one SFTConfig the reference was written with, split between the loop's
+    two configs."""
+    names = {f.name for f in dataclasses.fields(TrainerConfig)}
+    return (TrainerConfig(**{k: v for k, v in fields.items() if k in names}),
+            AdamWConfig(**{k: v for k, v in fields.items() if k not in names}))
+
+
 def _run_sft(name: str):
     dropout, fields = SFT_CASES[name]
     cfg_m = dataclasses.replace(CFG, dropout_rate=dropout)
     graphdef, params, rest = nnx.split(initial_model(cfg_m), nnx.Param, ...)
     params = nnx.to_pure_dict(params)
-    cfg = SFTConfig(**fields)
-    tx = make_optimizer(cfg.optimizer())
+    cfg, optim = loop_configs(fields)
+    tx = make_optimizer(optim.optimizer(cfg.num_steps))
     step = jax.jit(make_sft_step(graphdef, rest, tx, cfg, cfg_m))
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     metrics = []
@@ -188,10 +202,13 @@ def _run_dpo():
     graphdef, params, rest = nnx.split(initial_model(), nnx.Param, ...)
     params = nnx.to_pure_dict(params)
     ref_params = jax.tree.map(jnp.copy, params)
-    optim = SFTConfig(**DPO_OPTIM)
-    tx = make_optimizer(optim.optimizer())
-    step = jax.jit(make_dpo_step(graphdef, rest, tx, DPOConfig(**DPO_CASE, optim=optim), optim,
-                                 CFG))
+    loop, optim = loop_configs(DPO_OPTIM)
+    tx = make_optimizer(optim.optimizer(loop.num_steps))
+    # The loop's DPO step: the reference's log-probs computed inside it (`preference_inputs`).
+    run = make_run_step(graphdef, rest, tx, CFG, PreferenceObjective(DPOConfig(**DPO_CASE)),
+                        load_balance_coef=loop.load_balance_coef)
+    prepare = preference_inputs(graphdef, rest)
+    step = jax.jit(lambda state, ref, batch: run(state, prepare(ref, batch)))
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     metrics = []
     for seed in (0, 1):
@@ -278,7 +295,7 @@ def test_dpo_micro_batches_add_up_to_one_pass():
 
 def test_optimizer_configs_of_the_jobs():
     # SFT: linear warm-up over warmup_fraction of the steps, then cosine from peak to end LR.
-    sched = SFTConfig(num_steps=100, peak_lr=1.0, end_lr=0.1, warmup_fraction=0.1).optimizer()
+    sched = AdamWConfig(peak_lr=1.0, end_lr=0.1, warmup_fraction=0.1).optimizer(100)
     assert sched.warmup_steps == 10 and sched.total_steps == 100
     assert sched.learning_rate_at(0) == 0.0
     assert sched.learning_rate_at(5) == pytest.approx(0.5)
@@ -286,7 +303,7 @@ def test_optimizer_configs_of_the_jobs():
     assert sched.learning_rate_at(55) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-5)  # half-way
     assert sched.learning_rate_at(100) == pytest.approx(0.1)
     # No warm-up: the schedule starts at the peak.
-    assert SFTConfig(num_steps=10, peak_lr=0.5, warmup_fraction=0.0).optimizer() \
+    assert AdamWConfig(peak_lr=0.5, warmup_fraction=0.0).optimizer(10) \
         .learning_rate_at(0) == pytest.approx(0.5)
     # RL: RECIPE §3's AdamW at a constant LR; a bare AdamW unless clipping is asked for.
     rl = LearnerConfig().optimizer()

@@ -47,12 +47,12 @@ MODEL = [
     "ArithmeticSuite.kinds = ('add',)", "ArithmeticSuite.max_digits = 1",
     "ArithmeticSuite.num_heldout = 32", "DataConfig.row_len = 64",
 ]
-SFT = ("ModelConfig", "DataConfig", "SFTConfig", "ArithmeticSuite")
+SFT = ("ModelConfig", "DataConfig", "TrainerConfig", "AdamWConfig", "ArithmeticSuite")
 MAX_PROMPT, MAX_TOKENS = 32, 40
 CLIMB = [
     "ClimbConfig.group = 4", "ClimbConfig.early_group = 2",
     "ClimbConfig.early_window = (0.0, 1.0)", "ClimbConfig.full_window = (0.0, 1.0)",
-    f"ClimbConfig.max_tokens = {MAX_TOKENS}", f"ClimbConfig.max_prompt_len = {MAX_PROMPT}",
+    f"SamplingOptions.max_tokens = {MAX_TOKENS}", f"ClimbConfig.max_prompt_len = {MAX_PROMPT}",
     "ClimbConfig.eval_problems = 32", "ClimbConfig.max_concurrent_decodes = 16",
     "ClimbConfig.max_minutes = None", "ClimbConfig.num_steps = 100000",
     "ControllerConfig.groups_per_batch = 2", "ControllerConfig.num_workers = 4",
@@ -438,8 +438,8 @@ class Chaos:
             sft = Process("sft", [sys.executable, "-m", "hcjax.sft", "--output_dir",
                                   str(self.base),
                                   *_gin([b for b in MODEL if b.startswith(SFT)]),
-                                  *_gin([f"SFTConfig.num_steps = {self.s.sft_steps}",
-                                         f"SFTConfig.batch_size = {self.s.sft_batch}",
+                                  *_gin([f"TrainerConfig.num_steps = {self.s.sft_steps}",
+                                         f"TrainerConfig.batch_size = {self.s.sft_batch}",
                                          "run_sft.eval_problems = 0"])],
                           _env(1, self.token), self.logs)
             sft.start()

@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--modes", default="on_policy,async")
     args = parser.parse_args(argv)
     # After the flags, so --help stays fast; it registers what the climb reads before gin binds.
-    from hcjax.rl.climber import pretrain_base, run_climb
+    from hcjax.rl.climber import run_climb
+    from hcjax.train.sft import pretrain_base
 
     gin_files = args.gin_file or ["climb_tiny.gin"]
     config.bind(gin_files, args.gin_param)

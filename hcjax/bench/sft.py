@@ -5,6 +5,7 @@ pass vs 4 accumulated micro-batches (which add a routing-count forward pass), an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -16,15 +17,16 @@ from flax import nnx
 from hcjax import config
 from hcjax.display import Phases
 from hcjax.model import ModelConfig, Transformer
+from hcjax.train.loop import AdamWConfig, TrainerConfig
 from hcjax.train.pipeline import DataConfig, make_batch_iterator
-from hcjax.train.sft import SFTConfig, make_sft_step
+from hcjax.train.sft import make_sft_step
 from hcjax.train.step import make_optimizer
 
 
-def _step_rate(model_cfg: ModelConfig, cfg: SFTConfig, batches: list, steps: int) -> float:
+def _step_rate(model_cfg: ModelConfig, cfg: TrainerConfig, batches: list, steps: int) -> float:
     graphdef, params, rest = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     params = nnx.to_pure_dict(params)
-    tx: optax.GradientTransformation = make_optimizer(cfg.optimizer())
+    tx: optax.GradientTransformation = make_optimizer(AdamWConfig().optimizer(cfg.num_steps))
     step = jax.jit(make_sft_step(graphdef, rest, tx, cfg, model_cfg))
     state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
     state, _ = step(state, batches[0])  # compile
@@ -53,7 +55,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     config.bind(["tiny_cpu.gin"], [])
     model_cfg, data_cfg = ModelConfig(), DataConfig()
-    base = SFTConfig()
+    base = TrainerConfig()
 
     phases = Phases("hcjax.bench.sft")
     with phases.phase("packing 20 batches"):
@@ -71,7 +73,8 @@ def main(argv=None) -> None:
         phase.now("1 micro-batch")
         one = _step_rate(model_cfg, base, batches, args.steps)
         phase.advance(item="4 micro-batches")
-        acc = _step_rate(model_cfg, SFTConfig(num_microbatches=4), batches, args.steps)
+        acc = _step_rate(model_cfg, dataclasses.replace(base, num_microbatches=4), batches,
+                         args.steps)
         phase.advance()
     print(
         json.dumps(

@@ -1,7 +1,7 @@
 """Consolidation (RECIPE §3): several specialist climbs into one model. One SFT of a base on the
 successful late rollouts of every climb, mixed by per-climb weights, then one RL climb over the
 union of their task suites, and a report of held-out pass@1 of the base, each specialist and the
-consolidated model on every suite. The union suite is gin's `ClimbConfig.suite`, a MixtureSuite
+consolidated model on every suite. The union suite is gin's `TaskConfig.suite`, a MixtureSuite
 whose i-th component is the i-th climb's suite. `python -m hcjax.consolidate` is its entry point.
 """
 
@@ -18,16 +18,16 @@ from typing import Any
 import gin
 
 from hcjax import sharding as shd
-from hcjax.checkpoint import CheckpointConfig
-from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.display import Phase, Phases
 from hcjax.model import ModelConfig
-from hcjax.model_io import load_model
-from hcjax.rl.climber import Climb, ClimbConfig
+from hcjax.model_io import load_model, run_tokenizer
+from hcjax.rl.climber import Climb
 from hcjax.rl.pass_at_1 import ModelEvaluator
 from hcjax.rl.store import distillation_conversations
+from hcjax.rollout.request import sampling_options_from_gin
+from hcjax.tasks.task_config import TaskConfig
 from hcjax.train.pipeline import DataConfig
-from hcjax.train.sft import SFTConfig, SFTTrainer
+from hcjax.train.sft import sft_trainer
 
 __all__ = ["ConsolidateConfig", "build_mix", "mix_counts", "run_consolidate", "write_report"]
 
@@ -42,7 +42,7 @@ class ConsolidateConfig:
     only). base_fraction: share of the final mix taken from the union suite's reference
     responses (the base's own data). rl: run the union climb after the SFT (its length is
     ClimbConfig.num_steps / max_minutes). eval_problems: held-out problems per suite in the
-    report; eval_max_tokens: None means ClimbConfig.max_tokens."""
+    report; eval_max_tokens: None means SamplingOptions.max_tokens."""
 
     weights: Sequence[float] | None = None
     max_examples: int | None = None
@@ -131,22 +131,23 @@ def build_mix(climbs: Sequence[str], cfg: ConsolidateConfig, union: Any = None
 def _components(suite: Any, n: int) -> list[Any]:
     parts = list(getattr(suite, "suites", ())) or [suite]
     if len(parts) != n:
-        raise ValueError(f"ClimbConfig.suite has {len(parts)} component suite(s) "
+        raise ValueError(f"TaskConfig.suite has {len(parts)} component suite(s) "
                          f"({[s.name for s in parts]}) for {n} --climb folder(s); give a "
                          "MixtureSuite whose i-th suite is the i-th climb's")
     return parts
 
 
 def _run_sft(output_dir: str, mix_path: str, base: str) -> dict[str, Any]:
-    """SFT of `base` (any hcjax run) on the chat JSONL mix, with gin's SFTConfig / ModelConfig /
-    DataConfig (source and path replaced). Resumes from OUTPUT_DIR's checkpoints."""
+    """SFT of `base` (any hcjax run, with its tokenizer) on the chat JSONL mix, with gin's
+    TrainerConfig / AdamWConfig / ModelConfig / DataConfig (source and path replaced). Resumes
+    from OUTPUT_DIR's checkpoints."""
 
     mesh = shd.make_mesh(shd.MeshConfig())
     model_cfg = ModelConfig()
     model, _ = load_model(base, mesh, model_cfg)
     data_cfg = dataclasses.replace(DataConfig(), source="chat_jsonl", path=mix_path, suite=None)
-    trainer = SFTTrainer(output_dir, model_cfg, SFTConfig(), data_cfg, CheckpointConfig(), mesh,
-                         progress=False, model=model, tok=ByteTokenizer())
+    trainer = sft_trainer(output_dir, model_cfg, data_cfg, mesh, model=model,
+                          tok=run_tokenizer(base))
     try:
         result = trainer.train()
     finally:
@@ -204,8 +205,7 @@ def run_consolidate(output_dir: str, climbs: Sequence[str], base: str | None = N
     phases = phases or Phases("hcjax.consolidate", mode="off")
     t0 = time.perf_counter()
     cfg = ConsolidateConfig()
-    climb_cfg = ClimbConfig()
-    union = climb_cfg.make_suite()
+    union = TaskConfig().make_suite()
     suites = _components(union, len(climbs))
     base = base or os.path.join(climbs[0], "base")
     if not os.path.isdir(base):
@@ -236,8 +236,8 @@ def run_consolidate(output_dir: str, climbs: Sequence[str], base: str | None = N
                                progress=progress).run().summary
         models["consolidated_rl"] = rl_dir
     with phases.phase("evaluating", total=len(models) * len(suites)) as phase:
-        evals = _evaluate(models, suites, cfg, cfg.eval_max_tokens or climb_cfg.max_tokens,
-                          phase)
+        max_tokens = cfg.eval_max_tokens or sampling_options_from_gin().max_tokens
+        evals = _evaluate(models, suites, cfg, max_tokens, phase)
     report = {"climbs": [os.path.abspath(d) for d in climbs], "base": os.path.abspath(base),
               "mix": mix, "sft": sft, "models": models, "eval": evals,
               "rl": None if rl_summary is None else {

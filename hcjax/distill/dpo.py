@@ -1,14 +1,15 @@
 """DPO after the climb (Kimi k1.5 long2short, RECIPE §5): preference pairs from a climb's rollout
 store — within a group, the shortest correct response is chosen and a correct one at least 1.5×
-longer, or a wrong one, is rejected — and a trainer that fits `hcjax.rl.losses.dpo_loss` against
-the frozen starting params through the shared train step (hcjax.train.step: `PreferenceObjective`
-is all DPO adds) with an SFTConfig's optimiser settings and the hcjax.sft checkpoint layout.
+longer, or a wrong one, is rejected — and `run_dpo`, which fits `hcjax.rl.losses.dpo_loss` against
+the frozen starting params on the one training loop (hcjax.train.loop: `PreferenceObjective`, the
+pairs as a batch source and the reference's log-probs are all DPO adds), with the starting run's
+tokenizer.
 
-`run_dpo` writes OUT/checkpoints in the hcjax.sft layout (a `--base_checkpoint` of the climb);
-`pairs_from_samples` takes the pairs from the k samples per problem that shortest rejection
-sampling wrote (OUT/samples.jsonl) instead of a rollout store. `python -m hcjax.dpo` is the
-command line; this module parses no flags. The pair selection is a pure function; the loss lives
-with the other losses.
+`run_dpo` writes OUT/checkpoints in the layout of every hcjax run (a `--base_checkpoint` of the
+climb); `pairs_from_samples` takes the pairs from the k samples per problem that shortest
+rejection sampling wrote (OUT/samples.jsonl) instead of a rollout store. `python -m hcjax.dpo` is
+the command line; this module parses no flags. The pair selection is a pure function; the loss
+lives with the other losses.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import gin
@@ -27,31 +28,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hcjax.checkpoint import CheckpointConfig, Checkpointer
+from hcjax.checkpoint import CheckpointConfig
 from hcjax.data.template import encode_conversation
-from hcjax.data.tokenizer import ByteTokenizer
-from hcjax.metrics import MetricsWriter
-from hcjax.model import ModelConfig
-from hcjax.model_io import load_model, model_identity
+from hcjax.model_io import load_model, run_tokenizer
 from hcjax.rl.losses import dpo_loss
 from hcjax.rl.store import read_groups
-from hcjax.train.sft import (
-    MODEL_INPUTS,
-    SFTConfig,
-    make_run_step,
-    target_weights,
-    token_nll,
-)
-from hcjax.train.step import Objective, make_optimizer, model_forward
+from hcjax.sharding import MeshConfig, make_mesh
+from hcjax.train.loop import AdamWConfig, Trainer, TrainerConfig
+from hcjax.train.sft import MODEL_INPUTS, target_weights, token_nll
+from hcjax.train.step import Objective, model_forward
 
 __all__ = [
     "DPOConfig",
+    "PairBatches",
     "PreferenceObjective",
     "PreferencePair",
+    "batch_indices",
     "encode_pairs",
-    "make_dpo_step",
     "pairs_from_samples",
     "pairs_from_store",
+    "preference_inputs",
     "reference_logprobs",
     "run_dpo",
     "select_pairs",
@@ -68,9 +64,10 @@ class DPOConfig:
     long_pairs / wrong_pairs (which rejections to use), max_pairs_per_group, and the store
     filter min_step_fraction (rollouts of learner steps >= this fraction of the last).
     row_len: tokens per encoded sequence (longer pairs are dropped).
-    optim: the optimisation settings, an hcjax.train.sft.SFTConfig (num_steps, batch_size =
-    pairs per step, LR schedule, weight decay, clipping, seed, init_checkpoint); None: SFTConfig()
-    built under the gin scope `dpo` (so `dpo/SFTConfig.peak_lr = ...` binds it)."""
+    trainer, optimizer: the loop's settings (num_steps, batch_size = pairs per step, seed,
+    log_every, init_checkpoint, ...) and its AdamW schedule (hcjax.train.loop); None: gin's
+    TrainerConfig / AdamWConfig under the scope `dpo` (`dpo/TrainerConfig.num_steps = ...`), so
+    DPO's settings stay apart from those of a fine-tuning or pre-training in the same gin files."""
 
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -81,7 +78,8 @@ class DPOConfig:
     max_pairs_per_group: int | None = None
     min_step_fraction: float = 0.0
     row_len: int = 128
-    optim: Any = None
+    trainer: TrainerConfig | None = None
+    optimizer: AdamWConfig | None = None
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -96,11 +94,10 @@ class DPOConfig:
         if self.row_len < 2:
             raise ValueError(f"DPOConfig.row_len={self.row_len} must be >= 2")
 
-    def optimiser(self) -> SFTConfig:
-        if self.optim is not None:
-            return self.optim
+    def loop(self) -> tuple[TrainerConfig, AdamWConfig]:
+        """(trainer, optimizer): the given ones, else gin's under the scope `dpo`."""
         with gin.config_scope("dpo"):
-            return SFTConfig()
+            return self.trainer or TrainerConfig(), self.optimizer or AdamWConfig()
 
 
 # Pairs ------------------------------------------------------------------------------------------
@@ -277,21 +274,16 @@ class PreferenceObjective(Objective):
         return loss * share, {name: x * share for name, x in metrics.items()}
 
 
-def make_dpo_step(graphdef: Any, rest: Any, tx: Any, cfg: DPOConfig, optim: SFTConfig,
-                  model_cfg: ModelConfig) -> Callable[[dict, Any, dict], tuple[dict, dict]]:
-    """`step(state, ref_params, batch) -> (state, metrics)`; state = {"params", "opt", "step"},
-    batch rows as `encode_pairs` lays them out (chosen then rejected), in optim.num_microbatches
-    micro-batches. The reference's `ref_logp` is computed in the same step. No dropout: the
-    policy and the reference are scored by the same deterministic forward."""
-    step = make_run_step(graphdef, rest, tx, model_cfg,
-                         PreferenceObjective(cfg, optim.num_microbatches),
-                         load_balance_coef=optim.load_balance_coef)
+def preference_inputs(graphdef: Any, rest: Any) -> Any:
+    """fn(ref_params, batch) -> the batch with `ref_logp`, the frozen reference's
+    `sequence_logprobs` of every row: what a DPO batch carries into `PreferenceObjective`,
+    computed inside the train step (the loop's `prepare`)."""
 
-    def dpo_step(state, ref_params, batch):
+    def prepare(ref_params, batch):
         ref = reference_logprobs(graphdef, rest, jax.lax.stop_gradient(ref_params), batch)
-        return step(state, {**batch, "ref_logp": ref})
+        return {**batch, "ref_logp": ref}
 
-    return dpo_step
+    return prepare
 
 
 def batch_indices(step: int, num_pairs: int, batch: int, seed: int) -> np.ndarray:
@@ -308,66 +300,74 @@ def batch_indices(step: int, num_pairs: int, batch: int, seed: int) -> np.ndarra
     return np.asarray(idx)
 
 
+class PairBatches:
+    """DPO's batch source for the loop: step s takes the pairs `batch_indices(s, ...)` of the
+    `encode_pairs` rows, chosen rows then rejected rows; its state is the next step."""
+
+    def __init__(self, data: dict[str, np.ndarray], batch_size: int, seed: int) -> None:
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.num_pairs = data["tokens"].shape[0] // 2
+        self.step = 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        idx = batch_indices(self.step, self.num_pairs, self.batch_size, self.seed)
+        rows = np.concatenate([idx, idx + self.num_pairs])
+        self.step += 1
+        return {k: v[rows] for k, v in self.data.items()}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
 @gin.configurable
 def run_dpo(output_dir: str, pairs: Sequence[PreferencePair], init_checkpoint: str | None = None,
             cfg: DPOConfig | None = None, progress: bool = True) -> dict[str, Any]:
     """Train DPO on `pairs` from `init_checkpoint` (any hcjax run; also the frozen reference;
-    None: the optimiser config's init_checkpoint) into OUTPUT_DIR; resumes from its checkpoints.
-    Returns the summary (also OUTPUT_DIR/summary.json)."""
+    None: the loop config's init_checkpoint) into OUTPUT_DIR on one device, with that run's
+    tokenizer; resumes from its checkpoints. Returns the summary (also OUTPUT_DIR/summary.json).
+    progress: one JSON line per logged step."""
     cfg = cfg or DPOConfig()
-    optim = cfg.optimiser()
-    init_checkpoint = init_checkpoint or optim.init_checkpoint
+    loop, optim = cfg.loop()
+    init_checkpoint = init_checkpoint or loop.init_checkpoint
     if init_checkpoint is None:
         raise ValueError("run_dpo needs init_checkpoint: the policy's (and reference's) start")
     if not pairs:
         raise ValueError("run_dpo: no preference pairs")
     t0 = time.perf_counter()
-    tok = ByteTokenizer()
+    tok = run_tokenizer(init_checkpoint)
+    mesh = make_mesh(MeshConfig(num_devices=1))
+    model, model_cfg = load_model(init_checkpoint, mesh)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer of {init_checkpoint!r} has {tok.vocab_size} ids; the "
+                         f"model's vocab_size is {model_cfg.vocab_size}")
     data, dropped = encode_pairs(pairs, tok, cfg.row_len)
     num_pairs = data["tokens"].shape[0] // 2
     if num_pairs == 0:
         raise ValueError(f"every pair is longer than DPOConfig.row_len={cfg.row_len}")
-    model, model_cfg = load_model(init_checkpoint)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = nnx.to_pure_dict(params)
-    ref_params = jax.tree.map(jnp.copy, params)
-    tx = make_optimizer(optim.optimizer())
-    state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-    os.makedirs(output_dir, exist_ok=True)
-    ckpt = Checkpointer(os.path.join(output_dir, "checkpoints"),
-                        CheckpointConfig(async_save=False, save_every=10**9, keep=1),
-                        {"model_config": model_identity(model_cfg)})
-    if ckpt.latest_step() is not None:
-        state, _ = ckpt.restore(None, state)
-    step_fn = jax.jit(make_dpo_step(graphdef, rest, tx, cfg, optim, model_cfg))
-    writer = MetricsWriter(output_dir)
-    first = last = None
+    ref_params = jax.tree.map(jnp.copy, nnx.to_pure_dict(params))
+    # The starting params are already the model's: the loop reads no init_checkpoint again.
+    loop = dataclasses.replace(loop, init_checkpoint=None)
+    trainer = Trainer(
+        output_dir, model_cfg, PreferenceObjective(cfg, loop.num_microbatches),
+        PairBatches(data, loop.batch_size, loop.seed), loop, optim, mesh,
+        # Saved once, at the end.
+        ckpt_cfg=CheckpointConfig(async_save=False, save_every=10**9, keep=1),
+        model=model, dropout=False, reference=ref_params,
+        prepare=preference_inputs(graphdef, rest), json_lines=progress,
+        log_keys=("reward_accuracy", "reward_margin"), name="hcjax.dpo")
     try:
-        for step in range(int(state["step"]), optim.num_steps):
-            idx = batch_indices(step, num_pairs, optim.batch_size, optim.seed)
-            rows = np.concatenate([idx, idx + num_pairs])
-            batch = {k: v[rows] for k, v in data.items()}
-            state, metrics = step_fn(state, ref_params, batch)
-            if (step + 1) % optim.log_every == 0 or step == 0 or step + 1 == optim.num_steps:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not np.isfinite(m["loss"]):
-                    raise FloatingPointError(f"DPO loss={m['loss']} at step {step + 1}")
-                writer.write(step + 1, m)
-                first = first or m
-                last = m
-                if progress:
-                    print(json.dumps({"step": step + 1, "loss": round(m["loss"], 4),
-                                      "reward_accuracy": round(m["reward_accuracy"], 3),
-                                      "reward_margin": round(m["reward_margin"], 4)}), flush=True)
-        ckpt.save(int(state["step"]), state, force=True)
-        ckpt.wait()
+        result = trainer.train()
     finally:
-        ckpt.close()
-        writer.close()
+        trainer.close()
     summary = {"pairs": num_pairs, "pairs_dropped_overlong": dropped,
-               "steps": int(state["step"]), "init_checkpoint": os.path.abspath(init_checkpoint),
+               "steps": result.steps, "init_checkpoint": os.path.abspath(init_checkpoint),
                "beta": cfg.beta, "label_smoothing": cfg.label_smoothing,
-               "first": first, "last": last, "wall_seconds": time.perf_counter() - t0}
+               "first": result.first, "last": result.last,
+               "wall_seconds": time.perf_counter() - t0}
     with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     return summary

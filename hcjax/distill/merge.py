@@ -2,8 +2,8 @@
 of one architecture, and task-vector arithmetic base + Σ λ_i (ft_i − base).
 
 `merge_checkpoints` reads any hcjax runs and writes the result as a run folder in the hcjax.sft
-layout (hcjax.model_io), so it is a `--base_checkpoint` of the climb and an
-`SFTConfig.init_checkpoint`; `python -m hcjax.merge` is its command line. The maths are pure
+layout (hcjax.model_io), so it is a `--base_checkpoint` of the climb and a
+`TrainerConfig.init_checkpoint`; `python -m hcjax.merge` is its command line. The maths are pure
 functions of param trees; no training here.
 """
 

@@ -1,8 +1,10 @@
-"""The climb as a library object (RECIPE §1, §3, §4): `Climb(output_dir, ...)` builds every part
-from gin — the task suite and its rewards (ClimbConfig), the placement (Placement), the learner
-(LearnerConfig), the controller (ControllerConfig), the problem source (SourceConfig) — and
+"""The climb as a library object (RECIPE §1, §3, §4): `Climb(output_dir, base_checkpoint=...)`
+builds every part from gin — the task suite and its rewards (TaskConfig), the climb's settings
+and sampling (ClimbConfig), the placement (Placement), the learner (LearnerConfig), the
+controller (ControllerConfig), the problem source (SourceConfig) — on a base it is given, and
 `run()` climbs and returns the summary. Each part lives in the module that owns it; this file
-only wires them and keeps the climb's history (evaluations, checkpoints, metrics)."""
+only wires them and keeps the climb's history (evaluations, checkpoints, metrics). It trains no
+base: the job that wants one pre-trained (`python -m hcjax.climb`) makes it first."""
 
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ from hcjax.model import ModelConfig, with_compute_dtype
 from hcjax.model.config import DTYPES
 from hcjax.model_io import hf_source_meta, load_hf_model, load_model
 from hcjax.profiling import StepTracer
-from hcjax.rewards.spec import RewardSpec
 from hcjax.rewards.types import Grade
 from hcjax.rl.controller import Controller, ControllerConfig, StepReport
 from hcjax.rl.curriculum import EarlyExit, LengthCurriculum
@@ -55,32 +56,32 @@ from hcjax.rl.workers import (
     RolloutWorker,
     WorkerStats,
 )
-from hcjax.rollout.request import SamplingOptions
-from hcjax.tasks import ArithmeticSuite, check_suite
-from hcjax.train.sft import run_sft
+from hcjax.rollout.request import SamplingOptions, sampling_options_from_gin
+from hcjax.tasks.task_config import TaskConfig
 from hcjax.transfer.weights_service import Unreached
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Climb", "ClimbConfig", "ClimbResult", "EngineLengths", "engine_lengths",
-           "pretrain_base", "run_climb"]
+__all__ = ["Climb", "ClimbConfig", "ClimbResult", "ClimbSettings", "EngineLengths",
+           "engine_lengths", "run_climb"]
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ClimbConfig:
-    """The climb's own settings; the placement (Placement), learner (LearnerConfig), controller
-    (ControllerConfig), problem source (SourceConfig), model (ModelConfig) and base pre-training
-    (SFTConfig) have their own.
+    """The climb's own settings; the task (TaskConfig: suite and rewards), placement (Placement),
+    learner (LearnerConfig), controller (ControllerConfig), problem source (SourceConfig), model
+    (ModelConfig) and a base's pre-training (TrainerConfig, AdamWConfig) have their own.
 
-    suite: the TaskSuite to climb (None: ArithmeticSuite(), the synthetic suite of the tiny
-      default); rewards: per suite name, its group reward shaping (hcjax.rewards.spec.RewardSpec).
+    sampling: how rollouts are drawn (hcjax.rollout.request.SamplingOptions; default: gin's
+      `SamplingOptions.*` bindings over its defaults): max_tokens, response tokens per model
+      turn (a length_curriculum, hcjax.rl.curriculum.LengthCurriculum, replaces it by a growing
+      budget per stage of learner steps); temperature (the start value when the entropy
+      controller moves it: EntropyController.temperature_delta > 0, hcjax.rl.entropy); top_p;
+      token_budget (Kimi partial rollouts); priority. Its stop tokens are the tokenizer's and
+      each request's seed comes from the climb, so those two stay unset.
     max_minutes: stop climbing after this much wall time (None: run all num_steps).
     early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
-    max_tokens: response tokens per model turn; length_curriculum (hcjax.rl.curriculum
-      .LengthCurriculum) replaces it by a growing budget per stage of learner steps.
-    temperature: the sampling temperature (the start value when the entropy controller moves it:
-      EntropyController.temperature_delta > 0, hcjax.rl.entropy).
     max_prompt_len: the engine's max prefill length for single-turn prompts; None: the suite's
       longest templated prompt (at least 32). max_prefill_length: for multi-turn episodes, whose
       later turns carry the earlier ones (None: prompt + the episode budget's turns).
@@ -95,8 +96,7 @@ class ClimbConfig:
       learner (bench.precision's climbs). Remote replicas compute in their own ModelConfig.dtype.
     """
 
-    suite: Any = None
-    rewards: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sampling: SamplingOptions = dataclasses.field(default_factory=sampling_options_from_gin)
     num_steps: int = 60
     max_minutes: float | None = None
     group: int = 8
@@ -104,11 +104,7 @@ class ClimbConfig:
     early_window: tuple[float, float] = (0.05, 0.95)
     full_window: tuple[float, float] = (0.05, 0.95)
     advantage: str = "mean_std"
-    max_tokens: int = 24
     length_curriculum: LengthCurriculum | None = None
-    temperature: float = 1.0
-    top_p: float = 0.97
-    token_budget: int | None = None
     max_retries: int = 3
     eval_every: int = 10
     eval_problems: int = 200
@@ -123,10 +119,19 @@ class ClimbConfig:
     sampler_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingOptions):
+            raise ValueError(f"ClimbConfig.sampling={self.sampling!r} must be a SamplingOptions")
+        # As plain options (gin builds `@SamplingOptions()` as its registered wrapper).
+        object.__setattr__(self, "sampling", self.sampling.options())
+        if self.sampling.stop_tokens or self.sampling.seed is not None:
+            raise ValueError(
+                f"ClimbConfig.sampling has stop_tokens={self.sampling.stop_tokens} and seed="
+                f"{self.sampling.seed}: the climb's stop tokens are its tokenizer's and each "
+                "request's seed is drawn from ClimbConfig.seed; leave both unset")
         if self.sampler_dtype is not None and self.sampler_dtype not in DTYPES:
             raise ValueError(f"ClimbConfig.sampler_dtype={self.sampler_dtype!r} must be None or "
                              f"one of {sorted(DTYPES)}")
-        for name in ("num_steps", "group", "early_group", "max_tokens", "eval_every",
+        for name in ("num_steps", "group", "early_group", "eval_every",
                      "max_concurrent_decodes", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ClimbConfig.{name}={getattr(self, name)} must be >= 1")
@@ -138,29 +143,20 @@ class ClimbConfig:
         for name in ("max_prompt_len", "max_prefill_length"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"ClimbConfig.{name}={getattr(self, name)} must be >= 1 or None")
-        if not isinstance(self.rewards, Mapping) or not all(
-                isinstance(spec, RewardSpec) for spec in self.rewards.values()):
-            raise ValueError(f"ClimbConfig.rewards={self.rewards!r} must map suite names to "
-                             "RewardSpecs")
 
     def early_exit(self) -> EarlyExit:
         return EarlyExit(self.early_group, self.group, tuple(self.early_window),
                          tuple(self.full_window))
 
-    def make_suite(self) -> Any:
-        suite = self.suite if self.suite is not None else ArithmeticSuite()
-        check_suite(suite, "ClimbConfig.suite")
-        return suite
-
     def longest_response(self) -> int:
         """The most response tokens one model turn may take over the whole climb."""
         if self.length_curriculum is None:
-            return self.max_tokens
+            return self.sampling.max_tokens
         return self.length_curriculum.end
 
     def max_tokens_at(self, step: int) -> int:
         if self.length_curriculum is None:
-            return self.max_tokens
+            return self.sampling.max_tokens
         return self.length_curriculum.max_length(step)
 
 
@@ -170,12 +166,62 @@ class ClimbResult:
     summary: dict[str, Any]
 
 
-def pretrain_base(output_dir: str, progress: bool = False) -> str:
-    """Pre-train the tiny base with hcjax.sft into OUTPUT_DIR/base (resumes a previous run);
-    progress: show its step bar with ETA."""
-    base_dir = os.path.join(output_dir, "base")
-    run_sft(base_dir, progress=progress, eval_problems=0)
-    return base_dir
+@dataclasses.dataclass(frozen=True)
+class ClimbSettings:
+    """What a climb reads from gin, built and checked together, so that a binding mistake or an
+    impossible placement fails before anything heavy runs (a base pre-trained, a model loaded,
+    a step compiled). `from_gin` builds it; a job checks it, makes its base, then builds the
+    Climb from it."""
+
+    cfg: ClimbConfig
+    task: TaskConfig
+    suite: Any
+    controller: ControllerConfig
+    learner: LearnerConfig
+    model: ModelConfig
+    placement: Placement  # resolved against the devices present
+    processes: int  # learner processes (jax.process_count())
+
+    @classmethod
+    def from_gin(cls, *, inference_addresses: Sequence[str] = (), mode: str | None = None
+                 ) -> ClimbSettings:
+        """inference_addresses override Placement.inference_addresses; mode,
+        ControllerConfig.mode."""
+        cfg, task = ClimbConfig(), TaskConfig()
+        controller = ControllerConfig()
+        if mode is not None:
+            controller = dataclasses.replace(controller, mode=mode)
+        learner, model, placement = LearnerConfig(), ModelConfig(), Placement()
+        if inference_addresses:
+            placement = dataclasses.replace(placement,
+                                            inference_addresses=tuple(inference_addresses))
+        suite = task.make_suite()
+        # Placement first: a mesh the devices cannot form fails here, before any compile.
+        processes = jax.process_count()
+        if processes > 1 and not placement.inference_addresses:
+            raise ValueError(
+                f"a learner over {processes} processes needs remote inference "
+                "(Placement.inference_addresses or --inference_address): the in-process engine "
+                "cannot hold parameters that span every process")
+        placement = placement.resolve(jax.devices())
+        if cfg.sampler_dtype is not None and placement.remote:
+            raise ValueError(
+                f"ClimbConfig.sampler_dtype={cfg.sampler_dtype!r} sets the in-process replicas' "
+                "compute dtype; remote replicas (Placement.inference_addresses, --inference_address"
+                ", Placement.backend='ray') compute in their own ModelConfig.dtype: bind it there")
+        return cls(cfg, task, suite, controller, learner, model, placement, processes)
+
+    def check_base(self, base_checkpoint: str | None, hf_checkpoint: str | None) -> None:
+        """The base the climb may start from: one of the two, and a run folder when the learner
+        spans processes (each would otherwise load or make its own). Neither: the job is about to
+        pre-train one (`hcjax.train.sft.pretrain_base`), which only one process may do."""
+        if hf_checkpoint is not None and base_checkpoint is not None:
+            raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
+                             f"{base_checkpoint!r}: the climb starts from one base, give one")
+        if self.processes > 1 and base_checkpoint is None:
+            raise ValueError(
+                f"a learner over {self.processes} processes needs --base_checkpoint: pre-train "
+                "the base first with `python -m hcjax.sft` (every process would pre-train its own)")
 
 
 def _shaping_for(rewards: Mapping[str, Any], max_tokens: Any, step: Any, decode: Any):
@@ -238,74 +284,54 @@ def engine_lengths(cfg: ClimbConfig, suite: Any, tok: Any, max_seq_len: int) -> 
 
 
 class Climb:
-    """One climb in `output_dir` (resumed when it holds checkpoints).
+    """One climb in `output_dir` (resumed when it holds checkpoints), from a base it is given.
 
-    base_checkpoint: an hcjax.sft run (default: pre-train the tiny base into OUTPUT_DIR/base);
-    hf_checkpoint: a Hugging Face folder as the base instead (its model, tokenizer and chat
-    template); inference_addresses: remote `python -m hcjax.serve` replicas (overrides
-    Placement.inference_addresses); mode overrides ControllerConfig.mode; stop_at_gain: stop once
-    held-out pass@1 is this much above the base's (bench.climb). progress: show the climb as
-    log_format says (hcjax.display: "auto" is a live panel on a terminal, JSON lines otherwise);
-    False shows nothing but notes."""
+    base_checkpoint: any hcjax run (e.g. an hcjax.sft base; `hcjax.train.sft.pretrain_base`
+    makes the tiny one); hf_checkpoint: a Hugging Face folder as the base instead (its model,
+    tokenizer and chat template). settings: the gin settings already built and checked
+    (`ClimbSettings.from_gin`); None builds them here, with inference_addresses (remote `python -m
+    hcjax.serve` replicas, overriding Placement.inference_addresses) and mode (overriding
+    ControllerConfig.mode). stop_at_gain: stop once held-out pass@1 is this much above the
+    base's (bench.climb). progress: show the climb as log_format says (hcjax.display: "auto" is
+    a live panel on a terminal, JSON lines otherwise); False shows nothing but notes.
+    base_seconds: what making the base took the job before this climb was built (pre-training),
+    counted in the summary's `wall_seconds` and `base_pretrain_seconds`."""
 
     def __init__(self, output_dir: str, *, base_checkpoint: str | None = None,
-                 hf_checkpoint: str | None = None, inference_addresses: Sequence[str] = (),
-                 mode: str | None = None, progress: bool = True,
-                 stop_at_gain: float | None = None, log_format: str = "auto") -> None:
-        if hf_checkpoint is not None and base_checkpoint is not None:
-            raise ValueError(f"hf_checkpoint={hf_checkpoint!r} and base_checkpoint="
-                             f"{base_checkpoint!r}: the climb starts from one base, give one")
-        self.t_start = time.perf_counter()
+                 hf_checkpoint: str | None = None, settings: ClimbSettings | None = None,
+                 inference_addresses: Sequence[str] = (), mode: str | None = None,
+                 progress: bool = True, stop_at_gain: float | None = None,
+                 log_format: str = "auto", base_seconds: float = 0.0) -> None:
+        if settings is not None and (inference_addresses or mode is not None):
+            raise ValueError(f"inference_addresses={list(inference_addresses)} and mode={mode!r} "
+                             "are settings: pass them to ClimbSettings.from_gin, not beside one")
+        self.t_start = time.perf_counter() - base_seconds
         self.unreached_pushes = 0  # weight pushes no replica installed (kept; see _publish)
         self.output_dir = os.path.abspath(output_dir)
-        os.makedirs(self.output_dir, exist_ok=True)
         self.progress, self.stop_at_gain = progress, stop_at_gain
-        self.cfg = cfg = ClimbConfig()
-        self.ctl_cfg = ControllerConfig()
-        if mode is not None:
-            self.ctl_cfg = dataclasses.replace(self.ctl_cfg, mode=mode)
-        self.learner_cfg = LearnerConfig()
+        settings = settings or ClimbSettings.from_gin(inference_addresses=inference_addresses,
+                                                      mode=mode)
+        settings.check_base(base_checkpoint, hf_checkpoint)
+        if base_checkpoint is None and hf_checkpoint is None:
+            raise ValueError("a climb starts from a base: give base_checkpoint (any hcjax run; "
+                             "hcjax.train.sft.pretrain_base makes the tiny one) or hf_checkpoint")
+        os.makedirs(self.output_dir, exist_ok=True)
+        self.cfg = cfg = settings.cfg
+        self.task, self.suite, self.processes = settings.task, settings.suite, settings.processes
+        self.ctl_cfg, self.learner_cfg = settings.controller, settings.learner
+        self.placement = settings.placement
         # Entropy control (hcjax.rl.entropy): k moves inside the learner's step; the sampling
         # temperature, when the controller moves it, here after each step (None: fixed).
         self.entropy = self.learner_cfg.entropy
-        self.temperature = self.entropy.initial_temperature(cfg.temperature)
+        self.temperature = self.entropy.initial_temperature(cfg.sampling.temperature)
         self.display = ClimbDisplay(resolve_format(log_format) if progress else "off",
                                     num_steps=cfg.num_steps, max_minutes=cfg.max_minutes,
                                     entropy_target=self.entropy.target)
         self.interrupted = False
-        model_cfg = ModelConfig()
-        placement = Placement()
-        if inference_addresses:
-            placement = dataclasses.replace(placement,
-                                            inference_addresses=tuple(inference_addresses))
-        self.suite = cfg.make_suite()
-        unknown = sorted(set(cfg.rewards) - self._suite_names())
-        if unknown:
-            raise ValueError(f"ClimbConfig.rewards names suites {unknown}; the climb's suites "
-                             f"are {sorted(self._suite_names())}")
-
-        # Placement first: a mesh the devices cannot form fails here, before any compile.
-        self.processes = jax.process_count()
-        if self.processes > 1 and not placement.inference_addresses:
-            raise ValueError(
-                f"a learner over {self.processes} processes needs remote inference "
-                "(Placement.inference_addresses or --inference_address): the in-process engine "
-                "cannot hold parameters that span every process")
-        if self.processes > 1 and base_checkpoint is None:
-            raise ValueError(
-                f"a learner over {self.processes} processes needs --base_checkpoint: pre-train "
-                "the base first with `python -m hcjax.sft` (every process would pre-train its own)")
-        self.placement = placement.resolve(jax.devices())
-        if cfg.sampler_dtype is not None and self.placement.remote:
-            raise ValueError(
-                f"ClimbConfig.sampler_dtype={cfg.sampler_dtype!r} sets the in-process replicas' "
-                "compute dtype; remote replicas (Placement.inference_addresses, --inference_address"
-                ", Placement.backend='ray') compute in their own ModelConfig.dtype: bind it there")
-
         self.tok = self._tokenizer(hf_checkpoint)
         self.stops = tuple(stop_ids(self.tok))
         self.step_now = 0
-        shaping = _shaping_for(cfg.rewards, lambda: self.rollout_worker.sampling.max_tokens,
+        shaping = _shaping_for(self.task.rewards, lambda: self.rollout_worker.sampling.max_tokens,
                                lambda: self.step_now, self.tok.decode)
 
         # The base model on the learner mesh.
@@ -319,13 +345,9 @@ class Climb:
                 raise ValueError(f"the tokenizer of {hf_checkpoint!r} has {self.tok.vocab_size} "
                                  f"ids; the model's vocab_size is {model_cfg.vocab_size}")
         else:
-            if base_checkpoint is None:
-                self.display.pretraining(os.path.join(self.output_dir, "base"))
-            model, _ = load_model(
-                base_checkpoint or pretrain_base(self.output_dir, progress=self.display.live),
-                learner_mesh, model_cfg)
+            model, model_cfg = load_model(base_checkpoint, learner_mesh, settings.model)
         self.model_cfg = model_cfg
-        self.base_seconds = time.perf_counter() - t_base
+        self.base_seconds = base_seconds + time.perf_counter() - t_base
         # Tool episodes' later turns are prefilled with everything before them: their context
         # is capped at the engine's prefill limit (an episode reaching it ends as "length").
         self.lengths = engine_lengths(cfg, self.suite, self.tok, model_cfg.max_seq_len)
@@ -355,9 +377,8 @@ class Climb:
 
         self.stats = WorkerStats()
         self.partials = PartialRegistry()
-        self.sampling = SamplingOptions(max_tokens=cfg.max_tokens_at(0),
-                                        temperature=cfg.temperature, top_p=cfg.top_p,
-                                        stop_tokens=self.stops, token_budget=cfg.token_budget)
+        self.sampling = dataclasses.replace(cfg.sampling, max_tokens=cfg.max_tokens_at(0),
+                                            stop_tokens=self.stops)
         self.rollout_worker = RolloutWorker(self.inference, self.sampling,
                                             max_retries=cfg.max_retries, stats=self.stats,
                                             partials=self.partials)
@@ -377,14 +398,12 @@ class Climb:
         self.saved_step: int | None = None
         self.deadline: float | None = None
         self.t_climb = time.perf_counter()
-        self.last_step_time = time.perf_counter()
+        self.last_step_time = self.t_run = time.perf_counter()
+        # Opened when climbing starts (`_climb`), closed by `close`.
+        self.writer: MetricsWriter | None = None
+        self.tracer: StepTracer | None = None
 
     # Construction helpers ----------------------------------------------------------------------
-    def _suite_names(self) -> set[str]:
-        names = {self.suite.name}
-        names.update(s.name for s in getattr(self.suite, "suites", ()))
-        return names
-
     @staticmethod
     def _tokenizer(hf_checkpoint: str | None):
         return ByteTokenizer() if hf_checkpoint is None else load_tokenizer(hf_checkpoint)
@@ -612,9 +631,9 @@ class Climb:
     def close(self) -> None:
         if self.dist is not None:  # before ckpt.close(): the followers close theirs after `stop`
             self.dist.stop()
-        for name in ("tracer", "writer"):
-            if hasattr(self, name):
-                getattr(self, name).close()
+        for part in (self.tracer, self.writer):
+            if part is not None:
+                part.close()
         self.ckpt.close()
         self.store.close()
         self.inference.close()

@@ -43,7 +43,7 @@ class EntropyController:
 
     k: delta (δ), k_max, and k, its start value. Temperature: temperature_delta (δ; 0 keeps the
     sampling temperature fixed) within temperature_range (low, high); the climb's
-    ClimbConfig.temperature is its start value.
+    SamplingOptions.temperature is its start value.
     """
 
     target: float = 0.3
@@ -93,7 +93,7 @@ class EntropyController:
         lie in temperature_range."""
         if not self.controls_temperature:
             return None
-        return self._in_range(temperature, "ClimbConfig.temperature")
+        return self._in_range(temperature, "SamplingOptions.temperature")
 
     def next_temperature(self, temperature: float, entropy: float) -> float:
         """One step of the rule on the sampling temperature, on the host (float64): the

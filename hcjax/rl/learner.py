@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from hcjax import sharding as shd
 from hcjax.model import ModelConfig, Transformer, head_logits, shard_state, update_correction_bias
+from hcjax.model_io import wrapped_params_layout
 from hcjax.rl import batch as batch_lib
 from hcjax.rl.batch import LearnerBatch
 from hcjax.rl.entropy import EntropyController
@@ -56,6 +57,8 @@ __all__ = [
     "PolicyObjective",
     "chunked_token_logprobs",
     "make_learner_step",
+    "state_from_disk",
+    "state_on_disk",
     "token_logprobs",
 ]
 
@@ -123,6 +126,35 @@ class LearnerState:
     opt_state: optax.OptState
     entropy: dict  # {"k": float32 scalar}
     step: jax.Array
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, nnx.State)
+
+
+def state_on_disk(state: LearnerState) -> dict[str, Any]:
+    """The learner state as checkpoints hold it, in the one layout every hcjax run writes: a dict
+    of its fields with the parameters and the optimiser's moments as plain dicts of arrays
+    (`nnx.to_pure_dict`), so hcjax.model_io reads a climb's params as it reads any job's. The
+    arrays are the state's own (no copy)."""
+    return {f.name: jax.tree.map(lambda x: nnx.to_pure_dict(x) if _is_state(x) else x,
+                                 getattr(state, f.name), is_leaf=_is_state)
+            for f in dataclasses.fields(state)}
+
+
+def state_from_disk(like: LearnerState, saved: dict[str, Any]) -> LearnerState:
+    """`state_on_disk`'s inverse: `saved`'s arrays in the structure of `like` (its nnx.States
+    rebuilt from the plain dicts)."""
+    def back(template: Any, plain: Any) -> Any:
+        if not _is_state(template):
+            return plain
+        state = jax.tree.map(lambda x: x, template)  # a fresh State of the same variables
+        nnx.replace_by_pure_dict(state, plain)
+        return state
+
+    return LearnerState(**{f.name: jax.tree.map(back, getattr(like, f.name), saved[f.name],
+                                                 is_leaf=_is_state)
+                           for f in dataclasses.fields(like)})
 
 
 def token_logprobs(logits_btv, targets_bt, temperature_bt, n_kept_bt, replay_top_p: bool):
@@ -394,10 +426,16 @@ class Learner:
     def restore(self, checkpointer, step: int) -> dict[str, Any]:
         """Restore `step` (or, if it is corrupt, the newest good step before it: see
         `checkpointer.restored_step`) into the learner state; returns the data state."""
-        self.state, data = checkpointer.restore(step, self.state)
+        if wrapped_params_layout(checkpointer, step):
+            # A climb saved before every job wrote plain dicts: its layout is the in-memory one.
+            self.state, data = checkpointer.restore(step, self.state)
+            return data
+        saved, data = checkpointer.restore(step, state_on_disk(self.state))
+        self.state = state_from_disk(self.state, saved)
         return data
 
     def save(self, checkpointer, step: int, data_state: dict[str, Any] | None = None,
              force: bool = False) -> bool:
-        """`checkpointer.save(step, state, data_state, force)`; True when a save started."""
-        return checkpointer.save(step, self.state, data_state, force=force)
+        """`checkpointer.save(step, state, data_state, force)` of the state's on-disk form
+        (`state_on_disk`); True when a save started."""
+        return checkpointer.save(step, state_on_disk(self.state), data_state, force=force)

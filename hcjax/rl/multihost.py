@@ -336,7 +336,7 @@ class DistributedLearner:
         writes each process's shards; only the primary process writes `data_state`)."""
         self._check_leader("save")
         self.channel.send("save", {"step": int(step), "force": bool(force)})
-        return checkpointer.save(step, self.learner.state, data_state, force=force)
+        return self.learner.save(checkpointer, step, data_state, force=force)
 
     def stop(self) -> None:
         """Leader: release the followers (their `follow` returns). Idempotent."""
@@ -379,8 +379,7 @@ class DistributedLearner:
                 self._gather()
             elif cmd.kind == "save":
                 # Orbax writes `data` on the primary process only; followers pass none.
-                checkpointer.save(cmd.args["step"], self.learner.state, {},
-                                  force=cmd.args["force"])
+                self.learner.save(checkpointer, cmd.args["step"], {}, force=cmd.args["force"])
             elif cmd.kind == "restore":
                 self._restore(checkpointer, cmd.args["step"])
             elif cmd.kind == "stop":
@@ -412,9 +411,7 @@ class DistributedLearner:
 
     def _restore(self, checkpointer, step: int) -> dict[str, Any]:
         checkpointer.wait()  # a save of this step may still be in flight
-        state, data = checkpointer.restore(step, self.learner.state)
-        self.learner.state = state
-        return data
+        return self.learner.restore(checkpointer, step)
 
     def _gather(self):
         return multihost_utils.process_allgather(self.learner.state.params, tiled=True)

@@ -14,6 +14,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import gin
 import numpy as np
 
 from hcjax.rollout.records import Rollout, array_field, tuple_field
@@ -24,6 +25,7 @@ __all__ = [
     "SamplingOptions",
     "TokenEvent",
     "request_from_dict",
+    "sampling_options_from_gin",
 ]
 
 
@@ -123,6 +125,18 @@ class SamplingOptions:
     def options(self) -> SamplingOptions:
         """These options alone (a GenerateRequest's, without its prompt and ids)."""
         return SamplingOptions(**_option_values(self))
+
+
+# A run's sampling options in gin (`SamplingOptions.max_tokens = 24`, or `@SamplingOptions()`):
+# a wrapper registered in its place, so options built in code never pick up those bindings.
+_GinSamplingOptions = gin.external_configurable(SamplingOptions, module="hcjax.rollout.request")
+
+
+def sampling_options_from_gin() -> SamplingOptions:
+    """SamplingOptions with gin's `SamplingOptions.*` bindings over the defaults: a run's sampling
+    (the climb's `ClimbConfig.sampling`, whose response budget rejection sampling and long2short
+    take by default)."""
+    return _GinSamplingOptions().options()
 
 
 def _option_values(options: SamplingOptions) -> dict[str, Any]:

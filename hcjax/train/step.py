@@ -51,8 +51,9 @@ Forward = Callable[[Any, Mapping[str, jax.Array], jax.Array | None], Any]
 class OptimizerConfig:
     """AdamW, optionally after global-norm gradient clipping, at a constant learning rate or on a
     linear warm-up then cosine schedule. The jobs derive theirs from their gin configs
-    (`LearnerConfig.optimizer()`: RECIPE §3's constant-LR AdamW; `SFTConfig.optimizer()`: the
-    self-distillation schedule with weight decay on matrices only).
+    (`LearnerConfig.optimizer()`: RECIPE §3's constant-LR AdamW; the training loop's
+    `AdamWConfig.optimizer(num_steps)`: the self-distillation schedule with weight decay on
+    matrices only).
 
     end_learning_rate: None for a constant `learning_rate`; else the schedule warms up linearly
     from 0 over `warmup_steps` (none: it starts at the peak) to `learning_rate`, then decays by a
