@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from hcjax.finite import check_finite
-from hcjax.rollout.engine import Engine, ResultBlock, VersionedParams
+from hcjax.rollout.engine import Engine
+from hcjax.rollout.engine_api import ResultBlock, VersionedParams
 from hcjax.rollout.request import GenerateRequest, SampledRollout, SamplingOptions, TokenEvent
 from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
 
