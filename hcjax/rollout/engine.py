@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hcjax.data.tokenizer import load_tokenizer
 from hcjax.model import init_cache
+from hcjax.rollout import kv_budget
 from hcjax.rollout import prefix_cache as pc
 from hcjax.rollout.engine_api import (
     DecodeState,
@@ -41,7 +42,7 @@ from hcjax.rollout.engine_api import (
     next_pow2,
     split_params,
 )
-from hcjax.rollout.kv_layout import make_kv_layout
+from hcjax.rollout.kv_layout import batch_shards, make_kv_layout
 from hcjax.rollout.request import SamplingOptions
 from hcjax.rollout.sampling import sample, sampling_keys
 
@@ -172,6 +173,27 @@ class Engine:
         self._block_jit = jax.jit(self._block_impl, static_argnums=(0, 4), donate_argnums=(2,))
         self._deactivate_jit = jax.jit(self._deactivate_impl, donate_argnums=(0,))
         self._init_decode_jit = {}  # by vocab size: jit with the state's shardings
+        self._check_memory(page_size)
+
+    def _check_memory(self, page_size: int) -> None:
+        """Refuse (kv_budget.KVCacheTooLarge, a ValueError naming the bytes needed and free) a
+        decode state that would not fit in the memory its devices use, before it is allocated:
+        its arrays' bytes as `init_decode_state` places them, from shapes alone."""
+        vocab = self._vocab or 1  # a model without a config: its logits rows are not counted
+        shapes = jax.eval_shape(lambda: self._init_decode_impl(vocab))
+        shardings = self.decode_state_shardings(vocab)
+        device = jax.devices()[0] if self._mesh is None else None
+
+        def local(placed: dict) -> dict:  # another process's devices are its own to check
+            return {d: n for d, n in placed.items() if d.process_index == jax.process_index()}
+
+        need = local(kv_budget.placed_bytes(shapes, shardings, device))
+        cache = local(kv_budget.placed_bytes(shapes.cache, shardings and shardings.cache, device))
+        kv_budget.check_decode_state(
+            need, cache, kv_budget.memory_available(list(need)), cfg=self._model_config,
+            slots=self._num_slots, max_len=self._max_len, kv_layout=self._kv.name,
+            page_size=page_size, num_pages=self.page_stats().get("num_pages"),
+            batch_shards=batch_shards(self._mesh, self._num_slots))
 
     # JetStream Engine API: properties ---------------------------------------------------------
     @property

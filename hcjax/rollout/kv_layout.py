@@ -20,7 +20,7 @@ from hcjax import sharding as shd
 from hcjax.model import init_paged_cache
 from hcjax.rollout.page_table import PagePool
 
-__all__ = ["KVLayout", "PagedLayout", "SlotLayout", "make_kv_layout", "pool_axes"]
+__all__ = ["KVLayout", "PagedLayout", "SlotLayout", "batch_shards", "make_kv_layout", "pool_axes"]
 
 # one(x, batch_axis) -> the sharding of a slot-indexed leaf (Engine.decode_state_shardings)
 ShardingFn = Callable[[Any, int], NamedSharding]
@@ -85,6 +85,11 @@ def pool_axes(mesh: Mesh | None, slots: int) -> tuple[str, ...]:
         return ()
     entry = shd.activation_spec((slots,), ("activation_batch",), mesh)[0]
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def batch_shards(mesh: Mesh | None, slots: int) -> int:
+    """Devices the decode batch (and the paged pool's pages) is split over."""
+    return int(np.prod([mesh.shape[a] for a in pool_axes(mesh, slots)])) if mesh else 1
 
 
 def update_tables(state, reset, scratch, slots, index, pages):
@@ -158,8 +163,7 @@ class PagedLayout:
 
     def __init__(self, cfg: Any, batch_axes: Any, slots: int, max_len: int, page_size: int,
                  num_pages: int | None, mesh: Mesh | None, lock: threading.RLock) -> None:
-        ways = int(np.prod([mesh.shape[a] for a in pool_axes(mesh, slots)])) if mesh else 1
-        self.pool = PagePool(slots, max_len, page_size, num_pages, ways)
+        self.pool = PagePool(slots, max_len, page_size, num_pages, batch_shards(mesh, slots))
         self._cfg, self._batch_axes, self._mesh, self._lock = cfg, batch_axes, mesh, lock
         self._slots = slots
         self._tables_jit = jax.jit(update_tables, donate_argnums=(0,))
