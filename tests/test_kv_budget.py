@@ -122,3 +122,42 @@ def test_memory_is_measured_where_it_can_be():
                                                                                       rel=0.2)}
     with pytest.raises(ValueError, match="kv_layout='pages'"):
         kv_cache_bytes(SMOLLM2, 1, 8, kv_layout="pages")
+
+
+class _Accelerator:
+    """A device as the check sees a GPU's: its own memory, XLA's allocator figures."""
+
+    platform, process_index = "gpu", 0
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+    def __repr__(self):
+        return "cuda(id=0)"
+
+
+def test_a_device_is_checked_against_its_own_free_memory():
+    gpu = _Accelerator({"bytes_limit": 10_000, "bytes_in_use": 4_000})
+    assert kv_budget.memory_available([gpu]) == {"the memory of cuda(id=0)": 6_000}
+    kv_budget.check_decode_state({gpu: 4_500}, {gpu: 4_000}, kv_budget.memory_available([gpu]),
+                                 cfg=None, slots=4, max_len=8, kv_layout="slot", page_size=4,
+                                 num_pages=None, batch_shards=1)  # 75% of 6,000 holds it
+    with pytest.raises(KVCacheTooLarge, match=r"4,501 bytes\) of the memory of cuda\(id=0\).*"
+                                              r"6,000 bytes\) is available.*"
+                                              r"max_concurrent_decodes=3"):
+        kv_budget.check_decode_state({gpu: 4_501}, {gpu: 4_000}, {"the memory of cuda(id=0)":
+                                                                   6_000},
+                                     cfg=None, slots=4, max_len=8, kv_layout="slot",
+                                     page_size=4, num_pages=None, batch_shards=1)
+    # A device that cannot say (an abstract TPU topology's, in the planner) is not checked.
+    for silent in (_Accelerator(RuntimeError("no stats")), _Accelerator(None)):
+        assert kv_budget.memory_available([silent]) == {"the memory of cuda(id=0)": None}
+        kv_budget.check_decode_state({silent: 10**15}, {silent: 10**15},
+                                     kv_budget.memory_available([silent]), cfg=None, slots=1,
+                                     max_len=8, kv_layout="slot", page_size=4, num_pages=None,
+                                     batch_shards=1)
