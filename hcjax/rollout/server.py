@@ -175,9 +175,6 @@ class RequestHandle:
         if self._notify is not None:
             self._notify()
 
-    def _tokens(self, block: _TokenBlock) -> None:
-        self._put(block)
-
     def _sample_done(self, record: SampledRollout) -> None:
         self._records[record.sample_index] = record
         self._put(record)
@@ -777,7 +774,7 @@ class RolloutServer:
                 host.threshold_logit[:c, slot], host.routing[:c, slot],
                 host.positions[:c, slot], host.versions[:c, slot])
             sample.blocks.append(tb)
-            sample.handle._tokens(tb)
+            sample.handle._put(tb)  # a _TokenBlock: expanded into events by the reader
             if ended[slot]:
                 self._finish(sample, self._finish_reason(sample))
                 if owners.get(slot) is sample:
