@@ -8,8 +8,8 @@ It runs on the model's KV-cache path: one cache row per decode slot, rows indepe
 in ring buffers; where global layers keep their positions is the KV layout chosen once at build
 (kv_layout.py: a slot's own rows, or pages of a shared pool, page_table.py). The records it takes
 and returns are engine_api.py's. It knows nothing of requests, threads or losses; the server
-(server.py) does. JetStream is optional: when it imports, `Engine` and `ResultTokens` are registered as virtual
-subclasses of its abstract classes (`register_with_jetstream`); hcjax never needs it.
+(server.py) does. JetStream is optional: when it imports, `Engine` and `ResultTokens` are registered
+as virtual subclasses of its abstract classes (`register_with_jetstream`); hcjax never needs it.
 """
 
 from __future__ import annotations

@@ -256,8 +256,8 @@ class PagePool:
 
     def take_updates(self):
         """(reset [B] bool, scratch [B], slots [M], page index [M], pages [M]) for
-        `kv_layout.update_tables`, M padded to a multiple of the slots (few shapes compile); None when
-        nothing changed."""
+        `kv_layout.update_tables`, M padded to a multiple of the slots (few shapes compile);
+        None when nothing changed."""
         if not self._reset and not self._new:
             return None
         reset = np.zeros((self.slots,), bool)
