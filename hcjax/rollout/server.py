@@ -182,9 +182,6 @@ class RequestHandle:
         if self._remaining == 0:
             self._end(None)
 
-    def _fail(self, message: str) -> None:
-        self._end(message)
-
     def _end(self, error: str | None) -> None:
         with self._end_lock:
             if self._finished.is_set():
@@ -378,7 +375,7 @@ class RolloutServer:
             handles = list(self._handles)
             self._handles.clear()
         for h in handles:
-            h._fail(message)
+            h._end(message)
 
     # Public API ------------------------------------------------------------------------------
     def submit(
@@ -592,7 +589,7 @@ class RolloutServer:
                  [rec.sample_index], rec) for rec in req.continue_from]
 
     def _fail_prefill(self, handle: RequestHandle, error: Exception) -> None:
-        handle._fail(f"prefill of request {handle.request.request_id!r} failed: {error!r}")
+        handle._end(f"prefill of request {handle.request.request_id!r} failed: {error!r}")
         with self._handles_lock:
             self._handles.discard(handle)
 
@@ -654,7 +651,7 @@ class RolloutServer:
             self._cond.notify_all()
 
     def _cancel(self, handle: RequestHandle) -> None:
-        handle._fail(f"request {handle.request.request_id!r} was cancelled")
+        handle._end(f"request {handle.request.request_id!r} was cancelled")
         with self._handles_lock:
             self._handles.discard(handle)
 
