@@ -105,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     options = dataclasses.replace(options, stop_tokens=stop_ids(tokenizer))
     stream = _TextStream(tokenizer, None if args.json else sys.stdout)
     t_load = time.perf_counter() - t0
-    with local_server(model, max_tokens=args.max_tokens, max_concurrent_decodes=1) as server:
+    with local_server(model, max_tokens=args.max_tokens, max_prompt_len=len(prompt),
+                      max_concurrent_decodes=1) as server:
         handle = server.submit(GenerateRequest.of(options, prompt=tuple(prompt), n=1,
                                                   request_id="generate"))
         t_start, t_first = time.perf_counter(), None

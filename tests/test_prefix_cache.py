@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
-from hcjax.rollout.engine import VersionedParams
+from hcjax.rollout.engine_api import VersionedParams
 from hcjax.rollout.prefix_cache import PrefixCache
 from hcjax.rollout.testing import tiny_model
 

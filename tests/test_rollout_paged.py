@@ -107,7 +107,7 @@ def test_pages_follow_length_and_admission_counts_pages():
                          sampling=SamplingOptions(max_tokens=4, temperature=0.0))
     slots = eng.allocate_slots(2)
     state = eng.bulk_insert(prefix, state, slots)
-    pages = [eng._pages.owned[s] for s in slots]
+    pages = [eng._kv.pool.owned[s] for s in slots]
     assert pages[0][0] == pages[1][0] and pages[0][1] != pages[1][1]
     assert eng.page_stats()["in_use"] == 3
     tokens = []
@@ -173,7 +173,7 @@ def test_paged_kernel_on_local_shards_under_a_mesh():
 
     want, _ = tokens()
     got, paged = tokens(kv_layout="paged", page_size=16, num_pages=18)
-    assert paged._pages.owned[3][0] >= 9  # shard 1's half of the pool
+    assert paged._kv.pool.owned[3][0] >= 9  # shard 1's half of the pool
     np.testing.assert_array_equal(got, want)
 
 
@@ -208,7 +208,7 @@ def test_prefix_cache_blocks_are_shared_pages():
         state = eng.insert(pa, state, 0)
         state = eng.bulk_insert(pb, state, [1, 2])
         if shared_pages:
-            pool = eng._pages
+            pool = eng._kv.pool
             assert pool.owned[1][:2] == pool.owned[0][:2] == pool.owned[2][:2]
             head_pages = pool.owned[0][:2]
             # a: 2 cached + 1 partial; b (two samples): its third block + a partial page each

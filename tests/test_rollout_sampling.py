@@ -504,11 +504,11 @@ def test_searched_rows_are_the_rows_past_the_candidates():
 def test_threefry_in_plain_arithmetic_equals_jax_primitive():
     from jax.extend.random import threefry2x32_p
 
-    from hcjax.rollout.sampling import _threefry2x32
+    from hcjax.rollout.gumbel import threefry2x32
 
     words = jax.random.bits(jax.random.key(4), (4, 3, 1000), jnp.uint32)
     words = words.at[:, 0, :4].set(jnp.array([0, 0xFFFFFFFF, 1, 0x80000000], jnp.uint32))
-    ours = jax.jit(_threefry2x32)(*words)
+    ours = jax.jit(threefry2x32)(*words)
     theirs = threefry2x32_p.bind(*words)
     for a, b in zip(ours, theirs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -212,7 +212,7 @@ def paged_decode_on_local_shards(q, k, v, cache: dict, pos_bt, window, dtype):
     attend on the paged Pallas kernel, under `shard_map` over the context mesh as
     `on_local_shards` splits it: the batch (and the page table's rows) over the activation batch
     axes, the pool's pages over the same axes, heads over tensor when they divide. The engine
-    gives a slot only pages of its own shard's range (`rollout.engine._PagePool`), so each shard
+    gives a slot only pages of its own shard's range (`rollout.page_table.PagePool`), so each shard
     turns page ids into its local ones; entries outside the range (scratch) read its first page.
     """
     def run(q, k, v, k_pool, v_pool, table, pos, first_page):

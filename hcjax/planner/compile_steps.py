@@ -198,7 +198,7 @@ def decode_inputs(model_cfg: ModelConfig, pc: PlanConfig, mesh: Mesh) -> tuple:
               max_prefill_length=max(1, pc.kv_len // 2), kv_layout=pc.kv_layout)
     engine = Engine(model, **kw)
     if pc.kv_layout == "paged":
-        ways, mean = engine._pages.ways, min(pc.mean_len, pc.kv_len)
+        ways, mean = engine.page_stats()["batch_shards"], min(pc.mean_len, pc.kv_len)
         pages = -(-pc.decode_batch * (mean + pc.page_size) // pc.page_size)
         per_shard = -(-pages // ways) + -(-pc.kv_len // pc.page_size) + 1
         engine = Engine(model, page_size=pc.page_size, num_pages=ways * per_shard, **kw)

@@ -175,15 +175,30 @@ class ModelEvaluator:
     def serving(self, model: Any, suite: Any, problems: Sequence[TaskProblem], *, k: int = 1,
                 seed: int = 0) -> Iterator[PassAt1]:
         """A PassAt1 of `model` on `problems` of `suite`, its server stopped on exit."""
-        engine = next((e for e in self._engines if e.serves(model)), None)
-        if engine is None:
-            engine = local_engine(model, max_tokens=self.sampling.max_tokens,
-                                  max_concurrent_decodes=self.max_concurrent_decodes)
-            self._engines.append(engine)
-        with local_server(model, max_tokens=self.sampling.max_tokens, engine=engine,
+        engine = self._engine(model, suite, problems)
+        with local_server(model, max_tokens=self.sampling.max_tokens,
+                          max_prompt_len=engine.max_prefill_length, engine=engine,
                           max_queue=self.max_concurrent_decodes) as server:
             yield PassAt1(server, TaskBuilder(suite, self.tok), problems, self.sampling, k=k,
                           seed=seed, threads=self.max_concurrent_decodes)
+
+    def _engine(self, model: Any, suite: Any, problems: Sequence[TaskProblem]) -> Engine:
+        """An engine that serves `model` and holds the problems' longest prompt (the model's
+        whole context for tool episodes, whose prompts grow) plus the response: a kept one, else
+        a new one in place of those kept for this model's structure."""
+        tools = any(suite.tools(p) is not None for p in problems)
+        builder = TaskBuilder(suite, self.tok)
+        longest = None if tools else max((len(builder.prompt_ids(p)) for p in problems),
+                                         default=1)
+        need = model.config.max_seq_len - self.sampling.max_tokens if tools else longest
+        engine = next((e for e in self._engines
+                       if e.serves(model) and e.max_prefill_length >= need), None)
+        if engine is None:
+            engine = local_engine(model, max_tokens=self.sampling.max_tokens,
+                                  max_prompt_len=longest,
+                                  max_concurrent_decodes=self.max_concurrent_decodes)
+            self._engines = [e for e in self._engines if not e.serves(model)] + [engine]
+        return engine
 
     def evaluate(self, model: Any, suite: Any, problems: Sequence[TaskProblem]) -> dict[str, Any]:
         """`summarize`'s dict for `model` on `problems` of `suite`."""

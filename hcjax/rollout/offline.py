@@ -19,33 +19,45 @@ __all__ = ["generate", "local_engine", "local_server"]
 _GOLDEN = 0x9E3779B1  # spreads per-prompt seeds so prompts do not share key streams
 
 
-def local_engine(model: nnx.Module, *, max_tokens: int, max_concurrent_decodes: int = 8
-                 ) -> Engine:
-    """An Engine of `model` for `max_concurrent_decodes` samples of up to `max_tokens` tokens at a
-    time, taking any prompt that leaves them room in the model's max_seq_len (a longer request
-    fails, naming both lengths)."""
+def local_engine(model: nnx.Module, *, max_tokens: int, max_prompt_len: int | None,
+                 max_concurrent_decodes: int = 8) -> Engine:
+    """An Engine of `model` for `max_concurrent_decodes` samples at a time of prompts of up to
+    `max_prompt_len` tokens and responses of up to `max_tokens`: each slot holds their sum, what
+    it serves, not the model's context (a longer request fails, naming both lengths).
+    max_prompt_len None: any prompt that leaves the response room in the model's max_seq_len
+    (multi-turn tool episodes, whose prompts grow); the KV cache is then the whole context's.
+    An engine whose KV cache would not fit in memory is refused (kv_budget.KVCacheTooLarge)."""
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
     if max_len is None:
         raise ValueError(f"{type(model).__name__} has no config.max_seq_len to size an engine")
+    if max_prompt_len is None:
+        prefill, target = max(1, max_len - max_tokens), max_len
+    else:
+        prefill, target = max_prompt_len, max_prompt_len + max_tokens
+        if target > max_len:
+            raise ValueError(f"prompts of up to {max_prompt_len} tokens + max_tokens={max_tokens} "
+                             f"exceeds the model's max_seq_len={max_len}")
     return Engine(model, max_concurrent_decodes=max_concurrent_decodes,
-                  max_prefill_length=max(1, max_len - max_tokens), max_target_length=max_len)
+                  max_prefill_length=prefill, max_target_length=target)
 
 
 def local_server(
     model: nnx.Module,
     *,
     max_tokens: int,
+    max_prompt_len: int | None,
     max_concurrent_decodes: int = 8,
     max_queue: int = 64,
     version: int = 0,
     engine: Engine | None = None,
 ) -> RolloutServer:
     """A RolloutServer (not yet started: `with local_server(...) as server`) serving `model`'s
-    state on `engine`, or on a new `local_engine` when None. Reusing an engine that `serves` the
+    state on `engine`, or on a new `local_engine` (sized by max_prompt_len + max_tokens) when
+    None. Reusing an engine that `serves` the
     model (one built for a model of the same class, config and shapes) reuses its compiled
     functions. Its `generate(request)` is the climb's inference-client call."""
     if engine is None:
-        engine = local_engine(model, max_tokens=max_tokens,
+        engine = local_engine(model, max_tokens=max_tokens, max_prompt_len=max_prompt_len,
                               max_concurrent_decodes=max_concurrent_decodes)
     elif not engine.serves(model):
         raise ValueError(f"this engine was built for another model than this "
@@ -68,7 +80,7 @@ def generate(
 
     Prompt j uses seed (options.seed + j * 0x9E3779B1) mod 2**32 (options.seed None: 0). Pass
     `engine` to reuse compiled functions across calls (then `model` may be None and the engine's
-    parameters are used).
+    parameters are used); without one, a `local_engine` sized to the longest prompt.
     """
     seed = options.seed or 0
     requests = [
@@ -82,7 +94,8 @@ def generate(
             raise ValueError("generate needs a model or an engine")
         server = RolloutServer(engine, engine.load_params(), version=version, max_queue=queue)
     else:
-        server = local_server(model, max_tokens=options.max_tokens,
+        longest = max((len(p) for p in prompts), default=1)
+        server = local_server(model, max_tokens=options.max_tokens, max_prompt_len=longest,
                               max_concurrent_decodes=max_concurrent_decodes, max_queue=queue,
                               version=version, engine=engine)
     with server as srv:

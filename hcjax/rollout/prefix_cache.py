@@ -15,7 +15,8 @@ therefore prefills into a *wide* cache, where every layer has `max_len` slots (a
 by position, so the window still applies and the result is the same), stores blocks from it, and
 folds it into the ring layout of the decode state with `to_decode_layout`.
 
-This module holds no model code and does not run the model; the engine jits these functions.
+This module holds no model code and does not run the model; `PrefillCaches` jits these functions
+for the engine.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 __all__ = [
     "Block",
+    "PrefillCaches",
     "PrefixCache",
     "assemble_blocks",
     "batched_shapes",
@@ -229,3 +231,90 @@ def to_decode_layout(wide: Any, length: jax.Array, decode_shapes: Any, batch_axe
         return jnp.where(held, taken, jnp.asarray(empty, x.dtype))
 
     return jax.tree_util.tree_map_with_path(fold, wide, decode_shapes, batch_axes)
+
+
+class PrefillCaches:
+    """The cache-layout functions above, jitted once for one engine's cache: empty wide caches
+    (one prompt, or a batch of rows), a stored chain restored into one, a prompt's new blocks
+    stored from one, rows split out and stacked, and the fold into the decode layout. `store`
+    is the engine's PrefixCache (None: no reuse; `lookup` then finds nothing)."""
+
+    def __init__(self, row_shapes: Any, batch_axes: Any, max_len: int,
+                 store: PrefixCache | None, replicated: Any) -> None:
+        self.row_shapes, self.batch_axes, self.max_len = row_shapes, batch_axes, max_len
+        self.wide_shapes = wide_shapes(row_shapes, batch_axes, max_len)
+        self.store = store
+        bs = store.block_size if store is not None else 1
+        wide = self.wide_shapes
+        self.empty = jax.jit(lambda: empty_wide_cache(wide), out_shardings=replicated)
+        self.empty_rows = jax.jit(
+            lambda b: empty_wide_cache(batched_shapes(wide, batch_axes, b)),
+            static_argnums=(0,), out_shardings=replicated)
+        self._assemble = jax.jit(lambda blocks: assemble_blocks(blocks, wide, batch_axes),
+                                 out_shardings=replicated)
+        self._block_at = jax.jit(lambda w, start: block_at(w, start, batch_axes, bs))
+        self._empty_block_jit = jax.jit(lambda: empty_block(row_shapes, batch_axes, bs),
+                                        out_shardings=replicated)
+        self._empty_block = None
+        self.fold = jax.jit(lambda w, n: to_decode_layout(w, n, row_shapes, batch_axes))
+        self.stack = jax.jit(
+            lambda rows: jax.tree.map(lambda a, *xs: jnp.concatenate(xs, axis=a), batch_axes,
+                                      *rows),
+            out_shardings=replicated)
+        self.row = jax.jit(self._row)
+        self.split_rows = jax.jit(self._split_rows)
+
+    def _row(self, w: Any, i) -> Any:
+        """Row `i` of a batched cache (a batch-1 cache)."""
+        return jax.tree.map(lambda x, a: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=a),
+                            w, self.batch_axes)
+
+    def _split_rows(self, w: Any, logits, lengths) -> tuple:
+        """Each row of a batched prefill as (its cache in the decode layout, its logits)."""
+        return tuple(
+            (to_decode_layout(self._row(w, i), lengths[i], self.row_shapes, self.batch_axes),
+             logits[i])
+            for i in range(lengths.shape[0]))
+
+    def lookup(self, tokens: np.ndarray, version: int) -> list[Block]:
+        """The stored blocks that start `tokens` ([] without reuse); the last token is always
+        computed (its logits are needed)."""
+        if self.store is None:
+            return []
+        return self.store.lookup(tokens, version, limit=int(tokens.shape[0]) - 1)
+
+    def reused(self, chain: Sequence[Block]) -> int:
+        """Prompt tokens a chain of blocks holds."""
+        return len(chain) * self.store.block_size if chain else 0
+
+    def restore(self, chain: Sequence[Block]) -> Any:
+        """A wide cache holding the chain's blocks; the list is padded with empty blocks to a
+        power of two so that only a few lengths compile."""
+        if self._empty_block is None:
+            self._empty_block = self._empty_block_jit()
+        cap = self.max_len // self.store.block_size
+        width = min(1 << max(0, len(chain) - 1).bit_length(), cap)
+        blocks = [b.kv for b in chain] + [self._empty_block] * (width - len(chain))
+        return self._assemble(blocks)
+
+    def store_blocks(self, w: Any, tokens: np.ndarray, version: int, chain: Sequence[Block],
+                     routing: np.ndarray) -> tuple[int, ...]:
+        """Store the prompt's whole blocks past `chain` (nothing without reuse); returns the uids
+        of the blocks, from the first, whose stored KV is exactly `w`'s (`Prefix.blocks`): the
+        chain's (restored into it) and the ones stored from it, up to one another prefill
+        stored first (its entries may differ in the last bits)."""
+        if self.store is None:
+            return ()
+        bs = self.store.block_size
+        new = [
+            (self._block_at(w, np.int32(i * bs)), routing[:, i * bs : (i + 1) * bs])
+            for i in range(len(chain), tokens.shape[0] // bs)
+        ]
+        exact = [block.uid for block in chain]
+        if new:
+            stored = self.store.extend(tokens, version, chain, new)
+            for block, (kv, _) in zip(stored, new):
+                if block.kv is not kv:
+                    break
+                exact.append(block.uid)
+        return tuple(exact)

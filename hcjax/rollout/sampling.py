@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hcjax.rollout.gumbel import BLOCK_STREAM, gumbel_at, gumbel_range
 from hcjax.rollout.records import order_keys
 from pallas_kernels import backend
 
@@ -132,7 +133,7 @@ def _prepare(logits_bv, keys, temperature, top_p, divide: bool = True, rank=None
 
         (lse, lse_raw, token), ranked = jax.lax.cond(jnp.any(~greedy & (top_p < 1.0)),
                                                      with_ranking, without)
-    # Two words per row for the counter-mode noise below (any key implementation gives bits).
+    # Two words per row for the counter-mode noise (gumbel.py; any key implementation gives bits).
     keypair = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
     return logits, scaled, greedy, top_p, lse, lse_raw, keypair, block_max, token, ranked
 
@@ -142,68 +143,6 @@ def _logsumexp(x_bv, max_b):
     NaN maximum is replaced by 0 before the shift)."""
     shift = jnp.where(jnp.isfinite(max_b), max_b, 0.0)
     return jnp.log(jnp.sum(jnp.exp(x_bv - shift[:, None]), axis=-1)) + shift
-
-
-# Noise streams: one Gumbel variable per (row key, token id) and an independent one per (row key,
-# 16-id block), told apart by the hash's second counter word.
-_TOKEN_STREAM, _BLOCK_STREAM = 0, 1
-
-
-def _gumbel_at(keypair_b2: jax.Array, ids: jax.Array, stream: int = _TOKEN_STREAM) -> jax.Array:
-    """f32 standard Gumbel noise of ids [B, ...] (token ids, or block ids with `_BLOCK_STREAM`):
-    a threefry hash of (row key, id, stream).
-
-    Noise that belongs to an id rather than to a position in an array lets a draw over 32
-    candidates, over a sorted vocabulary and over the unsorted one all see the same numbers,
-    hence draw the same token (`_draw_in_blocks`). One hash gives two words: ids 2i and 2i + 1
-    share one.
-    """
-    ids = ids.astype(jnp.uint32)
-    y0, y1 = _hash_pairs(keypair_b2, ids >> 1, stream)
-    return _bits_to_gumbel(jnp.where((ids & 1) == 1, y1, y0))
-
-
-def _gumbel_range(keypair_b2: jax.Array, n: int, stream: int) -> jax.Array:
-    """f32[B, n]: `_gumbel_at(keypair_b2, arange(n)[None], stream)` with one hash per pair of ids
-    (`_gumbel_at` hashes every element's pair, i.e. each pair twice)."""
-    y0, y1 = _hash_pairs(keypair_b2, jnp.arange((n + 1) // 2, dtype=jnp.uint32)[None, :], stream)
-    bits = jnp.stack([y0, y1], axis=-1).reshape(keypair_b2.shape[0], -1)[:, :n]
-    return _bits_to_gumbel(bits)
-
-
-def _hash_pairs(keypair_b2, pairs, stream=_TOKEN_STREAM):
-    """threefry2x32((row key), (pairs, stream)) for pairs [B, ...]."""
-    shape = (keypair_b2.shape[0],) + (1,) * (pairs.ndim - 1)
-    k0, k1, x0 = jnp.broadcast_arrays(keypair_b2[:, 0].reshape(shape),
-                                      keypair_b2[:, 1].reshape(shape), pairs)
-    return _threefry2x32(k0, k1, x0, jnp.full_like(x0, stream))
-
-
-def _threefry2x32(k0, k1, x0, x1):
-    """Threefry-2x32 with 20 rounds (Salmon et al., SC'11), bit-identical to JAX's
-    `threefry2x32_p` (tested), written as plain uint32 arithmetic so XLA fuses all 20 rounds into
-    one loop. On CPU the primitive lowers to a rolled loop that writes both words to memory every
-    four rounds: hashing a 152k vocabulary for 64 rows took 108 ms that way, 6.6 ms this way."""
-    def rotate_left(x, r):
-        return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
-
-    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
-    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for i in range(5):
-        for r in rotations[i % 2]:
-            x0 = x0 + x1
-            x1 = rotate_left(x1, r) ^ x0
-        x0 = x0 + ks[(i + 1) % 3]
-        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
-    return x0, x1
-
-
-def _bits_to_gumbel(bits):
-    # 23 random mantissa bits -> uniform in [0, 1), kept away from 0 so the log stays finite.
-    u = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-    u = jnp.maximum(u, jnp.finfo(jnp.float32).tiny)
-    return -jnp.log(-jnp.log(u))
 
 
 def _argmax_lowest_id(z_bm: jax.Array, ids_bm: jax.Array) -> jax.Array:
@@ -476,7 +415,7 @@ def _draw_whole_rows(scaled_bv, lse_b, keypair_b2, k_b, n_kept_b):
 
 # The draw ----------------------------------------------------------------------------------------
 # Gumbel-max in two stages: a 16-id block with probability proportional to its kept mass (the
-# block's log-mass plus block noise, `_BLOCK_STREAM`), then a kept token inside it (logit plus
+# block's log-mass plus block noise, `BLOCK_STREAM`), then a kept token inside it (logit plus
 # token noise). The largest of Gumbel variables located at x_i is a Gumbel variable located at
 # their log-sum-exp, so this is the one-stage draw argmax_i (x_i + G_i) over the kept set in
 # distribution, exact but for the float32 rounding of the block masses. It hashes one noise per
@@ -564,7 +503,7 @@ def _draw_in_blocks(scaled_bv, lse_b, keypair_b2, k_b, n_ties_kept_b, stats: _Bl
     mass = _block_mass(stats.above_e, tied_kept, tie_e[:, None])
     # Stored once: `_first_argmax` reads it in several passes, each of which would hash again.
     z = jax.lax.optimization_barrier(
-        jnp.log(mass) + _gumbel_range(keypair_b2, mass.shape[-1], _BLOCK_STREAM))
+        jnp.log(mass) + gumbel_range(keypair_b2, mass.shape[-1], BLOCK_STREAM))
     block = _first_argmax(z)
     return _token_in_block(scaled_bv, keypair_b2, block, k_b, _at(tied_kept, block))
 
@@ -590,7 +529,7 @@ def _draw_among(scaled_bv, lse_b, keypair_b2, vals_bm, ids_bm, n_kept_b, lanes=N
     above_e = _lane_sums(x, k[:, 0, 0], lse_b, valid)[0]
     mass = _block_mass(above_e, n_tied_kept, tie_e[:, None])
     z = jnp.where(jnp.arange(m) < n_kept_b[:, None],
-                  jnp.log(mass) + _gumbel_at(keypair_b2, blocks, _BLOCK_STREAM), -jnp.inf)
+                  jnp.log(mass) + gumbel_at(keypair_b2, blocks, BLOCK_STREAM), -jnp.inf)
     block = _argmax_lowest_id(z, blocks)
     quota = jnp.max(jnp.where(blocks == block[:, None], n_tied_kept, 0), axis=-1)
     # The drawn block's entries: those of the first candidate in it.
@@ -610,7 +549,7 @@ def _token_in_block(scaled_bv, keypair_b2, block_b, k_b, n_tied_kept_b, vals=Non
     tied = valid & (keys == k_b[:, None])
     kept = (valid & (keys > k_b[:, None])) | (
         tied & (jnp.cumsum(tied, axis=-1) <= n_tied_kept_b[:, None]))
-    z = jnp.where(kept, vals + _gumbel_at(keypair_b2, ids), -jnp.inf)
+    z = jnp.where(kept, vals + gumbel_at(keypair_b2, ids), -jnp.inf)
     return _argmax_lowest_id(z, ids)
 
 

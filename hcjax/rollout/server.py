@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from hcjax.finite import check_finite
-from hcjax.rollout.engine import Engine, ResultBlock, VersionedParams
+from hcjax.rollout.engine import Engine
+from hcjax.rollout.engine_api import ResultBlock, VersionedParams
 from hcjax.rollout.request import GenerateRequest, SampledRollout, SamplingOptions, TokenEvent
 from hcjax.rollout.scheduler import Admission, FairQueue, QueueFull, request_cost
 
@@ -174,18 +175,12 @@ class RequestHandle:
         if self._notify is not None:
             self._notify()
 
-    def _tokens(self, block: _TokenBlock) -> None:
-        self._put(block)
-
     def _sample_done(self, record: SampledRollout) -> None:
         self._records[record.sample_index] = record
         self._put(record)
         self._remaining -= 1
         if self._remaining == 0:
             self._end(None)
-
-    def _fail(self, message: str) -> None:
-        self._end(message)
 
     def _end(self, error: str | None) -> None:
         with self._end_lock:
@@ -380,7 +375,7 @@ class RolloutServer:
             handles = list(self._handles)
             self._handles.clear()
         for h in handles:
-            h._fail(message)
+            h._end(message)
 
     # Public API ------------------------------------------------------------------------------
     def submit(
@@ -594,7 +589,7 @@ class RolloutServer:
                  [rec.sample_index], rec) for rec in req.continue_from]
 
     def _fail_prefill(self, handle: RequestHandle, error: Exception) -> None:
-        handle._fail(f"prefill of request {handle.request.request_id!r} failed: {error!r}")
+        handle._end(f"prefill of request {handle.request.request_id!r} failed: {error!r}")
         with self._handles_lock:
             self._handles.discard(handle)
 
@@ -656,7 +651,7 @@ class RolloutServer:
             self._cond.notify_all()
 
     def _cancel(self, handle: RequestHandle) -> None:
-        handle._fail(f"request {handle.request.request_id!r} was cancelled")
+        handle._end(f"request {handle.request.request_id!r} was cancelled")
         with self._handles_lock:
             self._handles.discard(handle)
 
@@ -776,7 +771,7 @@ class RolloutServer:
                 host.threshold_logit[:c, slot], host.routing[:c, slot],
                 host.positions[:c, slot], host.versions[:c, slot])
             sample.blocks.append(tb)
-            sample.handle._tokens(tb)
+            sample.handle._put(tb)  # a _TokenBlock: expanded into events by the reader
             if ended[slot]:
                 self._finish(sample, self._finish_reason(sample))
                 if owners.get(slot) is sample:
