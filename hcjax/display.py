@@ -104,6 +104,9 @@ class ClimbState:
     num_steps: int
     entropy_target: float
     max_minutes: float | None = None
+    # When the climb stops stepping (time.monotonic()), set once the budget is known: the whole
+    # command's max_minutes less what came before and what the end needs (hcjax.rl.climber).
+    deadline: float | None = None
     phase: str = "starting"
     step: int = 0
     start_step: int = 0  # the step this process started climbing from (a resume's checkpoint)
@@ -130,7 +133,9 @@ def render_climb(s: ClimbState, now: float | None = None) -> list[str]:
     now = time.monotonic() if now is None else now
     elapsed = now - s.t_start
     time_left = None
-    if s.max_minutes is not None:
+    if s.deadline is not None:
+        time_left = max(s.deadline - now, 0.0)
+    elif s.max_minutes is not None:
         climbed = 0.0 if s.t_climb is None else now - s.t_climb
         time_left = 60 * s.max_minutes - climbed
     done = s.step - s.start_step
@@ -218,6 +223,10 @@ class ClimbDisplay:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+    def stop_stepping_in(self, seconds: float) -> None:
+        """The climb stops taking steps `seconds` from now (its time budget)."""
+        self.state.deadline = time.monotonic() + seconds
 
     def phase(self, name: str) -> None:
         """What the run is doing now: pre-training, climbing, evaluating, saving."""

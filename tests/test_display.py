@@ -141,6 +141,9 @@ def test_render_climb_shows_every_field():
     assert lines[2].endswith("above band") and lines[4].endswith("rollout —")
     assert lines[5].startswith("Ctrl-C received: stopping after this step")
     assert all(len(line) <= 100 for line in lines)
+    # A budget that covers the whole command: the time left is the climb's deadline's.
+    s.deadline = 111.0
+    assert render_climb(s, now=81.0)[0].endswith("ETA 0:30 (time limit)")
 
 
 RECORD = {"reward_mean": 0.25, "response_len_mean": 7.0, "entropy": 0.61234567, "k": 0.01,

@@ -80,7 +80,10 @@ class ClimbConfig:
       controller moves it: EntropyController.temperature_delta > 0, hcjax.rl.entropy); top_p;
       token_budget (Kimi partial rollouts); priority. Its stop tokens are the tokenizer's and
       each request's seed comes from the climb, so those two stay unset.
-    max_minutes: stop climbing after this much wall time (None: run all num_steps).
+    max_minutes: the whole run's wall-time budget (None: run all num_steps): from the start of the
+      command (the base's pre-training, loading, compiling and the base evaluation count), the
+      climb stops stepping early enough to leave the final evaluation (timed as the base's) and
+      the save, so a slower host climbs fewer steps rather than running over.
     early_group / group: G_early and G of early-exit sampling; early/full windows as RECIPE §3.
     max_prompt_len: the engine's max prefill length for single-turn prompts; None: the suite's
       longest templated prompt (at least 32). max_prefill_length: for multi-turn episodes, whose
@@ -493,8 +496,10 @@ class Climb:
         self.store.append(group, accepted=accepted, step=step, version=version)
 
     def _evaluate(self, step: int, version: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
         with self.display.during("evaluating"):
             result = self.evaluator.evaluate()
+        self.history["eval_seconds"] = time.perf_counter() - t0
         entry = {"step": step, "wall": self._climb_wall(), "pass_at_1": result["pass_at_1"],
                  "version": version, "by_category": result["by_category"],
                  "by_suite": result["by_suite"],
@@ -609,7 +614,11 @@ class Climb:
                               self.controller.step)
             self.display.phase("climbing")
             if cfg.max_minutes is not None:
-                self.deadline = self.t_climb + 60 * cfg.max_minutes
+                # What the end needs: the final evaluation, as long as the last one took, and
+                # the save and report (a margin).
+                end = 1.25 * self.history.get("eval_seconds", 0.0) + 15.0
+                self.deadline = self.t_start + 60 * cfg.max_minutes - end
+                self.display.stop_stepping_in(self.deadline - time.perf_counter())
             self.last_step_time = self.t_run = time.perf_counter()
             self.tracer.before_step(self.controller.step + 1)
             self.controller.run(cfg.num_steps)
