@@ -2,7 +2,7 @@
 rewards, envs → rollout, tasks → train → rl → distill → entry points → benchmarks. Every module
 of hcjax and pallas_kernels has a layer; none imports from a layer above its own, and no modules
 or layer entries import each other in a circle. Imports inside functions count. Also: kernels
-import no hcjax, transfer/ sees no model, the sandbox is a leaf that rewards and envs share, and
+import no hcjax, transfer/ sees no model, the sandbox is a leaf that the code reward uses, and
 those modules never import JAX. An import inside a function says why on its line or the line
 above (after the flags, so --help stays fast; an optional dependency; before JAX starts)."""
 
@@ -181,7 +181,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_the_sandbox_is_a_leaf_and_rewards_and_envs_form_no_circle():
     graph = unit_graph()
     assert not graph.get("hcjax.sandbox"), f"hcjax.sandbox imports {graph['hcjax.sandbox']}"
-    assert "hcjax.sandbox" in graph["hcjax.rewards"] and "hcjax.sandbox" in graph["hcjax.envs"]
+    assert "hcjax.sandbox" in graph["hcjax.rewards"]
     for unit in ("hcjax.rewards", "hcjax.envs", "hcjax.tasks"):
         assert unit not in reachable(graph, unit), f"{unit} reaches itself through its imports"
 
