@@ -2,9 +2,10 @@
 rewards, envs → rollout, tasks → train → rl → distill → entry points → benchmarks. Every module
 of hcjax and pallas_kernels has a layer; none imports from a layer above its own, and no modules
 or layer entries import each other in a circle. Imports inside functions count. Also: kernels
-import no hcjax, transfer/ sees no model, the sandbox is a leaf that the code reward uses, and
-those modules never import JAX. An import inside a function says why on its line or the line
-above (after the flags, so --help stays fast; an optional dependency; before JAX starts)."""
+import no hcjax, no production module imports tests/, transfer/ sees no model, the sandbox is a
+leaf that the code reward uses, and those modules never import JAX. An import inside a function
+says why on its line or the line above (after the flags, so --help stays fast; an optional
+dependency; before JAX starts)."""
 
 import ast
 import re
@@ -92,6 +93,14 @@ def test_kernels_import_nothing_of_hcjax():
     bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items()
            if name.startswith("pallas_kernels")
            for m in imported_modules(path) if m == "hcjax" or m.startswith("hcjax.")]
+    assert not bad, "\n".join(bad)
+
+
+def test_production_imports_no_test_helpers():
+    """Small test models, quantisers and bare services live in tests/; a module of hcjax or
+    pallas_kernels that needs one is using a feature that should have a production name."""
+    bad = [f"{path.relative_to(REPO)} imports {m}" for path in modules().values()
+           for m in imported_modules(path) if m == "tests" or m.startswith("tests.")]
     assert not bad, "\n".join(bad)
 
 
