@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 DEFAULT_FP8_BLOCK = (128, 128)
 MXFP4_GROUP = 32  # elements sharing one E8M0 scale
 _CHUNK_ELEMENTS = 1 << 22  # output elements dequantised per step, to bound temporaries
