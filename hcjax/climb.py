@@ -177,12 +177,14 @@ def main(argv: Sequence[str] | None = None):
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
     args = flags.extra
-    # After the flags, so --help stays fast: the climb in every placement (in-process, remote
-    # replicas, Ray actors) and the base's pre-training, so that every configurable they read is
-    # registered when gin binds.
+    # After the flags, so --help stays fast: the climb (every placement's settings: ClimbConfig,
+    # TaskConfig, Placement and RayPlacement, the engine, the learner) and the base's
+    # pre-training, so that every configurable they read is registered when gin binds. The Ray
+    # placement (hcjax.ray_placement) defines none of its own: it is imported when a climb
+    # starts on Ray, and its actors bind gin themselves.
     import jax
 
-    import hcjax.ray_placement  # noqa: F401  (Placement.backend = "ray")
+    import hcjax.rl.climber  # noqa: F401  (the climb's configurables)
     import hcjax.train.sft  # noqa: F401  (the base's pre-training)
     from hcjax.rl.placement import Placement
 
