@@ -144,6 +144,7 @@ def _learner_params(gin_params: Sequence[str]):
     import jax
     from flax import nnx
 
+    from hcjax import rollout  # noqa: F401 - the engine's and server's configurables, before bind
     from hcjax.model import ModelConfig, add_weight_noise, create_sharded
     from hcjax.sharding import MeshConfig, make_mesh
     from hcjax.transfer import weights_service  # noqa: F401 - its WeightSyncConfig, before bind
