@@ -14,28 +14,15 @@ and the replicas as Ray actors (hcjax.ray_placement).
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
+import time
+from collections.abc import Sequence
 
-if __name__ == "__main__":
-    # Devices first (before anything imports JAX); then run the importable module, so gin
-    # registers configurables once, under their modules, not also under __main__.
-    from hcjax.config import force_cpu_devices
-
-    force_cpu_devices()
-    from hcjax.climb import main as _main
-    from hcjax.config import run_main
-
-    run_main(_main)
-    raise SystemExit(0)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-
-from hcjax import config  # noqa: E402
-from hcjax.display import (  # noqa: E402
+from hcjax import config
+from hcjax.display import (
     climb_summary_text,
     pretraining_note,
     resolve_format,
@@ -177,12 +164,14 @@ def main(argv: Sequence[str] | None = None):
     flags = config.parse_flags(argv, description=__doc__.splitlines()[0],
                                default_gin_files=["climb_tiny.gin"], extra_args=_extra_args)
     args = flags.extra
-    # After the flags, so --help stays fast: the climb in every placement (in-process, remote
-    # replicas, Ray actors) and the base's pre-training, so that every configurable they read is
-    # registered when gin binds.
+    # After the flags, so --help stays fast: the climb (every placement's settings: ClimbConfig,
+    # TaskConfig, Placement and RayPlacement, the engine, the learner) and the base's
+    # pre-training, so that every configurable they read is registered when gin binds. The Ray
+    # placement (hcjax.ray_placement) defines none of its own: it is imported when a climb
+    # starts on Ray, and its actors bind gin themselves.
     import jax
 
-    import hcjax.ray_placement  # noqa: F401  (Placement.backend = "ray")
+    import hcjax.rl.climber  # noqa: F401  (the climb's configurables)
     import hcjax.train.sft  # noqa: F401  (the base's pre-training)
     from hcjax.rl.placement import Placement
 
@@ -228,3 +217,9 @@ def main(argv: Sequence[str] | None = None):
         print(f"hcjax.climb: stopped by Ctrl-C after step {s['steps']}; {resume_hint(argv)}",
               file=sys.stderr, flush=True)
     return result
+
+
+if __name__ == "__main__":
+    from hcjax.config import run_main
+
+    run_main(main, cpu_devices=2)

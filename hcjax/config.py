@@ -1,8 +1,10 @@
-"""gin plumbing shared by every entry point: flags, binding with clear errors, config files out.
+"""gin plumbing shared by every entry point: flags, binding with clear errors, config files out;
+and `run_main`, which makes the process-wide settings (`setup_process`) before an entry point runs.
 
-Entry points call `parse_flags(argv)`, import what they run, then `bind(...)`; both fail before
-any JAX compile when a binding is wrong, naming the binding. This module itself holds no model or
-JAX code and imports none of the modules that register configurables.
+Entry points end in `run_main(main, ...)`; `main` calls `parse_flags(argv)`, imports what it runs,
+then `bind(...)`; both fail before any JAX compile when a binding is wrong, naming the binding.
+This module itself holds no model or JAX code and imports none of the modules that register
+configurables.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import importlib.util
 import logging
 import os
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import gin
+
+from hcjax import host_memory
 
 __all__ = [
     "ConfigError",
@@ -33,6 +38,7 @@ __all__ = [
     "parse_flags",
     "project_configurables",
     "run_main",
+    "setup_process",
     "write_config",
     "write_operative_config",
 ]
@@ -148,8 +154,9 @@ def add_hf_checkpoint_flag(parser: argparse.ArgumentParser | argparse._ActionsCo
 
 def force_cpu_devices(default: int = 2) -> None:
     """Ask XLA for `HCJAX_CPU_DEVICES` (default `default`) host devices, so an entry point's
-    learner and inference meshes exist on a CPU-only machine. Must run before JAX creates its
-    backends (the first device query); an explicit XLA_FLAGS device count is left alone."""
+    learner and inference meshes exist on a CPU-only machine (`setup_process(cpu_devices=...)`).
+    Must run before JAX creates its backends (the first device query); an explicit XLA_FLAGS
+    device count is left alone."""
     n = int(os.environ.get("HCJAX_CPU_DEVICES", str(default)))
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -172,11 +179,72 @@ def cpu_xla_flags(devices: int, inherited: str | None = None) -> str:
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 
 
-def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> None:
-    """Run an entry point's `main(argv)`: a configuration or input error (USER_ERRORS, or any
-    exception whose class sets `user_error = True`) becomes one `error: ...` line on stderr and
-    exit status 2, never a traceback (HCJAX_TRACEBACK=1 shows it); Ctrl-C exits with 130; an
-    integer that `main` returns is the exit status."""
+_GPU_PLUGINS = {"jax_cuda12_plugin": "cuda", "jax_cuda13_plugin": "cuda",
+                "jax_rocm60_plugin": "rocm", "jax_rocm7_plugin": "rocm"}
+
+
+def default_jax_platforms() -> str | None:
+    """What JAX_PLATFORMS an hcjax process runs with when the user set none: None (JAX's own
+    choice) on a TPU host; else its GPUs (when a JAX GPU plugin is installed and a GPU device file
+    exists) and the CPU, or the CPU alone.
+
+    Why: libtpu is installed only for the planner's compile-only TPU devices
+    (hcjax/planner/tpu.py loads it itself), yet JAX initialises it on every start when it is
+    installed: on a host without TPU chips that prints libtpu's warnings and takes its lockfile,
+    so a planner started beside a climb would fail."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return None  # a TPU host
+    gpus = {kind for name, kind in _GPU_PLUGINS.items() if importlib.util.find_spec(name)}
+    if gpus and (glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd")):
+        return ",".join(sorted(gpus)) + ",cpu"
+    return "cpu"
+
+
+def setup_process(*, cpu_devices: int | None = None, keep_freed_memory: bool = False) -> None:
+    """The process-wide settings of an hcjax process, made before JAX starts its backends:
+    `run_main` makes them for every entry point; a script that uses hcjax as a library calls this
+    first. Importing hcjax changes nothing.
+
+    - JAX_PLATFORMS, unless the user set it: `default_jax_platforms()` (also for the processes
+      this one starts, which inherit it).
+    - glibc's malloc (hcjax/host_memory.py): `keep_freed_memory=True` for a process that only
+      trains; otherwise HCJAX_HOST_MALLOC=keep asks for the same.
+    - `cpu_devices`: that many host devices (HCJAX_CPU_DEVICES overrides it), so an entry point's
+      learner and inference meshes exist on a CPU-only machine; an explicit XLA_FLAGS device
+      count is left alone.
+
+    JAX may be imported already, but its backends must not have started: RuntimeError if the
+    platform setting comes too late to take effect."""
+    if not os.environ.get("JAX_PLATFORMS"):
+        platforms = default_jax_platforms()
+        if platforms is not None:
+            os.environ["JAX_PLATFORMS"] = platforms
+            jax = sys.modules.get("jax")
+            if jax is not None:  # imported already: it read the environment then
+                # only once jax is imported: this module must not import JAX itself
+                from jax._src import xla_bridge
+
+                if xla_bridge.backends_are_initialized():
+                    raise RuntimeError(
+                        f"setup_process: JAX's backends started before JAX_PLATFORMS={platforms} "
+                        "could be set; something initialised JAX at import time")
+                jax.config.update("jax_platforms", platforms)
+    if keep_freed_memory:
+        host_memory.keep_freed_memory()
+    else:
+        host_memory.apply_from_environment()
+    if cpu_devices is not None:
+        force_cpu_devices(cpu_devices)
+
+
+def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None, *,
+             cpu_devices: int | None = None, keep_freed_memory: bool = False) -> None:
+    """Run an entry point's `main(argv)` after `setup_process(cpu_devices=...,
+    keep_freed_memory=...)`: a configuration or input error (USER_ERRORS, or any exception whose
+    class sets `user_error = True`) becomes one `error: ...` line on stderr and exit status 2,
+    never a traceback (HCJAX_TRACEBACK=1 shows it); Ctrl-C exits with 130; an integer that
+    `main` returns is the exit status."""
+    setup_process(cpu_devices=cpu_devices, keep_freed_memory=keep_freed_memory)
     try:
         code = main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:

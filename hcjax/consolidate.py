@@ -13,22 +13,11 @@ the evaluation `hcjax.rl.pass_at_1.ModelEvaluator`).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
-if __name__ == "__main__":
-    from hcjax.config import force_cpu_devices
-
-    force_cpu_devices()
-    from hcjax.config import run_main
-    from hcjax.consolidate import main as _main
-
-    run_main(_main)
-    raise SystemExit(0)
-
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-from hcjax import config  # noqa: E402
-from hcjax.display import Phases  # noqa: E402
+from hcjax import config
+from hcjax.display import Phases
 
 __all__ = ["main"]
 
@@ -66,3 +55,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                            mode="off" if flags.extra.quiet else "auto"))
     config.write_operative_config(output_dir)
     return report
+
+
+if __name__ == "__main__":
+    from hcjax.config import run_main
+
+    run_main(main, cpu_devices=2)

@@ -63,4 +63,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    config.run_main(main)
+    from hcjax.config import run_main
+
+    run_main(main)

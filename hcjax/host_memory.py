@@ -13,11 +13,12 @@ run on several threads: the tiny engine's decode step (128 slots) went from ~4.7
 the default climb, whose generation shares the process with the learner, made fewer steps a
 minute (133 and 163 against 194 and 176 for dc93019's code in back-to-back 3-minute climbs; fewer
 arenas than one per thread, 4, brought the faults back). So it is not a default: the processes
-that only train call it (`python -m hcjax.sft`, `bench.learner`, `bench.moe`), and
-HCJAX_HOST_MALLOC=keep turns it on at `import hcjax` for any other (a learner process of a
-multi-process placement), =system turns it off everywhere. It must run before JAX starts its
-threads (an arena is chosen by a thread's first allocation). Outside glibc (macOS, musl) it does
-nothing. The cost is that a process keeps its peak heap until it exits, as with tcmalloc.
+that only train ask for it (`python -m hcjax.sft`, `bench.learner`, `bench.moe`:
+`run_main(main, keep_freed_memory=True)`), and HCJAX_HOST_MALLOC=keep turns it on in any other
+hcjax process (`hcjax.config.setup_process`, which every entry point's `run_main` calls: a learner
+process of a multi-process placement), =system turns it off everywhere. It must run before JAX
+starts its threads (an arena is chosen by a thread's first allocation). Outside glibc (macOS,
+musl) it does nothing. The cost is that a process keeps its peak heap until it exits, as with tcmalloc.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _setting() -> str:
 
 
 def apply_from_environment() -> bool:
-    """At `import hcjax`: `keep_freed_memory()` if HCJAX_HOST_MALLOC=keep, else nothing."""
+    """`keep_freed_memory()` if HCJAX_HOST_MALLOC=keep, else nothing (`setup_process` calls it)."""
     return keep_freed_memory() if _setting() == "keep" else False
 
 

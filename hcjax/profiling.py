@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 import jax
 
@@ -48,18 +46,3 @@ class StepTracer:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
-
-
-def trace_files(log_dir: str) -> list[str]:
-    """Paths of the trace files (`*.xplane.pb`, `*.trace.json.gz`) written under `log_dir`."""
-    out = []
-    for root, _, files in os.walk(log_dir):
-        out += [os.path.join(root, f) for f in files if f.endswith((".xplane.pb", ".trace.json.gz"))]
-    return sorted(out)
-
-
-@contextlib.contextmanager
-def annotate(name: str) -> Iterator[None]:
-    """A named region in the trace (host side), e.g. around data loading."""
-    with jax.profiler.TraceAnnotation(name):
-        yield

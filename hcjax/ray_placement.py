@@ -97,6 +97,7 @@ class RayInference:
     bundle's devices, until `stop`."""
 
     def __init__(self, gin_files: Sequence[str], gin_params: Sequence[str]) -> None:
+        config.setup_process()  # an actor's process is an hcjax process as an entry point's is
         config.bind(gin_files, gin_params)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -139,6 +140,7 @@ class RayLearner:
 
     def __init__(self, gin_files: Sequence[str], gin_params: Sequence[str], process_id: int,
                  num_processes: int) -> None:
+        config.setup_process()  # an actor's process is an hcjax process as an entry point's is
         self.gin_files, self.gin_params = list(gin_files), list(gin_params)
         self.process_id, self.num_processes = process_id, num_processes
         self.climb = None

@@ -8,8 +8,8 @@ read-only, then forks the program as a per-run uid with `no_new_privs` and rlimi
 address space, processes, file size, open files).  The init is PID 1, so when it exits the
 kernel kills everything the program left behind; the parent also kills the whole process group
 at the wall-clock deadline or when output exceeds its cap.  Disk usage inside the work directory
-is bounded per file (RLIMIT_FSIZE), not in total.  A leaf: the code reward (hcjax.rewards.code),
-the tools (hcjax.envs.tools) and the sandbox bench use it; it imports no hcjax module and no JAX.
+is bounded per file (RLIMIT_FSIZE), not in total.  A leaf: the code reward (hcjax.rewards.code)
+and the sandbox bench use it; it imports no hcjax module and no JAX.
 
 Root is not needed.  As root the program gets a fresh host uid with `setuid`.  Otherwise the
 namespaces live in a user namespace owned by the caller (`unshare --map-root-user`): the init is
@@ -38,7 +38,6 @@ import secrets
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -219,11 +218,8 @@ def write_files(root: str, files: Mapping[str, str | bytes]) -> None:
     for rel, content in files.items():
         path = resolve_inside(root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = content.encode() if isinstance(content, str) else bytes(content)
-        if os.path.lexists(path) and not os.path.isdir(path):
-            os.unlink(path)  # a new inode: never write through a hard link the sandbox made
         with open(path, "wb") as f:
-            f.write(data)
+            f.write(content.encode() if isinstance(content, str) else bytes(content))
 
 
 def resolve_inside(root: str, rel: str) -> str:
@@ -240,17 +236,13 @@ def resolve_inside(root: str, rel: str) -> str:
 
 
 def _chown_tree(root: str, uid: int) -> None:
+    """Hand the run's fresh work directory (and the files written into it) to its uid."""
     if os.geteuid() != 0:
         return  # the caller's files: its user namespace shows them as the sandbox uid's
     os.chown(root, uid, uid)
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            # Only root's own fresh files: a hard link the sandbox made to a host file (nlink
-            # > 1) must not hand that file to the sandbox's uid.
-            if st.st_uid == 0 and (stat.S_ISDIR(st.st_mode) or st.st_nlink == 1):
-                os.chown(path, uid, uid, follow_symlinks=False)
+            os.chown(os.path.join(dirpath, name), uid, uid, follow_symlinks=False)
 
 
 def _init_python() -> str:
@@ -377,7 +369,6 @@ def run(
     memory_mb: int,
     files: Mapping[str, str | bytes] | None = None,
     stdin: str | bytes | None = None,
-    workdir: str | None = None,
     uid: int | None = None,
     env: Mapping[str, str] | None = None,
     limits: Limits | None = None,
@@ -385,10 +376,9 @@ def run(
 ) -> Outcome:
     """Run `command` (a shell string for /bin/sh, or an argv list) in a fresh sandbox.
 
-    `files` are written into the work directory first.  With `workdir=None` a temporary
-    directory is created and removed afterwards; otherwise that directory is used and kept (its
-    owner must be `uid` when run as root, see `Workspace`).  Never raises for problems of the run itself: they
-    come back as an `Outcome` whose status is one of STATUSES.
+    `files` are written into a fresh temporary work directory first, which is removed
+    afterwards.  Never raises for problems of the run itself: they come back as an `Outcome`
+    whose status is one of STATUSES.
     """
     if isinstance(command, str):
         argv = [*_SHELL, command]
@@ -405,25 +395,18 @@ def run(
     if not os.path.exists(unshare_path):
         return _infra(f"unshare_path={unshare_path!r} does not exist", start)
 
-    own_dir = workdir is None
-    if own_dir:
-        workdir = tempfile.mkdtemp(prefix="hcjax-sbx-")
-        uid = fresh_uid() if uid is None else uid
-    elif uid is None:
-        uid = os.stat(workdir).st_uid if os.geteuid() == 0 else fresh_uid()
-    workdir = os.path.realpath(workdir)
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix="hcjax-sbx-"))
+    uid = fresh_uid() if uid is None else uid
     try:
         if files:
             write_files(workdir, files)
-        if own_dir or files:
-            _chown_tree(workdir, uid)
+        _chown_tree(workdir, uid)
         return _run_in(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env,
                        unshare_path, start)
     except OSError as e:
         return _infra(f"sandbox set-up failed: {e}", start)
     finally:
-        if own_dir:
-            shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _run_in(argv, workdir, uid, timeout_s, memory_mb, limits, stdin, env, unshare_path, start):
@@ -602,36 +585,3 @@ def _classify(status_text: str, killed_for, stdout: str, stderr: str, wall: floa
         return Outcome(OUTPUT_LIMIT, stdout, stderr, rc, wall, "file size limit")
     return Outcome(CRASH, stdout, stderr, rc, wall,
                    f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}")
-
-
-class Workspace:
-    """A sandbox directory that persists across runs (one uid for its lifetime), for tools."""
-
-    def __init__(self, files: Mapping[str, str | bytes] | None = None) -> None:
-        self.uid = fresh_uid()
-        self.path = os.path.realpath(tempfile.mkdtemp(prefix="hcjax-ws-"))
-        if files:
-            write_files(self.path, files)
-        _chown_tree(self.path, self.uid)
-
-    def run(self, command: str | Sequence[str], *, timeout_s: float, memory_mb: int,
-            **kwargs) -> Outcome:
-        return run(command, timeout_s=timeout_s, memory_mb=memory_mb, workdir=self.path,
-                   uid=self.uid, **kwargs)
-
-    def write(self, files: Mapping[str, str | bytes]) -> None:
-        write_files(self.path, files)
-        _chown_tree(self.path, self.uid)
-
-    def read(self, rel: str) -> str:
-        with open(resolve_inside(self.path, rel), encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def close(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
-    def __enter__(self) -> Workspace:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -130,4 +130,6 @@ def _describe(c) -> str:
 
 
 if __name__ == "__main__":
-    hcfg.run_main(main)
+    from hcjax.config import run_main
+
+    run_main(main)

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from hcjax import config
 from hcjax.display import resolve_format
-from hcjax.host_memory import keep_freed_memory
 
 __all__ = ["main"]
 
@@ -61,5 +60,7 @@ def main(argv: Sequence[str] | None = None):
 
 
 if __name__ == "__main__":
-    keep_freed_memory()  # a training-only process (hcjax/host_memory.py), before JAX's threads
-    config.run_main(main)
+    from hcjax.config import run_main
+
+    # A process that only trains: freed heap pages stay with it (hcjax/host_memory.py).
+    run_main(main, keep_freed_memory=True)

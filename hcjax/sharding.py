@@ -1,9 +1,9 @@
 """Meshes from configuration, and the one table that maps logical axis names to mesh axes.
 
 A mesh is described by `MeshConfig` (axis sizes plus the slice of `jax.devices()` it uses), so a
-learner mesh and an inference mesh can live on disjoint devices of one process. Parameters carry
-logical axis names (e.g. ("embed", "mlp")); `logical_to_spec` turns them into a `PartitionSpec`
-through `LOGICAL_RULES`. Activations inside the model are constrained by logical names too
+learner mesh and an inference mesh can live on disjoint devices of one process (`Placement`
+checks that they do). Parameters carry logical axis names (e.g. ("embed", "mlp"));
+`logical_to_spec` turns them into a `PartitionSpec` through `LOGICAL_RULES`. Activations inside the model are constrained by logical names too
 (`constrain`), against the mesh the caller put in context with `jax.set_mesh(mesh)`; with no mesh in
 context that is a no-op. This module must not hard-code device counts.
 """
@@ -136,17 +136,6 @@ def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | 
         )
     grid = np.array(available[:total], dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES)
-
-
-def disjoint_meshes(
-    learner: MeshConfig, inference: MeshConfig, devices: Sequence[jax.Device] | None = None
-) -> tuple[Mesh, Mesh]:
-    """A learner mesh and an inference mesh; raises if they share a device."""
-    lm, im = make_mesh(learner, devices), make_mesh(inference, devices)
-    shared = {d.id for d in lm.devices.flat} & {d.id for d in im.devices.flat}
-    if shared:
-        raise ValueError(f"learner and inference meshes share devices {sorted(shared)}")
-    return lm, im
 
 
 def logical_to_spec(

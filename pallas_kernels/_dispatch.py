@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 IMPLS = ("auto", "pallas", "reference")
 LOWERINGS = ("gpu", "tpu")
-PLATFORMS = ("cpu", "gpu", "tpu")
 
 # impl="auto" by operation and platform.
 _PALLAS_OFF_CPU = {"cpu": "reference", "gpu": "pallas", "tpu": "pallas"}

@@ -27,7 +27,7 @@ def test_device_bound_section():
     import dataclasses
 
     from hcjax.bench.rollout import device_bound_comparison, main
-    from hcjax.rollout.testing import TINY_TEST_CONFIG
+    from tests.rollout_fixtures import TINY_TEST_CONFIG
 
     args = argparse.Namespace(db_slots=4, db_prompt=8, db_response=4, db_waves=1, db_repeats=1,
                               db_light=1, db_block_steps=2)
@@ -53,7 +53,7 @@ def test_shared_pages_section():
 
     from hcjax.bench.rollout import shared_pages_comparison
     from hcjax.model import Transformer
-    from hcjax.rollout.testing import TINY_TEST_CONFIG
+    from tests.rollout_fixtures import TINY_TEST_CONFIG
 
     model = Transformer(dataclasses.replace(TINY_TEST_CONFIG, num_layers=2), rngs=nnx.Rngs(0))
     args = argparse.Namespace(sp_requests=4, sp_system=8, sp_tail=3, sp_response=2,

@@ -21,10 +21,10 @@ from flax import nnx
 from hcjax.config import cpu_xla_flags
 from hcjax.model import ModelConfig
 from hcjax.model_io import load_model
-from hcjax.profiling import trace_files
 from hcjax.rl.store import main as store_main
 from hcjax.rl.store import read_groups
 from hcjax.sharding import MeshConfig, make_mesh
+from tests.test_profiling import trace_files
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,7 @@
 """gin plumbing, model summary and the main entry point: clear errors, files written, counts right."""
 
 import ast
+import glob
 import importlib
 import json
 import os
@@ -250,12 +251,67 @@ def test_every_config_binds(name):
 
 def test_a_cpu_start_prints_no_libtpu_lines():
     """libtpu is installed for the planner only: an entry point on this TPU-less host runs JAX on
-    CPU (hcjax/__init__.py) without initialising libtpu, so it prints none of its warnings."""
+    CPU (run_main's setup_process) without initialising libtpu, so it prints none of its
+    warnings."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     done = subprocess.run([sys.executable, "-m", "hcjax.model.summary"], env=env, text=True,
                           capture_output=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "TPU" not in done.stderr and "E0000" not in done.stderr, done.stderr[-2000:]
+
+
+# In a child without JAX_PLATFORMS, HCJAX_HOST_MALLOC or a device count: what importing the
+# whole package changes in the environment and in malloc, then what setup_process does after
+# JAX was imported (as an entry point's module imports it before run_main).
+_IMPORT_ALL = """
+import importlib, json, os, pkgutil, sys
+before = dict(os.environ)
+import hcjax
+for m in pkgutil.walk_packages(hcjax.__path__, "hcjax."):
+    importlib.import_module(m.name)
+import jax
+from jax._src import xla_bridge
+from hcjax import config, host_memory
+# (tensorboardX sets CRC32C_SW_MODE when imported: a third party's, not a process setting of ours)
+changed = {k: v for k, v in os.environ.items() if before.get(k) != v and k != "CRC32C_SW_MODE"}
+started, kept = xla_bridge.backends_are_initialized(), host_memory.kept()
+config.setup_process(cpu_devices=3)
+print(json.dumps({"changed": changed, "started": started, "kept": kept,
+                  "platforms": os.environ.get("JAX_PLATFORMS"),
+                  "devices": [d.platform for d in jax.devices()]}))
+"""
+
+
+@pytest.mark.skipif(bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")),
+                    reason="a TPU host keeps JAX's own platform choice")
+def test_importing_hcjax_sets_nothing_and_setup_process_sets_the_platform_and_devices():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "HCJAX_HOST_MALLOC", "HCJAX_CPU_DEVICES", "XLA_FLAGS")}
+    env["HCJAX_HOST_MALLOC"] = "keep"  # asked for, yet only setup_process may act on it
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ALL], env=env, text=True,
+                          capture_output=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # No module starts JAX or changes the environment or malloc when imported ...
+    assert out["changed"] == {} and not out["started"] and not out["kept"], out
+    # ... and the set-up after `import jax` still takes effect: CPU (no GPU plugin here), 3 host
+    # devices, and no libtpu line.
+    assert out["platforms"] == hcfg.default_jax_platforms() == "cpu", out
+    assert out["devices"] == ["cpu"] * 3, out
+    assert "TPU" not in done.stderr and "E0000" not in done.stderr, done.stderr[-2000:]
+
+
+def test_setup_process_keeps_the_users_platforms_and_refuses_to_come_late(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    hcfg.setup_process()  # the user's (here conftest's) choice: nothing to do, JAX running or not
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    import jax
+
+    jax.devices()  # this process's backends are up (tests/conftest.py's 8 CPU devices)
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(hcfg, "default_jax_platforms", lambda: "cpu")
+    with pytest.raises(RuntimeError, match="backends started before JAX_PLATFORMS=cpu"):
+        hcfg.setup_process()
 
 
 def test_cpu_xla_flags_keep_the_parents_flags_and_replace_its_device_count():

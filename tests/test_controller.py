@@ -14,7 +14,6 @@ from hcjax.rl.sources import PrioritizedSource, SequentialSource
 from hcjax.rl.store import (
     RolloutStore,
     distillation_conversations,
-    grain_dataset,
     read_groups,
     rollout_from_json,
     rollout_to_json,
@@ -405,8 +404,6 @@ def test_distillation_set_is_late_successful_and_random(tmp_path):
     lines = [json.loads(x) for x in open(tmp_path / "sd.jsonl")]
     assert n == len(lines) == 2 * len(convs)
     assert sum(x["messages"][0]["content"] == "b" for x in lines) == len(convs)
-    ds = grain_dataset(str(tmp_path / "store"))
-    assert len(ds) == 10 and ds[0]["task_id"] == "t0"
     with pytest.raises(ValueError, match="min_step_fraction=2"):
         distillation_conversations(str(tmp_path / "store"), min_step_fraction=2)
 

@@ -129,27 +129,3 @@ def test_curriculum_pool_grows_easy_to_hard():
     assert set(sampler.sample(200, progress=0.0)) <= {"p0", "p1", "p2"}
     with pytest.raises(ValueError, match="progress=1.5"):
         sampler.pool(1.5)
-
-
-def test_learnability_band():
-    band = curriculum.LearnabilityBand()
-    assert not band.keep([0, 0, 0, 0])      # mean 0 excluded
-    assert band.keep([1, 0, 0, 0])
-    assert band.keep([1, 1, 1, 1, 0])       # exactly 0.8 kept
-    assert not band.keep([1, 1, 1, 1])
-
-
-def test_learnability_select_over_an_oversampled_pool():
-    band = curriculum.LearnabilityBand(oversample=3.0)
-    rng = random.Random(0)
-    p = 0.9  # G=8: keep iff 1 <= k <= 6 of 8
-    p_keep = sum(binom_pmf(k, 8, p) for k in range(1, 7))
-    kept, stats = band.select(range(3000), lambda _: [float(rng.random() < p) for _ in range(8)],
-                              batch_size=1000)
-    assert stats["pool"] == 3000 and stats["kept"] == len(kept)
-    # 3000 * 0.187 = 562 expected keepers: the batch cannot fill, everything is rolled out.
-    assert stats["rolled_out"] == 3000 and stats["short"] == 1000 - len(kept)
-    se = math.sqrt(p_keep * (1 - p_keep) / 3000)
-    assert abs(stats["keep_rate"] - p_keep) < 4 * se
-    kept, stats = band.select(range(3000), lambda i: [1.0, 0.0], batch_size=10)
-    assert stats["rolled_out"] == 10 and [k for k, _ in kept] == list(range(10))

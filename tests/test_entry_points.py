@@ -4,6 +4,7 @@ on a bad input, in this process (the same `main` its `__main__` block hands to `
 Hugging Face cases the issue found (a truncated safetensors file, a config.json that disagrees
 with the weights, a missing shard, NaN weights) also run as real `python -m` processes."""
 
+import ast
 import importlib
 import json
 import os
@@ -20,6 +21,40 @@ from tests.hf_fixtures import fixture
 from tests.test_finite import poison
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+# Runs on the launchers' hosts with the system python3 before any install step (standard library
+# only), so it prints its own errors instead of going through run_main.
+_STDLIB_ONLY = {"hcjax/cluster/layout.py"}
+
+
+def _main_block(tree: ast.Module) -> ast.If | None:
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+            return node
+    return None
+
+
+def test_every_entry_point_starts_one_way():
+    """One entry-point style: imports at the top (no `noqa: E402` preamble that sets the process
+    up before importing), and a last `__main__` block that hands `main` to run_main, which makes
+    the process-wide settings (hcjax.config.setup_process) before main runs."""
+    preambles = [f"{p.relative_to(REPO)}:{i}" for root in ("hcjax", "pallas_kernels")
+                 for p in sorted((REPO / root).rglob("*.py"))
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if "noqa: E402" in line]
+    assert not preambles, preambles
+    bad, entry_points = [], 0
+    for path in sorted((REPO / "hcjax").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        block = _main_block(tree)
+        if block is None or str(path.relative_to(REPO)) in _STDLIB_ONLY:
+            continue
+        entry_points += 1
+        calls = [ast.unparse(n) for n in ast.walk(block) if isinstance(n, ast.Call)]
+        if (tree.body[-1] is not block or len(calls) != 1
+                or not calls[0].startswith("run_main(main")):
+            bad.append(f"{path.relative_to(REPO)}: {calls}")
+    assert entry_points >= 30 and not bad, bad
 
 
 def _error_line(capsys, module: str, argv: list[str]) -> str:

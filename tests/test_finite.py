@@ -74,7 +74,7 @@ def test_a_checkpoint_with_nans_is_refused_without_falling_back(tmp_path):
 
 def test_a_replica_refuses_a_push_of_nans_and_keeps_serving_its_version():
     from hcjax.rollout import Engine, GenerateRequest, RolloutServer
-    from hcjax.rollout.testing import tiny_model
+    from tests.rollout_fixtures import tiny_model
 
     engine = Engine(tiny_model(0), max_concurrent_decodes=2, max_prefill_length=8,
                     max_target_length=16)

@@ -229,7 +229,7 @@ def _drain(client):
 
 def test_versions_only_move_forward_unless_a_new_session_rolls_back():
     from hcjax.rollout import Engine, RolloutServer
-    from hcjax.rollout.testing import tiny_model
+    from tests.rollout_fixtures import tiny_model
 
     engine = Engine(tiny_model(0), max_concurrent_decodes=2, max_prefill_length=8,
                     max_target_length=16)

@@ -16,6 +16,7 @@ import pytest
 
 from hcjax.model import hf, init_cache, quant
 from hcjax.model.safetensors_io import SafetensorsCheckpoint, write_safetensors
+from tests import quantisers
 from tests.hf_fixtures import FAMILIES, fixture, golden
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,13 +148,13 @@ def test_fp8_block_scaled_checkpoint_is_dequantised_on_load(tmp_path):
     def quantised(name, a):
         if not linear(name, a):
             return {name: a}
-        w8, scale_inv = quant.quant_fp8_blocks(a, block)
+        w8, scale_inv = quantisers.quant_fp8_blocks(a, block)
         return {name: w8, name + "_scale_inv": scale_inv}
 
     def dequantised(name, a):
         if not linear(name, a):
             return {name: a}
-        return {name: quant.dequant_fp8_blocks(*quant.quant_fp8_blocks(a, block), block)}
+        return {name: quant.dequant_fp8_blocks(*quantisers.quant_fp8_blocks(a, block), block)}
 
     qcfg = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                     "weight_block_size": list(block)}}
@@ -179,13 +180,13 @@ def test_mxfp4_experts_are_dequantised_on_load(tmp_path):
     def quantised(name, a):
         if not name.endswith(experts):
             return {name: a}
-        blocks, scales = quant.quant_mxfp4(np.ascontiguousarray(np.swapaxes(a, -1, -2)))
+        blocks, scales = quantisers.quant_mxfp4(np.ascontiguousarray(np.swapaxes(a, -1, -2)))
         return {name + "_blocks": blocks, name + "_scales": scales}
 
     def dequantised(name, a):
         if not name.endswith(experts):
             return {name: a}
-        w = quant.dequant_mxfp4(*quant.quant_mxfp4(np.ascontiguousarray(np.swapaxes(a, -1, -2))))
+        w = quant.dequant_mxfp4(*quantisers.quant_mxfp4(np.ascontiguousarray(np.swapaxes(a, -1, -2))))
         return {name: np.ascontiguousarray(np.swapaxes(w, -1, -2))}
 
     mx_dir = _rewrite(src, tmp_path / "mxfp4", quantised, {"quantization_config": {"quant_method": "mxfp4"}})

@@ -11,14 +11,14 @@ import pytest
 
 from hcjax import host_memory
 
-# Faults in the median call (of 11) of a step whose two 21 MB temporaries live in a loop carry; `ask` calls
-# keep_freed_memory() before JAX starts, as the training entry points do.
+# Faults in the median call (of 11) of a step whose two 21 MB temporaries live in a loop carry; the
+# process set-up runs as an entry point's run_main does (JAX imported, not started), `ask` as a
+# training-only one's (keep_freed_memory=True).
 _FAULTS = textwrap.dedent("""
     import resource, sys, jax, jax.numpy as jnp
-    import hcjax
     from hcjax import host_memory
-    if sys.argv[1] == "ask":
-        host_memory.keep_freed_memory()
+    from hcjax.config import setup_process
+    setup_process(keep_freed_memory=sys.argv[1] == "ask")
 
     def step(x):
         def body(i, c):

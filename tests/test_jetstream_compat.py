@@ -24,7 +24,7 @@ import pytest
 from hcjax.data.tokenizer import ByteTokenizer
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingOptions
 from hcjax.rollout.engine import register_with_jetstream
-from hcjax.rollout.testing import tiny_model
+from tests.rollout_fixtures import tiny_model
 
 # The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
 # a third of the compile; tests/conftest.py).

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hcjax.model import (
     ModelConfig,
     Transformer,
+    add_weight_noise,
     create_sharded,
     init_cache,
     load_balance_loss_from_stats,
@@ -73,6 +74,21 @@ def test_attention_output_starts_at_zero():
     model = Transformer(BASE, rngs=nnx.Rngs(0))
     for block in model.blocks:
         assert float(jnp.abs(block.attn_out_norm.scale[...]).max()) == 0.0
+
+
+def test_weight_noise_moves_every_float_leaf_and_makes_attention_matter():
+    state = {"w": jnp.zeros((64, 64)), "ids": jnp.arange(5, dtype=jnp.int32)}
+    noisy = add_weight_noise(state, seed=3, scale=0.5)
+    np.testing.assert_array_equal(noisy["ids"], state["ids"])  # integer leaves unchanged
+    assert abs(float(jnp.std(noisy["w"])) - 0.5) < 0.05  # N(0, 0.5^2) over 4096 draws
+    np.testing.assert_array_equal(add_weight_noise(state, 3, 0.5)["w"], noisy["w"])  # per seed
+    assert not np.array_equal(add_weight_noise(state, 4, 0.5)["w"], noisy["w"])
+    with pytest.raises(ValueError, match="scale=-1"):
+        add_weight_noise(state, 0, -1.0)
+    # The reason it exists: at init the attention gains are 0, with noise they are not.
+    graphdef, init = nnx.split(Transformer(BASE, rngs=nnx.Rngs(0)))
+    model = nnx.merge(graphdef, add_weight_noise(init, 1))
+    assert all(float(jnp.abs(b.attn_out_norm.scale[...]).max()) > 0 for b in model.blocks)
 
 
 def test_no_biases_and_tied_embeddings():

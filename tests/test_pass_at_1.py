@@ -13,7 +13,7 @@ from flax import nnx
 from hcjax.data.problem import TaskProblem
 from hcjax.data.template import stop_ids
 from hcjax.data.tokenizer import ByteTokenizer
-from hcjax.model import ModelConfig, Transformer
+from hcjax.model import ModelConfig, Transformer, add_weight_noise
 from hcjax.rl.pass_at_1 import (
     EVAL_PRIORITY,
     ModelEvaluator,
@@ -24,7 +24,6 @@ from hcjax.rl.pass_at_1 import (
 )
 from hcjax.rl.sources import TaskBuilder
 from hcjax.rollout import Engine, SampledRollout, SamplingOptions, generate
-from hcjax.rollout.testing import perturbed
 from hcjax.tasks import ArithmeticSuite, MixtureSuite
 
 # The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
@@ -203,7 +202,7 @@ def test_a_model_is_evaluated_on_the_climbs_path(model):
     # own weights; a model of another config needs an engine of its own.
     [engine] = evaluations._engines
     other = Transformer(TINY, rngs=nnx.Rngs(3))
-    nnx.update(other, perturbed(nnx.state(other), 1))
+    nnx.update(other, add_weight_noise(nnx.state(other), 1))
     with evaluations.serving(other, suite, problems) as evaluator:
         theirs = evaluator.samples()
     assert evaluations._engines == [engine]

@@ -9,7 +9,7 @@ import pytest
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 from hcjax.rollout.engine_api import VersionedParams
 from hcjax.rollout.prefix_cache import PrefixCache
-from hcjax.rollout.testing import tiny_model
+from tests.rollout_fixtures import tiny_model
 
 # The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
 # a third of the compile; tests/conftest.py).

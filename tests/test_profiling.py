@@ -1,10 +1,21 @@
 """XProf traces: tracing steps [a, b) writes trace files; outside the range nothing is traced."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from hcjax.profiling import StepTracer, trace_files
+from hcjax.profiling import StepTracer
+
+
+def trace_files(log_dir: str) -> list[str]:
+    """Paths of the trace files (`*.xplane.pb`, `*.trace.json.gz`) written under `log_dir`."""
+    out = []
+    for root, _, files in os.walk(log_dir):
+        out += [os.path.join(root, f) for f in files
+                if f.endswith((".xplane.pb", ".trace.json.gz"))]
+    return sorted(out)
 
 
 def test_trace_files_appear_for_the_step_range(tmp_path):

@@ -10,14 +10,14 @@ import pytest
 from flax import nnx
 
 from hcjax.finite import NonFiniteWeights
-from hcjax.model import create_sharded
+from hcjax.model import add_weight_noise, create_sharded
 from hcjax.rl.inference import LocalInference
 from hcjax.rollout import GenerateRequest
-from hcjax.rollout.testing import TINY_TEST_CONFIG, perturbed
 from hcjax.sharding import MeshConfig, make_mesh
 from hcjax.transfer import quantize as qz
 from hcjax.transfer.reshard_plan import path_str
 from hcjax.transfer.weights_service import WeightSyncConfig
+from tests.rollout_fixtures import TINY_TEST_CONFIG
 
 BLOCK = 16
 
@@ -32,7 +32,7 @@ def test_replica_serves_and_samples_the_quantised_weights(fmt):
     # One device each (the 2-device sharding of values and scales is test_transfer_quantize's).
     learner = create_sharded(TINY_TEST_CONFIG, make_mesh(MeshConfig(fsdp=1, num_devices=1)),
                              seed=0)
-    nnx.update(learner, perturbed(nnx.state(learner), 1))
+    nnx.update(learner, add_weight_noise(nnx.state(learner), 1))
     state = nnx.state(learner)
     mesh = make_mesh(MeshConfig(fsdp=1, device_offset=1, num_devices=1))
     inference = LocalInference(learner, [mesh], lambda: state, max_concurrent_decodes=1,

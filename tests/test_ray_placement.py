@@ -26,6 +26,13 @@ def ray_placement(**fields):
     return Placement(**{"backend": "ray", **fields})
 
 
+def test_the_ray_placement_registers_no_configurable_of_its_own():
+    """hcjax.climb binds gin with the climb's modules imported, not this one (it starts on Ray
+    only): a configurable defined here would be skipped by the driver's bind."""
+    source = (REPO / "hcjax" / "ray_placement.py").read_text()
+    assert not config._CONFIGURABLE_RE.findall(source)
+
+
 def test_bundles_follow_the_meshes_on_cpu():
     placement = ray_placement(learner_mesh={"fsdp": 2, "device_offset": 0, "num_devices": 2},
                               inference_meshes=[{"device_offset": 2, "num_devices": 1},

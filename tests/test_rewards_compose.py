@@ -1,11 +1,11 @@
-"""Reward formulas against hand-computed values: eq. (10)/(11), length penalties, composition,
-honesty, search agent."""
+"""Reward formulas against hand-computed values: eq. (10)/(11), length penalties, composition."""
 
 
 import pytest
 
 from hcjax.rewards import compose, shaping
-from hcjax.rewards.compose import Honesty
+from hcjax.rewards.spec import RewardSpec
+from hcjax.rewards.types import Grade
 
 
 def test_language_reward_counts_non_english_words():
@@ -20,11 +20,16 @@ def test_language_reward_counts_non_english_words():
 
 
 def test_mai_length_penalty_and_total_reward():
-    # rho=0.5, |y|=4096, l_max=8192 -> 0.25; R = 1 + 0.5 * 0.95 - 0.25 * 0.25 = 1.4125
+    # rho=0.5, |y|=4096, l_max=8192 -> 0.25; R = 1 + 0.5 * 0.95 - 0.25 * 0.25 = 1.4125 (eq. 10,
+    # composed by RewardSpec: 10 non-English words give R_lang = 0.95).
     r_len = shaping.mai_length_penalty(4096, 0.5, 8192)
     assert r_len == 0.25
-    assert shaping.mai_reward(1.0, 0.95, r_len) == pytest.approx(1.4125)
-    assert shaping.mai_reward(1.0, 0.95, r_len, w_len=0.0) == pytest.approx(1.475)  # 128K stage
+    group = [Grade(reward=1.0), Grade(reward=0.0)]
+    texts = ["x " + "日" * 10, "wrong"]
+    for w_len, want in ((0.25, 1.4125), (0.0, 1.475)):  # w_len 0: the 128K stage
+        spec = RewardSpec(length="mai", length_weight=w_len, language_weight=0.5)
+        got = spec.group_rewards(group, [4096, 4096], max_length=8192, texts=texts)
+        assert got[0].reward == pytest.approx(want)
     with pytest.raises(ValueError, match="pass_rate=1.5"):
         shaping.mai_length_penalty(10, 1.5, 100)
 
@@ -67,30 +72,3 @@ def test_gated():
     assert compose.gated(0.7, [(1.0, 0.5), (0.9, 0.8)], minimum=-1.0) == 0.7
     assert compose.gated(0.7, [(0.2, 0.5)], minimum=-1.0) == -1.0  # unsafe: minimum regardless
     assert compose.gated(0.7, [], minimum=-1.0) == 0.7
-
-
-def test_honesty_reward():
-    assert compose.honesty_reward(Honesty.CONFIDENT_INCORRECT) == -1.0
-    assert compose.honesty_reward(Honesty.NOT_ATTEMPTED) == 0.0
-    probs = {Honesty.CONFIDENT_CORRECT: 0.5, Honesty.UNCONFIDENT_INCORRECT: 0.5}
-    assert compose.honesty_reward(probs) == pytest.approx(0.25)  # 0.5*1 + 0.5*(-0.5)
-    bad = dict(compose.DEFAULT_HONESTY_WEIGHTS)
-    bad[Honesty.UNCONFIDENT_CORRECT] = 2.0
-    with pytest.raises(ValueError, match="not strictly decreasing"):
-        compose.honesty_reward(Honesty.NOT_ATTEMPTED, bad)
-    with pytest.raises(ValueError, match="not a probability distribution"):
-        compose.honesty_reward({Honesty.CONFIDENT_CORRECT: 0.7})
-
-
-def test_search_agent_reward():
-    # s=0.8, 1 malformed of 4 calls: 0.8 * (1 - 0.5 * 0.25) = 0.7
-    r = compose.search_agent_reward(0.8, num_calls=4, num_malformed=1, num_successful=3,
-                                    answered=True)
-    assert r == pytest.approx(0.7)
-    assert compose.search_agent_reward(0.8, num_calls=4, num_malformed=0, num_successful=1,
-                                       answered=True) == 0.0  # fewer than 2 successful calls
-    assert compose.search_agent_reward(0.0, num_calls=9, num_malformed=0, num_successful=9,
-                                       answered=False) == -0.1
-    with pytest.raises(ValueError, match="num_malformed=5"):
-        compose.search_agent_reward(1.0, num_calls=4, num_malformed=5, num_successful=0,
-                                    answered=True)

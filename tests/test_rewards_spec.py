@@ -6,7 +6,7 @@ from __future__ import annotations
 import gin
 import pytest
 
-from hcjax.rewards.spec import RewardSpec, compose_group
+from hcjax.rewards.spec import RewardSpec
 from hcjax.rewards.types import Grade
 from hcjax.rl.curriculum import LengthCurriculum
 
@@ -33,12 +33,11 @@ def clean_gin():
 
 # --- identity -------------------------------------------------------------------------------
 
-def test_default_spec_and_no_spec_are_identity():
+def test_default_spec_is_identity():
     grades = binary([True, False], strict=[1.0, 0.0]) + [ABORTED]
     assert RewardSpec().is_identity
     for out in (RewardSpec().group_rewards(grades, [5, 7, 9], max_length=16),
-                compose_group(None, grades, [5, 7, 9]),
-                compose_group(RewardSpec(), grades, [5, 7, 9])):
+                RewardSpec().group_rewards(grades, [5, 7, 9])):
         assert all(a is b for a, b in zip(out, grades)) and len(out) == 3
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hcjax.model import add_weight_noise
 from hcjax.rollout import (
     Engine,
     GenerateRequest,
@@ -20,7 +21,7 @@ from hcjax.rollout import (
 )
 from hcjax.rollout.records import support_mask_from_record
 from hcjax.rollout.request import request_from_dict
-from hcjax.rollout.testing import perturbed, tiny_model
+from tests.rollout_fixtures import tiny_model
 
 PROMPTS = [[1, 5, 9, 3, 7, 2, 11, 4, 6, 8, 10, 12, 13], [3, 1, 4, 1, 5]]
 
@@ -213,7 +214,7 @@ def test_same_seed_same_tokens_and_bulk_insert_shares_one_prefill(engine):
 
 
 def test_weight_swap_mid_request_is_reflected_in_versions(engine, model):
-    new_params = perturbed(nnx.state(model), seed=99, scale=0.5)
+    new_params = add_weight_noise(nnx.state(model), seed=99, scale=0.5)
     with _serve(engine, min_step_seconds=0.05, block_steps=8, min_block_steps=8) as srv:
         handle = srv.submit(GenerateRequest(prompt=PROMPTS[0], max_tokens=40, seed=1))
         seen = 0
@@ -343,12 +344,12 @@ def test_offline_generate_matches_server(engine):
 @pytest.mark.slow
 def test_engine_on_an_inference_mesh_matches_default_device(engine):
     from hcjax.model import create_sharded
-    from hcjax.rollout.testing import TINY_TEST_CONFIG
     from hcjax.sharding import MeshConfig, make_mesh
+    from tests.rollout_fixtures import TINY_TEST_CONFIG
 
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=2, device_offset=4, num_devices=4))
     sharded = create_sharded(TINY_TEST_CONFIG, mesh, seed=0)
-    nnx.update(sharded, perturbed(nnx.state(sharded), 1))
+    nnx.update(sharded, add_weight_noise(nnx.state(sharded), 1))
     meshed = Engine(sharded, mesh=mesh, max_concurrent_decodes=2, max_prefill_length=16,
                     max_target_length=64)
     def run(eng):  # two prompts of one bucket, waiting together: one batched prefill call

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hcjax.model import Transformer
+from hcjax.model import Transformer, add_weight_noise
 from hcjax.rollout import Engine, SamplingOptions, generate
-from hcjax.rollout.testing import TINY_TEST_CONFIG, perturbed
+from tests.rollout_fixtures import TINY_TEST_CONFIG
 
 # The engines' sampler: its sort-only setting (bit-identical, compiles in a third of the time).
 pytestmark = pytest.mark.usefixtures("sort_only_sampler")
@@ -21,7 +21,7 @@ OPTIONS = SamplingOptions(max_tokens=20, temperature=0.9, top_p=0.8, seed=4)
 
 def _model(**changes):
     model = Transformer(dataclasses.replace(TINY_TEST_CONFIG, **changes), rngs=nnx.Rngs(0))
-    nnx.update(model, perturbed(nnx.state(model), 1))
+    nnx.update(model, add_weight_noise(nnx.state(model), 1))
     return model
 
 

@@ -16,7 +16,7 @@ from hcjax.rollout.scheduler import (
     QueueFull,
     request_cost,
 )
-from hcjax.rollout.testing import tiny_model
+from tests.rollout_fixtures import tiny_model
 
 # The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
 # a third of the compile; tests/conftest.py).

@@ -19,9 +19,9 @@ import pytest
 from hcjax.config import cpu_xla_flags
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 from hcjax.rollout.router import Router
-from hcjax.rollout.service import RolloutClient, serve_grpc
-from hcjax.rollout.testing import tiny_model
+from hcjax.rollout.service import RolloutClient
 from hcjax.rollout.wire import decode, encode
+from tests.rollout_fixtures import serve_grpc, tiny_model
 
 # The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
 # a third of the compile; tests/conftest.py).

@@ -33,14 +33,13 @@ MODEL = [
 def learner_versions(*seeds):
     """The learner's parameter trees on device 0, one per seed: the seed-0 initialisation of the
     bound ModelConfig with N(0, 0.3^2) noise of that seed (arrays laid out like the learner's)."""
-    from hcjax.model import ModelConfig, create_sharded
-    from hcjax.rollout.testing import perturbed
+    from hcjax.model import ModelConfig, add_weight_noise, create_sharded
     from hcjax.sharding import MeshConfig, make_mesh
 
     one = make_mesh(MeshConfig(fsdp=1, num_devices=1))
     state = nnx.state(create_sharded(ModelConfig(), one, seed=0))
     return [jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding),
-                         perturbed(state, seed, 0.3), state) for seed in seeds]
+                         add_weight_noise(state, seed, 0.3), state) for seed in seeds]
 
 
 class InProcess:

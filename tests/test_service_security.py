@@ -28,13 +28,12 @@ from hcjax.rollout.service import (
     RolloutClient,
     _request_to_bytes,
     retry_after,
-    serve_grpc,
 )
-from hcjax.rollout.testing import tiny_model
 from hcjax.rollout.wire import decode, encode
 from hcjax.rpc.auth import Security, check_exposure, is_loopback
 from hcjax.transfer import PlanReceiver, UntrustedPeer
 from hcjax.transfer.remote import check_trusted, trusted_peers_from_env
+from tests.rollout_fixtures import serve_grpc, tiny_model
 
 # The engines here test serving, not the sampler: its sort-only setting (bit-identical draws,
 # a third of the compile; tests/conftest.py).

@@ -17,8 +17,8 @@ import pytest
 
 from hcjax.model import ModelConfig
 from hcjax.model_io import read_checkpoint
-from hcjax.profiling import trace_files
 from hcjax.sft import main
+from tests.test_profiling import trace_files
 
 P = [
     "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2", "ModelConfig.num_heads = 2",

@@ -4,20 +4,14 @@ utilisation, final pass@1. Prints one JSON object last; never asserts timings.""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import tempfile
+from collections.abc import Sequence
 
-if __name__ == "__main__":
-    from hcjax.config import force_cpu_devices
-
-    force_cpu_devices()
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import tempfile  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-
-from hcjax import config  # noqa: E402
-from hcjax.display import Phases  # noqa: E402
+from hcjax import config
+from hcjax.display import Phases
 
 
 def _mode_figures(summary: dict) -> dict:
@@ -93,4 +87,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 if __name__ == "__main__":
     from hcjax.config import run_main
 
-    run_main(main)
+    run_main(main, cpu_devices=2)

@@ -31,9 +31,8 @@ from hcjax.bench import learner as lbench
 from hcjax.bench import moe as mbench
 from hcjax.bench import rollout as rbench
 from hcjax.display import Phases
-from hcjax.model import ModelConfig, Transformer
+from hcjax.model import ModelConfig, Transformer, add_weight_noise
 from hcjax.rollout import Engine
-from hcjax.rollout.testing import perturbed
 
 # Dense (no sparsity) peak TFLOP/s by a substring of `device_kind`, first match wins. Vendor
 # datasheet figures: H100/H200 SXM 989 bf16 / 494 tf32, H100 PCIe 756 / 378, A100 312 / 156,
@@ -295,7 +294,7 @@ def section_learner(sizes: Sizes, peak: float | None, phase) -> dict:
 def section_decode(sizes: Sizes, phase) -> dict:
     cfg = sizes.decode_model
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    model = nnx.merge(graphdef, perturbed(state, 1))
+    model = nnx.merge(graphdef, add_weight_noise(state, 1))
     d = sizes.decode
     engine = Engine(model, max_concurrent_decodes=d["slots"], max_prefill_length=d["max_prompt"],
                     max_target_length=cfg.max_seq_len)

@@ -276,7 +276,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    host_memory.keep_freed_memory()  # a training-only process, before JAX starts its threads
     from hcjax.config import run_main
 
-    run_main(main)
+    # A process that only trains: freed heap pages stay with it (hcjax/host_memory.py).
+    run_main(main, keep_freed_memory=True)

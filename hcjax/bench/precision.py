@@ -29,7 +29,7 @@ from flax import nnx
 
 from hcjax import config as hcfg
 from hcjax.display import Phases
-from hcjax.model import ModelConfig, Transformer
+from hcjax.model import ModelConfig, Transformer, add_weight_noise
 from hcjax.model_io import load_model
 from hcjax.rl.batch import LearnerBatch, pack_rollouts
 from hcjax.rl.learner import token_logprobs
@@ -37,7 +37,6 @@ from hcjax.rl.losses import LossConfig, rollout_correction
 from hcjax.rl.report import NOISE_FORMULA, suite_gain
 from hcjax.rollout import Engine, generate
 from hcjax.rollout.request import SamplingOptions
-from hcjax.rollout.testing import perturbed
 from hcjax.transfer.quantize import DEFAULT_BLOCK, FORMATS, round_trip_tree
 
 # (sampler compute dtype, learner compute dtype): RECIPE §3 runs both in bf16; bf16 inference
@@ -233,7 +232,7 @@ def logprob_gap(
     if state is None:
         _, state = nnx.split(Transformer(dataclasses.replace(cfg, dtype="float32"),
                                          rngs=nnx.Rngs(seed)))
-        state = perturbed(state, seed + 1, weight_noise)
+        state = add_weight_noise(state, seed + 1, weight_noise)
     models = {dtype: with_dtype(cfg, state, dtype) for pair in pairs for dtype in pair}
     recompute = {dtype: make_learner_logprobs(model) for dtype, model in models.items()}
     sampled: dict[str, tuple] = {}

@@ -154,4 +154,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    hcfg.run_main(main)
+    from hcjax.config import run_main
+
+    run_main(main)

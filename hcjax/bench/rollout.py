@@ -27,11 +27,10 @@ from flax import nnx
 
 from hcjax import config as hcfg
 from hcjax.display import Phases
-from hcjax.model import ModelConfig, Transformer, cache_bytes, init_cache
+from hcjax.model import ModelConfig, Transformer, add_weight_noise, cache_bytes, init_cache
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer, SamplingOptions
 from hcjax.rollout import engine as engine_module
 from hcjax.rollout.sampling import sample, sample_reference, sampling_keys, searched_rows
-from hcjax.rollout.testing import perturbed
 
 
 def workload(rng: np.random.Generator, n: int, max_prompt: int, max_response: int):
@@ -456,7 +455,7 @@ def device_bound_comparison(cfg: ModelConfig, name: str, args, note=lambda item:
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, max_len))
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
-    model = nnx.merge(graphdef, perturbed(state, 1))
+    model = nnx.merge(graphdef, add_weight_noise(state, 1))
     engine = Engine(model, max_concurrent_decodes=slots, max_prefill_length=args.db_prompt,
                     max_target_length=max_len)
     rng = np.random.default_rng(0)
@@ -704,7 +703,7 @@ def main(argv=None) -> dict:
         print(json.dumps(out))
         return out
     graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
-    model = nnx.merge(graphdef, perturbed(state, 1))
+    model = nnx.merge(graphdef, add_weight_noise(state, 1))
     shared_pages = None
     if args.only in ("all", "shared_pages"):
         with phases.phase("paged KV: a common head without vs with prefix reuse"):

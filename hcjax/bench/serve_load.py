@@ -144,8 +144,8 @@ def _learner_params(gin_params: Sequence[str]):
     import jax
     from flax import nnx
 
-    from hcjax.model import ModelConfig, create_sharded
-    from hcjax.rollout.testing import perturbed
+    from hcjax import rollout  # noqa: F401 - the engine's and server's configurables, before bind
+    from hcjax.model import ModelConfig, add_weight_noise, create_sharded
     from hcjax.sharding import MeshConfig, make_mesh
     from hcjax.transfer import weights_service  # noqa: F401 - its WeightSyncConfig, before bind
 
@@ -153,7 +153,7 @@ def _learner_params(gin_params: Sequence[str]):
     mesh = make_mesh(MeshConfig(fsdp=1, num_devices=1))
     state = nnx.state(create_sharded(ModelConfig(), mesh, seed=0))
     return [jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding),
-                         perturbed(state, seed, 0.01), state) for seed in (1, 2)]
+                         add_weight_noise(state, seed, 0.01), state) for seed in (1, 2)]
 
 
 def _flood_host(source: str, port: int, streams: int, stop, out) -> None:

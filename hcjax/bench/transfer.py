@@ -10,33 +10,26 @@ not asserted.
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import dataclasses
+import gc
+import json
 import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
-# Before JAX is imported: 8 host devices, so learner and inference meshes can be disjoint.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import dataclasses  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from hcjax.display import Phases  # noqa: E402
-from hcjax.transfer import Cast, LocalTransfer, make_plan  # noqa: E402
-from hcjax.transfer.local import CHUNK_BYTES, PACK_BELOW  # noqa: E402
+from hcjax.display import Phases
+from hcjax.transfer import Cast, LocalTransfer, make_plan
+from hcjax.transfer.local import CHUNK_BYTES, PACK_BELOW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,4 +355,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     from hcjax.config import run_main
 
-    run_main(main)
+    # 8 host devices when no accelerator is set up: learner and inference meshes are disjoint.
+    run_main(main, cpu_devices=8)

@@ -1,17 +1,13 @@
 """Tool calls for multi-turn environments: parsing `<tool_call>{json}</tool_call>` blocks with a
-clear error for every malformed call, a dispatching tool set, and the SWE tools (`bash` and a
-string-replace file editor) that act inside a sandbox workspace.  Must not import JAX."""
+clear error for every malformed call, and a dispatching tool set.  Must not import JAX."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-from hcjax import sandbox
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
@@ -118,73 +114,3 @@ class ToolSet:
         if error:
             return ToolResult(f"error: {error}", ok=False, malformed=True)
         return self.tools[call.name].fn(**call.arguments)
-
-
-def _clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n... [{len(text) - limit} characters cut] ...\n{text[-half:]}"
-
-
-def bash_tool(workspace: sandbox.Workspace, *, timeout_s: float = 30.0, memory_mb: int = 1024,
-              max_chars: int = 8000) -> Tool:
-    """`bash(command)`: a fresh networkless sandbox over the persistent workspace."""
-
-    def bash(command: str) -> ToolResult:
-        out = workspace.run(["/bin/bash", "-c", command] if os.path.exists("/bin/bash")
-                            else command, timeout_s=timeout_s, memory_mb=memory_mb)
-        if out.aborted:
-            # Never retried blindly: the command may already have changed the workspace.
-            return ToolResult(f"error: sandbox failure ({out.detail})", ok=False, aborted=True)
-        text = out.stdout + (f"\n[stderr]\n{out.stderr}" if out.stderr else "")
-        status = f"[exit code {out.returncode}]" if out.status in (sandbox.OK, sandbox.CRASH) \
-            else f"[{out.status}: {out.detail}]"
-        return ToolResult(_clip(f"{text}\n{status}".lstrip("\n"), max_chars),
-                          ok=out.status == sandbox.OK)
-
-    return Tool("bash", "run a bash command in the repository (no network)",
-                {"command": str}, bash)
-
-
-def editor_tool(workspace: sandbox.Workspace, *, max_chars: int = 8000) -> Tool:
-    """`edit(command, path, ...)`: view / create / str_replace files of the workspace.
-
-    Runs on the host against the workspace directory; every path is resolved (symlinks
-    included) and must stay inside it, so the agent cannot reach outside its sandbox.
-    """
-
-    def edit(command: str, path: str, content: str = "", old: str = "", new: str = "",
-             ) -> ToolResult:
-        try:
-            real = sandbox.resolve_inside(workspace.path, path)
-        except ValueError as e:
-            return ToolResult(f"error: {e}", ok=False)
-        if os.path.exists(real) and os.stat(real).st_uid != workspace.uid:
-            # A hard link the agent made to a host file would pass the path check; its owner
-            # gives it away.
-            return ToolResult(f"error: {path} is not a workspace file", ok=False)
-        if command == "create":
-            workspace.write({os.path.relpath(real, os.path.realpath(workspace.path)): content})
-            return ToolResult(f"created {path} ({len(content)} characters)")
-        if not os.path.isfile(real):
-            return ToolResult(f"error: {path} is not a file", ok=False)
-        with open(real, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        if command == "view":
-            numbered = "\n".join(f"{i + 1:5d}  {line}" for i, line in enumerate(text.split("\n")))
-            return ToolResult(_clip(numbered, max_chars))
-        if command == "str_replace":
-            count = text.count(old) if old else 0
-            if count != 1:
-                return ToolResult(f"error: old string occurs {count} times in {path}; it must "
-                                  "occur exactly once", ok=False)
-            with open(real, "w", encoding="utf-8") as f:
-                f.write(text.replace(old, new, 1))
-            return ToolResult(f"edited {path}")
-        return ToolResult(f"error: command={command!r} is not one of view, create, str_replace",
-                          ok=False)
-
-    return Tool("edit", "view, create or str_replace (exactly one match) a file",
-                {"command": str, "path": str, "content": str, "old": str, "new": str}, edit,
-                optional=frozenset({"content", "old", "new"}))

@@ -1,4 +1,5 @@
-"""The MAI-style MoE transformer: `ModelConfig`, `Transformer`, KV cache and sharded creation."""
+"""The MAI-style MoE transformer: `ModelConfig`, `Transformer`, KV cache, sharded creation and
+weight noise for a model without a checkpoint."""
 
 from hcjax.model.config import ModelConfig
 from hcjax.model.moe import load_balance_loss, load_balance_loss_from_stats
@@ -16,12 +17,14 @@ from hcjax.model.transformer import (
     update_correction_bias,
     with_compute_dtype,
 )
+from hcjax.model.weight_noise import add_weight_noise
 
 __all__ = [
     "ModelConfig",
     "ModelOutput",
     "Transformer",
     "abstract_model",
+    "add_weight_noise",
     "cache_bytes",
     "create_sharded",
     "head_logits",

@@ -285,9 +285,6 @@ class ModelConfig:
             return "dense"
         return self.ffn_pattern[layer % len(self.ffn_pattern)]
 
-    def uses_rope(self, layer: int) -> bool:
-        return self.attention_kind(layer) == "local" or self.rope_global
-
     @property
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.ffn_kind(i) == "moe")

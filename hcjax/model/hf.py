@@ -458,8 +458,7 @@ def load(
         return _load_scanned(path, cfg, dtype, mesh, rules=rules, param_dtype=param_dtype,
                              progress=progress, report=report, **config_overrides)
     ckpt = open_checkpoint(path, hf_config)
-    block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
-    reader = HFReader(ckpt, block)
+    reader = HFReader(ckpt, quant.fp8_block_size(hf_config.get("quantization_config")))
     table = mapping(cfg)
     graphdef, abstract = abstract_model(cfg)
     info = check_coverage(table, reader, cfg, hf_config, abstract)

@@ -236,10 +236,6 @@ class SafetensorsCheckpoint:
         entry = self._entry(name)
         return entry.end - entry.begin
 
-    @property
-    def total_nbytes(self) -> int:
-        return sum(e.end - e.begin for e in self._entries.values())
-
     def read(self, name: str) -> np.ndarray:
         """Read one tensor from disk into a new array (no mmap stays alive behind it)."""
         entry = self._entry(name)

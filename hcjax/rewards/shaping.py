@@ -35,12 +35,6 @@ def mai_length_penalty(length: int, pass_rate: float, max_length: int) -> float:
     return pass_rate * length / max_length
 
 
-def mai_reward(r_task: float, r_lang: float, r_len: float, *, w_lang: float = 0.5,
-               w_len: float = 0.25) -> float:
-    """R = R_task + w_lang * R_lang - w_len * R_len  (RECIPE eq. 10)."""
-    return r_task + w_lang * r_lang - w_len * r_len
-
-
 def _check_group(lengths: Sequence[int], correct: Sequence[bool]) -> None:
     if len(lengths) != len(correct):
         raise ValueError(f"len(lengths)={len(lengths)} != len(correct)={len(correct)}")

@@ -265,12 +265,3 @@ class RewardSpec:
             return w, shaping.kimi_length_rewards(lengths, correct)
         # "shortest": weight 1 here so the component is the unweighted penalty.
         return w, shaping.shortest_correct_penalties(lengths, correct, weight=1.0)
-
-
-def compose_group(spec: RewardSpec | None, grades: Sequence[Grade], lengths: Sequence[int], *,
-                  max_length: int | None = None, step: int = 0,
-                  texts: Sequence[str] | None = None) -> list[Grade]:
-    """`spec.group_rewards(...)`, or the Grades unchanged when a suite has no spec."""
-    if spec is None:
-        return list(grades)
-    return spec.group_rewards(grades, lengths, max_length=max_length, step=step, texts=texts)

@@ -1,7 +1,8 @@
 """Which problems to roll out, and how long rollouts may be: MAI early-exit sampling and length
-curriculum (RECIPE §3), Kimi curriculum and prioritised sampling (§5), Rufus learnability band
-over an over-sampled pool (§6).  Pure Python, no JAX: these run on problem workers.  (Token
-sampling, temperature and top-p, is hcjax.rollout.sampling.)"""
+curriculum (RECIPE §3), Kimi curriculum and prioritised sampling (§5).  Rufus's learnability
+filter (§6) is `EarlyExit.full_window` (e.g. (0.01, 0.8)) over the problem stream, which replaces
+every dropped problem with a new one.  Pure Python, no JAX: these run on problem workers.
+(Token sampling, temperature and top-p, is hcjax.rollout.sampling.)"""
 
 from __future__ import annotations
 
@@ -257,46 +258,3 @@ def _normalised(keys: Sequence[Hashable], weights: Sequence[float]) -> dict[Hash
     if total == 0:
         return {k: 1.0 / len(keys) for k in keys}
     return {k: w / total for k, w in zip(keys, weights, strict=True)}
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnabilityBand:
-    """Rufus-Air: keep a prompt only if its group's mean reward is in (low, high]; applied
-    online to an over-sampled candidate pool so a full batch survives the filter."""
-
-    low: float = 0.0
-    high: float = 0.8
-    oversample: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not self.low < self.high:
-            raise ValueError(f"low={self.low} is not below high={self.high}")
-        if self.oversample < 1.0:
-            raise ValueError(f"oversample={self.oversample} is below 1")
-
-    def keep(self, rewards: Sequence[float]) -> bool:
-        if not rewards:
-            raise ValueError("rewards=[] is an empty group")
-        mean = sum(rewards) / len(rewards)
-        return self.low < mean <= self.high
-
-    def pool_size(self, batch_size: int) -> int:
-        return math.ceil(batch_size * self.oversample)
-
-    def select(self, candidates: Sequence[Hashable],
-               rollout: Callable[[Hashable], Sequence[float]],
-               batch_size: int) -> tuple[list[tuple[Hashable, Sequence[float]]], dict]:
-        """Roll out the pool in order, keeping learnable groups until `batch_size` are kept.
-        Returns the kept (problem, rewards) and statistics of the filter."""
-        pool = list(candidates)[: self.pool_size(batch_size)]
-        kept, seen = [], 0
-        for problem in pool:
-            if len(kept) == batch_size:
-                break
-            rewards = rollout(problem)
-            seen += 1
-            if self.keep(rewards):
-                kept.append((problem, rewards))
-        stats = {"rolled_out": seen, "kept": len(kept), "pool": len(pool),
-                 "keep_rate": len(kept) / seen if seen else 0.0, "short": batch_size - len(kept)}
-        return kept, stats

@@ -5,13 +5,11 @@ easy-to-hard curriculum (RECIPE §5), configured by `SourceConfig` in gin."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gin
-import numpy as np
 
 from hcjax.data.template import messages_prompt_ids
 from hcjax.envs.react import Budget, ChatTemplateTurns
@@ -150,7 +148,6 @@ class SequentialSource:
     def __init__(self, make: Callable[[int], Task], start: int = 0) -> None:
         self.make = make
         self.next_index = start
-        self.recent_pass_rates: collections.deque[float] = collections.deque(maxlen=256)
 
     def next_task(self) -> Task:
         task = self.make(self.next_index)
@@ -158,7 +155,7 @@ class SequentialSource:
         return task
 
     def update(self, group: GroupResult) -> None:
-        self.recent_pass_rates.append(group.pass_rate)
+        del group  # the order does not depend on results
 
     def advance(self, step: int) -> None:
         del step
@@ -168,9 +165,6 @@ class SequentialSource:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.next_index = int(state["next_index"])
-
-    def mean_pass_rate(self) -> float:
-        return float(np.mean(self.recent_pass_rates)) if self.recent_pass_rates else 0.0
 
 
 class PrioritizedSource:

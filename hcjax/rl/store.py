@@ -1,6 +1,6 @@
 """The rollout store: every finished group is appended to a JSON-lines file during the climb (token
 ids, log-probs, masks, routing, rewards, versions, plus decoded text), and read back to resume a
-run or to build a self-distillation set (RECIPE §3). No JAX here; grain reads the lines.
+run or to build a self-distillation set (RECIPE §3). No JAX here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ __all__ = [
     "RolloutStore",
     "StoredGroup",
     "distillation_conversations",
-    "grain_dataset",
     "read_groups",
     "rollout_from_json",
     "rollout_to_json",
@@ -266,14 +265,6 @@ def read_groups(path: str, *, accepted_only: bool = False, start: int = 0) -> li
             meta=d.get("meta", {}),
         ))
     return out
-
-
-def grain_dataset(path: str):
-    """The store's groups as a grain MapDataset of dicts (one per group, JSON fields)."""
-    # grain (0.2 s) only for this reader: `python -m hcjax.rl.store --help` stays fast
-    import grain
-
-    return grain.MapDataset.source(list(_lines(path)))
 
 
 def distillation_conversations(

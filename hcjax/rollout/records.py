@@ -36,7 +36,6 @@ __all__ = [
     "Rollout",
     "array_field",
     "graded_field",
-    "mask_logits_to_support",
     "order_keys",
     "record_schema",
     "rollout_arrays",
@@ -395,9 +394,3 @@ def support_mask_from_record(logits_v: jax.Array, n_kept: jax.Array) -> jax.Arra
     keys = order_keys(logits_v)
     ids = jax.lax.broadcasted_iota(jnp.int32, keys.shape, keys.ndim - 1)
     return support_mask_from_thresholds(keys, ids, v, cut)
-
-
-def mask_logits_to_support(logits_v: jax.Array, n_kept: jax.Array) -> jax.Array:
-    """`logits_v` with every token outside the recorded top-p kept set set to -inf."""
-    keep = support_mask_from_record(logits_v, n_kept)
-    return jnp.where(keep, logits_v, -jnp.inf)

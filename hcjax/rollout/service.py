@@ -54,7 +54,7 @@ from hcjax.rpc.auth import Security, open_channel
 from hcjax.rpc.server import RpcServer
 
 __all__ = ["NOT_SERVING", "RETRY_AFTER_KEY", "SERVING", "RequestLimits", "RolloutClient",
-           "RolloutServicer", "retry_after", "rpc_server", "serve_grpc", "wait_ready"]
+           "RolloutServicer", "retry_after", "rpc_server", "wait_ready"]
 
 SERVICE = "hcjax.Rollout"
 SERVING, NOT_SERVING = "SERVING", "NOT_SERVING"
@@ -383,28 +383,6 @@ class RolloutServicer:
 def rpc_server(security: Security, *, max_receive_mb: int = 64) -> RpcServer:
     """The server a rollout service runs on, with our message limits and the token check."""
     return RpcServer(security, max_receive_mb=max_receive_mb)
-
-
-def serve_grpc(
-    server: RolloutServer,
-    address: str = "127.0.0.1:0",
-    *,
-    security: Security | None = None,
-    limits: RequestLimits | None = None,
-    hold_seconds: float = 2.0,
-) -> tuple[RpcServer, int]:
-    """Start a gRPC server for `server` on `address`; returns (the RpcServer, bound port).
-
-    security None: from the environment (HCJAX_TOKEN / HCJAX_TOKEN_FILE / HCJAX_TLS_DIR).
-    hold_seconds: as RolloutServicer's."""
-    security = Security.from_env() if security is None else security
-    limits = limits or RequestLimits()
-    host = rpc_server(security, max_receive_mb=limits.max_message_mb)
-    host.add_generic_rpc_handlers(
-        (RolloutServicer(server, limits, hold_seconds=hold_seconds).handler(),))
-    port = host.bind(address)
-    host.start()
-    return host, port
 
 
 class RolloutClient:

@@ -23,13 +23,12 @@ from jax.sharding import Mesh
 
 from hcjax.data.tokenizer import load_tokenizer
 from hcjax.display import serve_status_line
-from hcjax.model import ModelConfig, create_sharded
+from hcjax.model import ModelConfig, add_weight_noise, create_sharded
 from hcjax.model_io import load_hf_model
 from hcjax.rollout.engine import Engine
 from hcjax.rollout.request import GenerateRequest
 from hcjax.rollout.server import RolloutServer
 from hcjax.rollout.service import RequestLimits, RolloutServicer, rpc_server
-from hcjax.rollout.testing import perturbed
 from hcjax.rpc.auth import Security, check_exposure
 from hcjax.sharding import SERVING_RULES, MeshConfig, make_mesh
 from hcjax.transfer.weights_service import weights_service
@@ -109,7 +108,7 @@ def serve(options: ServeOptions, *, ready: Callable[[dict], None] | None = None,
     else:
         model = create_sharded(ModelConfig(), mesh, SERVING_RULES, seed=options.seed)
     if options.init_noise > 0:
-        nnx.update(model, perturbed(nnx.state(model), options.seed + 1, options.init_noise))
+        nnx.update(model, add_weight_noise(nnx.state(model), options.seed + 1, options.init_noise))
 
     # Flags override gin bindings; a flag left None leaves the binding (or default) in force.
     sizes = {"max_concurrent_decodes": options.max_concurrent_decodes,

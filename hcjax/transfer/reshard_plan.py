@@ -469,6 +469,3 @@ class TransferPlan:
                 f"{len(leaf_entries)} entries, {_fmt_bytes(sum(e.nbytes for e in leaf_entries))}"
             )
         return "\n".join(lines)
-
-    def describe_entries(self) -> str:
-        return "\n".join(str(e) for e in self.entries)
