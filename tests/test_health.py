@@ -13,6 +13,7 @@ import pytest
 from hcjax import config as hcfg
 from hcjax.rollout import GenerateRequest
 from hcjax.rollout.router import Router
+from hcjax.rollout.scheduler import Admission
 from hcjax.rollout.service import (
     NOT_SERVING,
     SERVING,
@@ -68,10 +69,15 @@ class HungServer:
     max_queue = 8
     version = 7
 
+    def __init__(self):
+        # The service's admission, as a RolloutServer of 8 slots of 64 tokens has one.
+        self.admission = Admission(work_capacity=16 * 64, request_capacity=16, host_share=0.5)
+
     def health(self):
         return {"ok": True, "error": None}
 
-    def submit(self, request, block=True, timeout=None, client="local", priority=None):
+    def submit(self, request, block=True, timeout=None, client="local", priority=None,
+               ticket=None):
         return _Handle()
 
 
