@@ -60,3 +60,42 @@ def test_report_plots_pass_at_1_by_category(tmp_path):
     write_report(str(tmp_path), {"evals": evals}, 0.3)
     assert (tmp_path / "pass_at_1_by_category.png").is_file()
     assert not (tmp_path / "pass_at_1_by_suite.png").exists()  # no suites recorded
+
+
+def test_report_groups_a_tasks_levels_with_noise(tmp_path):
+    """Categories "task:level" (a reasoning-gym dataset and its difficulty) are summed into one
+    row per task, weighted by their problems, with gain, noise and a curve of p ± its SE."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.1}) + "\n")
+    evals = [{"step": 0, "wall": 0.0, "pass_at_1": 0.2,
+              "by_category": {"sum:d=1": 0.5, "sum:d=2": 0.0, "mul": 0.1}},
+             {"step": 10, "wall": 9.0, "pass_at_1": 0.5,
+              "by_category": {"sum:d=1": 0.75, "sum:d=2": 0.5, "mul": 0.3}}]
+    categories = {"sum:d=1": {"problems": 40, "base": 0.5, "final": 0.75},
+                  "sum:d=2": {"problems": 60, "base": 0.0, "final": 0.5},
+                  "mul": {"problems": 50, "base": 0.1, "final": 0.3}}
+    text = Path(write_report(str(tmp_path), {"evals": evals, "categories": categories},
+                             0.3)).read_text()
+    # sum: base (0.5 * 40 + 0 * 60) / 100 = 0.2, final (30 + 30) / 100 = 0.6; noise
+    # sqrt((0.16 + 0.24) / 100) = 0.063, gain/noise 0.4 / 0.0632 = 6.32. mul (one category):
+    # sqrt((0.09 + 0.21) / 50) = 0.0775, 0.2 / 0.0775 = 2.58.
+    assert "| sum | 100 | 0.200 | 0.600 | +0.400 | 0.063 | 6.32 |" in text
+    assert "| mul | 50 | 0.100 | 0.300 | +0.200 | 0.077 | 2.58 |" in text
+    # curve cells: p ± sqrt(p (1 - p) / n): 0.2 ± 0.040 on 100, 0.1 ± 0.042 on 50
+    assert "| step | mul | sum |" in text
+    assert "| 0 | 0.100 ± 0.042 | 0.200 ± 0.040 |" in text
+    assert "| 10 | 0.300 ± 0.065 | 0.600 ± 0.049 |" in text
+    # every category keeps its own row, now with its gain and noise
+    assert "| sum:d=2 | 60 | 0.000 | 0.500 | +0.500 | 0.065 | 7.75 |" in text
+    assert (tmp_path / "pass_at_1_by_task.png").is_file()
+
+
+def test_no_task_table_when_every_task_has_one_category(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.1}) + "\n")
+    categories = {"add": {"problems": 10, "base": 0.1, "final": 0.2},
+                  "sub": {"problems": 10, "base": 0.3, "final": 0.3}}
+    evals = [{"step": 0, "wall": 0.0, "pass_at_1": 0.2, "by_category": {"add": 0.1, "sub": 0.3}}]
+    text = Path(write_report(str(tmp_path), {"evals": evals, "categories": categories},
+                             0.3)).read_text()
+    assert "by task" not in text and not (tmp_path / "pass_at_1_by_task.png").exists()
+    # sqrt((0.09 + 0.16) / 10) = 0.158, 0.1 / 0.158 = 0.63
+    assert "| add | 10 | 0.100 | 0.200 | +0.100 | 0.158 | 0.63 |" in text

@@ -1,6 +1,7 @@
-"""The climb's report: report.md with PNG plots (reward, held-out pass@1 overall, per suite and
-per category, entropy against its target band, k / temperature, lengths, staleness, train-inference
-log-prob gap) written from metrics.jsonl and the run's summary."""
+"""The climb's report: report.md with PNG plots (reward, held-out pass@1 overall, per suite, per
+category and per task (categories "task:level" together), each with its gain and noise;
+entropy against its target band, k / temperature, lengths, staleness, train-inference log-prob
+gap) written from metrics.jsonl and the run's summary."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from hcjax.metrics import read_metrics
 
 __all__ = ["NOISE_FORMULA", "entropy_within", "gain_noise", "mean_metric", "step_record",
-           "suite_gain", "write_report"]
+           "suite_gain", "task_curves", "write_report"]
 
 NOISE_FORMULA = ("noise = one binomial standard error of final - base pass@1 on n held-out "
                  "problems: sqrt(base (1 - base) / n + final (1 - final) / n)")
@@ -109,16 +110,29 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
         return draw
 
     figure("reward_vs_step.png", "reward and held-out pass@1 vs step", reward_vs("step", "step"))
-    def per_key(field):  # one curve per key of each evaluation's `field` dict
-        def plot(ax):
+    categories = summary.get("categories") or {}
+    tasks = task_curves(evals, categories)
+
+    def per_key(field, counts=None):  # one curve per key of each evaluation's `field` dict,
+        def plot(ax):  # with a band of one binomial standard error where n is known
             for key in sorted({k for e in evals for k in e.get(field, {})}):
                 pts = [(e["step"], e[field][key]) for e in evals if key in e.get(field, {})]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=key)
+                xs, ys = [p[0] for p in pts], np.array([p[1] for p in pts], dtype=float)
+                line, = ax.plot(xs, ys, "o-", label=key)
+                n = (counts or {}).get(key)
+                if n:
+                    se = np.sqrt(ys * (1.0 - ys) / n)
+                    ax.fill_between(xs, ys - se, ys + se, alpha=0.15, color=line.get_color())
             ax.set_xlabel("step")
         return plot
 
     if len({c for e in evals for c in e.get("by_category", {})}) > 1:
-        figure("pass_at_1_by_category.png", "held-out pass@1 by category", per_key("by_category"))
+        figure("pass_at_1_by_category.png", "held-out pass@1 by category (band: ±1 SE)",
+               per_key("by_category", {c: v.get("problems") for c, v in categories.items()}))
+    if tasks:
+        evals = [{**e, "by_task": tasks["curves"].get(e["step"], {})} for e in evals]
+        figure("pass_at_1_by_task.png", "held-out pass@1 by task (band: ±1 SE)",
+               per_key("by_task", {t: v["problems"] for t, v in tasks["summary"].items()}))
     by_suite = sorted({name for e in evals for name in e.get("by_suite", {})})
     if by_suite:
         figure("pass_at_1_by_suite.png", "held-out pass@1 by suite", per_key("by_suite"))
@@ -196,12 +210,21 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
             lines += ["| {} | {} |".format(e["step"], " | ".join(
                 f"{e['by_suite'][name]:.3f}" if name in e["by_suite"] else ""
                 for name in by_suite)) for e in evals_by_suite]
-    categories = summary.get("categories") or {}
+    if tasks:
+        names = sorted(tasks["summary"])
+        lines += ["", "## Held-out pass@1 by task", "",
+                  "A task's categories together (pass@1 weighted by their problems); "
+                  "curve cells are pass@1 ± one binomial standard error, sqrt(p (1 - p) / n).", ""]
+        lines += _gain_table("task", tasks["summary"])
+        lines += ["", "| step | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for e in evals:
+            row = e.get("by_task", {})
+            lines.append("| {} | {} |".format(e["step"], " | ".join(
+                _with_se(row[t], tasks["summary"][t]["problems"]) if t in row else ""
+                for t in names)))
     if categories:
-        lines += ["", "## Held-out pass@1 by category", "", "| category | problems | base | final |",
-                  "|---|---|---|---|"]
-        lines += [f"| {c} | {v.get('problems', '')} | {v['base']:.3f} | {v['final']:.3f} |"
-                  for c, v in sorted(categories.items())]
+        lines += ["", "## Held-out pass@1 by category", ""]
+        lines += _gain_table("category", categories)
     extraction = summary.get("extraction") or {}
     if extraction:
         lines += ["", "## Answer extraction (held-out, final)", "", "| extraction | pass@1 |",
@@ -213,6 +236,51 @@ def write_report(output_dir: str, summary: dict, entropy_target: float) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return path
+
+
+def _with_se(p: float, n: int | None) -> str:
+    return f"{p:.3f} ± {math.sqrt(p * (1.0 - p) / n):.3f}" if n else f"{p:.3f}"
+
+
+def _gain_table(what: str, rows: dict[str, dict]) -> list[str]:
+    """Markdown rows: name, problems, base, final, gain, noise (NOISE_FORMULA), gain/noise."""
+    out = [f"| {what} | problems | base | final | gain | noise | gain/noise |",
+           "|---|---|---|---|---|---|---|"]
+    for name, v in sorted(rows.items()):
+        g = suite_gain(v["base"], v["final"], v.get("problems"))
+        out.append(f"| {name} | {v.get('problems', '')} | {v['base']:.3f} | {v['final']:.3f} | "
+                   f"{g['gain']:+.3f} | {g['noise']:.3f} | {g['gain_over_noise']:.2f} |")
+    return out
+
+
+def task_curves(evals: list[dict], categories: dict[str, dict]) -> dict:
+    """Categories named "task:level" (e.g. a reasoning-gym dataset and its difficulty) grouped
+    by task: {"summary": {task: {"problems", "base", "final"}}, "curves": {step: {task: pass@1}}},
+    each pass@1 weighted by its categories' problem counts. Empty unless some task has more than
+    one category (otherwise the category table already is the task table)."""
+    groups: dict[str, list[str]] = {}
+    for c in categories:
+        groups.setdefault(c.split(":", 1)[0], []).append(c)
+    if not any(len(cs) > 1 for cs in groups.values()):
+        return {}
+    n = {c: int(categories[c].get("problems") or 0) for c in categories}
+    if not all(n.values()):
+        return {}
+
+    def weighted(values: dict[str, float], cs: list[str]) -> float | None:
+        if not all(c in values for c in cs):
+            return None
+        return sum(values[c] * n[c] for c in cs) / sum(n[c] for c in cs)
+
+    summary = {t: {"problems": sum(n[c] for c in cs),
+                   "base": weighted({c: categories[c]["base"] for c in cs}, cs),
+                   "final": weighted({c: categories[c]["final"] for c in cs}, cs)}
+               for t, cs in groups.items()}
+    curves = {}
+    for e in evals:
+        row = {t: weighted(e.get("by_category", {}), cs) for t, cs in groups.items()}
+        curves[e["step"]] = {t: p for t, p in row.items() if p is not None}
+    return {"summary": summary, "curves": curves}
 
 
 def step_record(report, entropy_target: float, stats, counters, step_seconds: float,
