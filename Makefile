@@ -34,7 +34,7 @@ run: $(STAMP)
 
 test: $(REAL_STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests
-	$(VENV)/bin/python -m pytest -q -n 3 --dist worksteal --durations=40 tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 3 --dist worksteal --durations=20 tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check hcjax pallas_kernels tests

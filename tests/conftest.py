@@ -49,6 +49,8 @@ if "HCJAX_TEST_RUN_DIR" not in os.environ:
 import gin  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.ceiling import pytest_runtest_makereport  # noqa: E402, F401 - the per-test ceiling
+
 
 @pytest.fixture(scope="session")
 def tiny_base():
