@@ -16,24 +16,37 @@ import json
 import os
 import secrets
 import signal
-import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from hcjax.config import cpu_xla_flags
+from hcjax.bench.chaos_processes import (
+    ClimbWatch,
+    Process,
+    Replica,
+    child_env,
+    failures_around,
+    free_port,
+    gin_args,
+    good_request,
+    health_of,
+    push_kinds,
+    replica_metrics,
+    round_to,
+    since,
+    stepping_after,
+    weights_state,
+    weights_version,
+)
 from hcjax.display import Phases
 from hcjax.rpc.auth import open_channel
-
-REPO = Path(__file__).resolve().parents[2]
 
 # A model and task small enough that a climb step takes well under a second on a shared CPU core:
 # 1-digit addition in the reasoning template ("<think>51</think><answer>15</answer>", 36 bytes),
@@ -92,316 +105,6 @@ QUICK = Settings(sft_steps=40, sft_batch=8, warmup_steps=2, steps_after_fault=2,
                  stop_seconds=6.0, eval_every=1000, final_steps=2, timeout=240.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gin(bindings: Sequence[str]) -> list[str]:
-    return [arg for b in bindings for arg in ("--gin_param", b)]
-
-
-def _env(devices: int, token: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = cpu_xla_flags(devices)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["HCJAX_TOKEN"] = token
-    env.pop("HCJAX_TOKEN_FILE", None)
-    return env
-
-
-class Process:
-    """A child process with its command kept (to restart it) and its output in log files."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], logs: Path) -> None:
-        self.name, self.cmd, self.env, self.logs = name, cmd, env, logs
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        self.starts += 1
-        stem = self.logs / f"{self.name}.{self.starts}"
-        self.stdout_path, self.stderr_path = Path(f"{stem}.out"), Path(f"{stem}.err")
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env,
-                                     stdout=open(self.stdout_path, "w"),  # noqa: SIM115
-                                     stderr=open(self.stderr_path, "w"))  # noqa: SIM115
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-
-    def alive(self) -> bool:
-        """Running, and its main thread has not died (a climb whose main thread raised can hang
-        in interpreter shutdown, waiting on a transfer thread)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return False
-        return 'File "<frozen runpy>"' not in self.stderr_tail(20000)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout) if self.proc is not None else None
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self) -> None:
-        """SIGCONT (it may be stopped), then SIGTERM, then SIGKILL."""
-        if not self.alive():
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        if self.wait(20) is None:
-            self.signal(signal.SIGKILL)
-            self.wait(20)
-
-    def stderr_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.stderr_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - n))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stdout_text(self) -> str:
-        try:
-            return self.stdout_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stderr_text(self) -> str:
-        try:
-            return self.stderr_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-
-class Replica(Process):
-    """`python -m hcjax.serve` on a fixed port of 127.0.0.1 (a restart binds the same one)."""
-
-    def __init__(self, name: str, port: int, token: str, logs: Path) -> None:
-        cmd = [sys.executable, "-m", "hcjax.serve", "--port", str(port),
-               "--gin_file", "climb_tiny.gin", "--max_prefill_length", str(MAX_PROMPT),
-               "--max_target_length", str(MAX_PROMPT + MAX_TOKENS + 8),
-               "--max_concurrent_decodes", "16", "--version", "-1", "--max_queue", "4096",
-               "--max_request_mb", "1024", "--status_every", "3600", *_gin(MODEL)]
-        # after the flags: --help stays fast (this loads JAX)
-        from hcjax.transfer.remote import TEST_CORRUPT_NEXT_DELTA_ENV
-
-        env = _env(2, token)
-        # The receiver's test hook: while this file exists, the next delta this replica receives
-        # arrives with a byte flipped (hcjax.transfer.remote); `Chaos._corrupt_next_delta` makes it.
-        self.corrupt_trigger = logs / f"corrupt-next-delta.{name}"
-        env[TEST_CORRUPT_NEXT_DELTA_ENV] = str(self.corrupt_trigger)
-        super().__init__(name, cmd, env, logs)
-        self.address = f"127.0.0.1:{port}"
-
-    def wait_serving(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if '"event": "serving"' in self.stdout_text():
-                return
-            if not self.alive():
-                break
-            time.sleep(0.2)
-        raise RuntimeError(f"replica {self.name} ({self.address}) never served:\n"
-                           f"{self.stderr_tail()}")
-
-
-@dataclasses.dataclass
-class Seen:
-    """A line of a climb file, with the time this bench first saw it."""
-
-    t: float
-    record: dict[str, Any]
-
-
-class ClimbWatch:
-    """Tails the climb's metrics.jsonl (learner steps) and rollouts/groups.jsonl (finished groups,
-    accepted or not) from a thread, timestamping every new complete line."""
-
-    def __init__(self, out: Path) -> None:
-        self.files = {"steps": out / "metrics.jsonl", "groups": out / "rollouts" / "groups.jsonl"}
-        self.offsets = {k: 0 for k in self.files}
-        self.steps: list[Seen] = []
-        self.groups: list[Seen] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="climb-watch")
-        self._thread.start()
-
-    def _read(self, key: str) -> list[dict]:
-        path = self.files[key]
-        try:
-            with open(path, "rb") as f:
-                f.seek(self.offsets[key])
-                data = f.read()
-        except OSError:
-            return []
-        end = data.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offsets[key] += end + 1
-        out = []
-        for line in data[: end + 1].splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.1):
-            self.poll()
-
-    def poll(self) -> None:
-        steps, groups = self._read("steps"), self._read("groups")
-        now = time.monotonic()
-        with self._lock:
-            self.steps += [Seen(now, r) for r in steps if "reward_mean" in r]
-            self.groups += [Seen(now, {"task_id": g["task_id"], "accepted": g["accepted"],
-                                       "rollouts": len(g["rollouts"]), "step": g["step"]})
-                            for g in groups]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.poll()
-
-    def snapshot(self) -> tuple[list[Seen], list[Seen]]:
-        with self._lock:
-            return list(self.steps), list(self.groups)
-
-    def last_step(self) -> int:
-        with self._lock:
-            return self.steps[-1].record["step"] if self.steps else 0
-
-    def steps_after(self, t: float) -> list[Seen]:
-        with self._lock:
-            return [s for s in self.steps if s.t > t]
-
-    def groups_after(self, t: float) -> list[Seen]:
-        with self._lock:
-            return [g for g in self.groups if g.t > t]
-
-    def wait(self, predicate: Callable[[], bool], timeout: float, what: str,
-             alive: Callable[[], bool] | None = None) -> float:
-        """Wait for `predicate`; returns the time it came true. TimeoutError names `what`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return time.monotonic()
-            if alive is not None and not alive():
-                raise RuntimeError(f"the climb process exited while waiting for {what}")
-            time.sleep(0.05)
-        raise TimeoutError(f"no {what} within {timeout:.0f} s")
-
-    def wait_steps_after(self, t: float, n: int, timeout: float, alive=None) -> float:
-        return self.wait(lambda: len(self.steps_after(t)) >= n, timeout,
-                         f"{n} learner steps", alive)
-
-
-def _round(x: float | None, nd: int = 2) -> float | None:
-    return None if x is None else round(float(x), nd)
-
-
-def _since(t0: float, seen: list[Seen]) -> float | None:
-    return _round(seen[0].t - t0) if seen else None
-
-
-def _reward(seen: list[Seen]) -> float | None:
-    rewards = [s.record["reward_mean"] for s in seen if s.record.get("reward_mean") is not None]
-    return _round(sum(rewards) / len(rewards), 3) if rewards else None
-
-
-def _stepping(watch: ClimbWatch, t_fault: float, before: int) -> dict[str, Any]:
-    """Whether the climb kept stepping after the fault, and the train reward around it."""
-    steps, _ = watch.snapshot()
-    prior = [s for s in steps if s.t <= t_fault][-before:]
-    after = [s for s in steps if s.t > t_fault]
-    return {"kept_stepping": bool(after), "steps_after_fault": len(after),
-            "reward_mean_before": _reward(prior), "reward_mean_after": _reward(after)}
-
-
-def _failures(watch: ClimbWatch, t: float, after: bool) -> int:
-    """The climb's cumulative worker failure count (requests retried by the rollout workers) at
-    the last step line seen before (after=False) or the last seen at all (after=True)."""
-    steps, _ = watch.snapshot()
-    pick = steps if after else [s for s in steps if s.t <= t]
-    return int(pick[-1].record.get("failures", 0)) if pick else 0
-
-
-# Replicas as the bench sees them ------------------------------------------------------------------
-
-
-def _health(address: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    # after the flags: --help stays fast (this loads JAX)
-    from hcjax.rollout.service import RolloutClient
-
-    try:
-        with RolloutClient(address) as client:
-            return client.health(timeout=timeout)
-    except Exception:  # noqa: BLE001 - down, stopped or refusing: no answer
-        return None
-
-
-def _replica_metrics(address: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    # after the flags: --help stays fast (this loads JAX)
-    from hcjax.rollout.service import RolloutClient
-
-    try:
-        with RolloutClient(address) as client:
-            return client.metrics(timeout=timeout)
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _weights_version(address: str, timeout: float = 2.0) -> int | None:
-    # after the flags: --help stays fast (this loads JAX)
-    from hcjax.transfer.weights_service import weights_status
-
-    try:
-        return int(weights_status(address, timeout=timeout)["version"])
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _weights_state(address: str, digests: bool = False,
-                   timeout: float = 5.0) -> dict[str, Any] | None:
-    """A replica's weights Status: version, served (installed pushes and their kind: full or
-    delta), failed (pulls that installed nothing, and why), pulling (the pull in progress)."""
-    # after the flags: --help stays fast (this loads JAX)
-    from hcjax.transfer.weights_service import weights_status
-
-    try:
-        return weights_status(address, digests=digests, timeout=timeout)
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _push_kinds(served: list[dict]) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for s in served:
-        kinds[s.get("mode", "?")] = kinds.get(s.get("mode", "?"), 0) + 1
-    return kinds
-
-
-def _good_request(address: str, timeout: float = 60.0) -> dict[str, Any]:
-    """One authenticated greedy request; its outcome and the weight versions that produced it."""
-    # after the flags: --help stays fast (this loads JAX)
-    from hcjax.rollout import GenerateRequest
-    from hcjax.rollout.service import RolloutClient
-
-    t0 = time.monotonic()
-    try:
-        with RolloutClient(address) as client:
-            records = client.generate(GenerateRequest(prompt=[1, 2, 3], max_tokens=2,
-                                                      temperature=0.0, seed=0), timeout=timeout)
-    except Exception as err:  # noqa: BLE001 - reported
-        return {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}
-    versions = sorted({int(v) for r in records for v in r.versions.tolist()})
-    return {"ok": True, "seconds": _round(time.monotonic() - t0, 3), "versions": versions}
-
 
 # The faults ---------------------------------------------------------------------------------------
 
@@ -416,17 +119,18 @@ class Chaos:
         os.environ.pop("HCJAX_TOKEN_FILE", None)
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.replicas = [Replica(n, _free_port(), self.token, self.logs) for n in ("a", "b")]
+        self.replicas = [Replica(n, free_port(), self.token, self.logs, MAX_PROMPT, MAX_TOKENS,
+                                 MODEL) for n in ("a", "b")]
         self.base = work / "base"
         self.out = work / "climb"
         cmd = [sys.executable, "-m", "hcjax.climb", "--output_dir", str(self.out), "--quiet",
                "--base_checkpoint", str(self.base),
-               *_gin([*MODEL, *CLIMB, f"ClimbConfig.eval_every = {settings.eval_every}",
+               *gin_args([*MODEL, *CLIMB, f"ClimbConfig.eval_every = {settings.eval_every}",
                       f"ClimbConfig.checkpoint_every = {CKPT}",
                       f"ControllerConfig.sync_every = {SYNC}", "WeightSyncConfig.sync = 'delta'",
                       f"WeightSyncConfig.full_every = {FULL_EVERY}"]),
                *[arg for r in self.replicas for arg in ("--inference_address", r.address)]]
-        self.climb = Process("climb", cmd, _env(2, self.token), self.logs)
+        self.climb = Process("climb", cmd, child_env(2, self.token), self.logs)
         self.watch: ClimbWatch | None = None
         self.fault_marks: dict[str, int] = {}  # fault -> groups seen in the store at the fault
 
@@ -437,11 +141,11 @@ class Chaos:
                 r.start()
             sft = Process("sft", [sys.executable, "-m", "hcjax.sft", "--output_dir",
                                   str(self.base),
-                                  *_gin([b for b in MODEL if b.startswith(SFT)]),
-                                  *_gin([f"TrainerConfig.num_steps = {self.s.sft_steps}",
+                                  *gin_args([b for b in MODEL if b.startswith(SFT)]),
+                                  *gin_args([f"TrainerConfig.num_steps = {self.s.sft_steps}",
                                          f"TrainerConfig.batch_size = {self.s.sft_batch}",
                                          "run_sft.eval_problems = 0"])],
-                          _env(1, self.token), self.logs)
+                          child_env(1, self.token), self.logs)
             sft.start()
             if sft.wait(900) != 0:
                 raise RuntimeError(f"base pre-training failed:\n{sft.stderr_tail()}")
@@ -475,12 +179,12 @@ class Chaos:
         inflight = None
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # mid-generation: requests in flight on it
-            h = _health(rep.address)
+            h = health_of(rep.address)
             if h and h.get("inflight", 0) > 0:
                 inflight = int(h["inflight"])
                 break
             time.sleep(0.05)
-        failures0 = _failures(self.watch, time.monotonic(), after=True)
+        failures0 = failures_around(self.watch, time.monotonic(), after=True)
         t_fault = self._mark("replica_sigkill")
         rep.signal(signal.SIGKILL)
         rep.wait(30)
@@ -492,29 +196,29 @@ class Chaos:
         rep.start()
         rep.wait_serving()
         t_serving = time.monotonic()
-        requests0 = (_replica_metrics(rep.address) or {}).get("requests_total", 0)
+        requests0 = (replica_metrics(rep.address) or {}).get("requests_total", 0)
 
         def readmitted() -> bool:
-            m = _replica_metrics(rep.address) or {}
+            m = replica_metrics(rep.address) or {}
             return m.get("version", -1) >= 0 and m.get("requests_total", 0) > requests0
 
         t_readmitted = self.watch.wait(readmitted, self.s.timeout,
                                        "readmission of the restarted replica",
                                        self.climb.alive)
-        served = _weights_version(rep.address)
+        served = weights_version(rep.address)
         steps, _ = self.watch.snapshot()
         learner_version = steps[-1].record["version"] if steps else None
         self._after(t_readmitted)
         return {
             "requests_in_flight_at_kill": inflight,
-            "worker_retries": _failures(self.watch, 0, after=True) - failures0,
-            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
-            "recover_next_generation_s": _since(t_fault, self.watch.groups_after(t_fault)),
-            "restart_to_serving_s": _round(t_serving - t_restart),
-            "restart_to_readmitted_s": _round(t_readmitted - t_restart),
+            "worker_retries": failures_around(self.watch, 0, after=True) - failures0,
+            "recover_next_learner_step_s": since(t_fault, self.watch.steps_after(t_fault)),
+            "recover_next_generation_s": since(t_fault, self.watch.groups_after(t_fault)),
+            "restart_to_serving_s": round_to(t_serving - t_restart),
+            "restart_to_readmitted_s": round_to(t_readmitted - t_restart),
             "readmitted_with_version": served,
             "learner_version_at_readmission": learner_version,
-            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+            **stepping_after(self.watch, t_fault, self.s.steps_after_fault),
         }
 
     # (2) ---------------------------------------------------------------------------------------
@@ -525,8 +229,8 @@ class Chaos:
         the question is whether the learner steps on while a replica is stopped, not how
         fast."""
         rep = self.replicas[1]
-        inflight = (_health(rep.address) or {}).get("inflight")
-        failures0 = _failures(self.watch, time.monotonic(), after=True)
+        inflight = (health_of(rep.address) or {}).get("inflight")
+        failures0 = failures_around(self.watch, time.monotonic(), after=True)
         t_fault = self._mark("replica_sigstop")
         rep.signal(signal.SIGSTOP)
         time.sleep(self.s.stop_seconds)
@@ -540,11 +244,11 @@ class Chaos:
         groups_during = len(self.watch.groups_after(t_fault))
         t_cont = time.monotonic()
         rep.signal(signal.SIGCONT)
-        requests0 = (_replica_metrics(rep.address, timeout=30) or {}).get("requests_total", 0)
+        requests0 = (replica_metrics(rep.address, timeout=30) or {}).get("requests_total", 0)
 
         def serving_again() -> bool:
-            m = _replica_metrics(rep.address) or {}
-            h = _health(rep.address) or {}
+            m = replica_metrics(rep.address) or {}
+            h = health_of(rep.address) or {}
             return h.get("status") == "SERVING" and m.get("requests_total", 0) > requests0
 
         try:
@@ -554,15 +258,15 @@ class Chaos:
             t_back = None
         self._after(t_cont)
         return {
-            "stopped_s": _round(stopped_s),
+            "stopped_s": round_to(stopped_s),
             "requests_in_flight_at_stop": inflight,
             "learner_steps_during_stop": steps_during,
             "groups_finished_during_stop": groups_during,
-            "worker_retries": _failures(self.watch, 0, after=True) - failures0,
-            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
-            "recover_next_generation_s": _since(t_fault, self.watch.groups_after(t_fault)),
-            "cont_to_taking_requests_s": None if t_back is None else _round(t_back - t_cont),
-            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+            "worker_retries": failures_around(self.watch, 0, after=True) - failures0,
+            "recover_next_learner_step_s": since(t_fault, self.watch.steps_after(t_fault)),
+            "recover_next_generation_s": since(t_fault, self.watch.groups_after(t_fault)),
+            "cont_to_taking_requests_s": None if t_back is None else round_to(t_back - t_cont),
+            **stepping_after(self.watch, t_fault, self.s.steps_after_fault),
         }
 
     # (5) ---------------------------------------------------------------------------------------
@@ -625,7 +329,7 @@ class Chaos:
                     code, details = "OK", ""
                 except grpc.RpcError as err:
                     code, details = err.code().name, err.details() or ""
-                after = _good_request(rep.address)
+                after = good_request(rep.address)
                 results.append({"what": what, "status": code, "expected": expected,
                                 "rejected": code == expected, "reason": details[:120],
                                 "good_request_after": after["ok"],
@@ -633,7 +337,7 @@ class Chaos:
         codes: dict[str, int] = {}
         for r in results:
             codes[r["status"]] = codes.get(r["status"], 0) + 1
-        health = _health(rep.address) or {}
+        health = health_of(rep.address) or {}
         return {
             "sent": len(results),
             "rejected": sum(r["rejected"] for r in results),
@@ -642,21 +346,21 @@ class Chaos:
             "replica_serving_after": health.get("status") == "SERVING",
             "cases": results,
             "corrupted_delta": self._check_corrupted_delta(armed),
-            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+            **stepping_after(self.watch, t_fault, self.s.steps_after_fault),
         }
 
     def _corrupt_next_delta(self) -> dict[str, Any]:
         """Arm replica b's test hook (its next delta arrives with a byte flipped) and watch its
         weights Status from a thread until `_check_corrupted_delta`."""
         rep = self.replicas[1]
-        state = _weights_state(rep.address) or {}
+        state = weights_state(rep.address) or {}
         armed = {"t": time.monotonic(), "served": len(state.get("served", [])),
                  "failed": len(state.get("failed", [])), "stop": threading.Event()}
         armed["polls"] = [(armed["t"], state.get("version"), [], [])]
 
         def poll() -> None:
             while not armed["stop"].wait(0.05):
-                st = _weights_state(rep.address, timeout=2.0)
+                st = weights_state(rep.address, timeout=2.0)
                 if st is not None:
                     armed["polls"].append((time.monotonic(), st["version"],
                                            st["failed"][armed["failed"]:],
@@ -711,7 +415,7 @@ class Chaos:
         # Both replicas at one version (they usually are between pushes): the same weights.
         same = None
         for _ in range(20):
-            sa, sb = _weights_state(other.address, True), _weights_state(rep.address, True)
+            sa, sb = weights_state(other.address, True), weights_state(rep.address, True)
             if sa and sb and sa["version"] == sb["version"] >= version:
                 same = {"version": sb["version"], "equal": sa["digests"] == sb["digests"]}
                 break
@@ -719,7 +423,7 @@ class Chaos:
         self.watch.wait(lambda: bool(self.watch.steps_after(t_refused))
                         and bool(self.watch.groups_after(t_refused)), self.s.timeout,
                         "a learner step and a group after the corrupted delta", self.climb.alive)
-        answer = _good_request(rep.address)
+        answer = good_request(rep.address)
         return {
             "replica": rep.name, "version": version, "base": fail.get("base"),
             "refused": fail["why"][:200], "climb_log": warning,
@@ -741,8 +445,8 @@ class Chaos:
         """SIGKILL the climb inside a delta weights push: as soon as a replica installs the new
         version or starts pulling it as a delta, the learner is frozen (SIGSTOP); if a replica
         still lacks it a second later and is pulling it as a delta (its pull waits on the frozen
-        learner) the learner is killed, else resumed and the next push tried. Then the same command is restarted; it
-        holds no base version, so its first push to that replica is a full one."""
+        learner) the learner is killed, else resumed and the next push tried. Then the same command
+        is restarted; it holds no base version, so its first push to that replica is a full one."""
         # after the flags: --help stays fast (this loads JAX)
         from hcjax.transfer.weights_service import WEIGHTS_SERVICE
 
@@ -825,11 +529,11 @@ class Chaos:
         behind, ahead = attempt.pop("behind"), attempt.pop("ahead")
         served0, failed0 = attempt.pop("served_before"), attempt.pop("failed_before")
         time.sleep(1.0)
-        served_b = _weights_version(behind)
-        good_b = _good_request(behind)
-        good_a = _good_request(ahead) if ahead else {}
+        served_b = weights_version(behind)
+        good_b = good_request(behind)
+        good_a = good_request(ahead) if ahead else {}
         time.sleep(5.0)
-        served_b_later = _weights_version(behind)
+        served_b_later = weights_version(behind)
         killed_steps = [s.record for s in self.watch.snapshot()[0]]
         t_restart = time.monotonic()
         self.climb.start()
@@ -837,12 +541,12 @@ class Chaos:
         redone = self._compare_redone(killed_steps, restart, t_restart)
         # The replica's record of the interrupted pull, and of the pushes since the restart.
         try:
-            self.watch.wait(lambda: len((_weights_state(behind) or {}).get("served", []))
+            self.watch.wait(lambda: len((weights_state(behind) or {}).get("served", []))
                             > served0, self.s.timeout, "a push after the restart",
                             self.climb.alive)
         except (TimeoutError, RuntimeError):
             pass  # reported as no push
-        state = _weights_state(behind) or {}
+        state = weights_state(behind) or {}
         new = state.get("served", [])[served0:]
         attempt["interrupted_push"]["pull_failed"] = [
             {"version": f["version"], "mode": f["mode"], "why": f["why"][:160]}
@@ -861,11 +565,11 @@ class Chaos:
             },
             "first_push_after_restart": ({"version": new[0]["version"], "mode": new[0]["mode"]}
                                          if new else None),
-            "pushes_after_restart": _push_kinds(new),
+            "pushes_after_restart": push_kinds(new),
             **restart,
-            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
+            "recover_next_learner_step_s": since(t_fault, self.watch.steps_after(t_fault)),
             "next_step_equals_uninterrupted": redone,
-            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+            **stepping_after(self.watch, t_fault, self.s.steps_after_fault),
         }
 
     def _await_restart(self, t_restart: float) -> dict[str, Any]:
@@ -884,7 +588,7 @@ class Chaos:
         dropped = [line.strip()[:200] for line in stderr.splitlines()
                    if "dropped from weight sync" in line]
         return {"restarted": True, "resumed_from_step": first - 1,
-                "restart_to_first_step_s": _round(t_step - t_restart),
+                "restart_to_first_step_s": round_to(t_step - t_restart),
                 "replicas_dropped_after_restart": dropped}
 
     def _compare_redone(self, killed: list[dict], restart: dict[str, Any],
@@ -950,8 +654,8 @@ class Chaos:
             "warning_names_bad_step": f"step {bad} is corrupt" in warning,
             "warning": warning[:300],
             "set_aside": sorted(p.name for p in ckpts.glob(f"corrupt-{bad}-*")),
-            "recover_next_learner_step_s": _since(t_fault, self.watch.steps_after(t_fault)),
-            **_stepping(self.watch, t_fault, self.s.steps_after_fault),
+            "recover_next_learner_step_s": since(t_fault, self.watch.steps_after(t_fault)),
+            **stepping_after(self.watch, t_fault, self.s.steps_after_fault),
         }
 
     # End ----------------------------------------------------------------------------------------
@@ -965,8 +669,8 @@ class Chaos:
         # Each replica's installed pushes by kind since it (re)started, and its failed pulls.
         pushes = {}
         for r in self.replicas:
-            state = _weights_state(r.address) or {}
-            pushes[r.name] = {"installed": _push_kinds(state.get("served", [])),
+            state = weights_state(r.address) or {}
+            pushes[r.name] = {"installed": push_kinds(state.get("served", [])),
                               "failed": [{"version": f["version"], "mode": f["mode"],
                                           "why": f["why"].split(":")[0]}
                                          for f in state.get("failed", [])]}
@@ -1036,7 +740,7 @@ def run(settings: Settings, work: Path, scenarios: Sequence[str]) -> dict[str, A
                     faults[name] = {"error": f"{type(err).__name__}: {err}"[:500],
                                     "climb_alive": chaos.climb.alive(),
                                     "climb_stderr": chaos.climb.stderr_tail(1500)}
-                faults[name]["fault_seconds"] = _round(time.monotonic() - t_fault, 1)
+                faults[name]["fault_seconds"] = round_to(time.monotonic() - t_fault, 1)
                 print(json.dumps({"fault": name, **faults[name]}), file=sys.stderr, flush=True)
                 phase.advance()
                 if not chaos.climb.alive():
@@ -1051,7 +755,7 @@ def run(settings: Settings, work: Path, scenarios: Sequence[str]) -> dict[str, A
         chaos.close()
     for name, figures in faults.items():
         figures.update(end.get("per_fault", {}).get(name, {}))
-    return {"bench": "chaos", "wall_seconds": _round(time.monotonic() - t0, 1),
+    return {"bench": "chaos", "wall_seconds": round_to(time.monotonic() - t0, 1),
             "token_auth": True, "work_dir": str(work),
             "faults": faults, "climb": {k: v for k, v in end.items() if k != "per_fault"}}
 
