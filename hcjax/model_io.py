@@ -40,6 +40,7 @@ __all__ = [
     "run_to_hf",
     "run_tokenizer",
     "write_checkpoint",
+    "resumed_layout_wrapped",
     "wrapped_params_layout",
     "write_model_gin",
 ]
@@ -126,6 +127,19 @@ def wrapped_params_layout(ck: Checkpointer, step: int) -> bool:
         if set(node) == {"value"} and not isinstance(node["value"], dict):
             return True
         node = next(iter(node.values()))
+    return False
+
+
+def resumed_layout_wrapped(ck: Checkpointer, step: int) -> bool:
+    """`wrapped_params_layout` of the step a resume will read: `step`, or where its metadata is
+    itself damaged (a latest step that `Checkpointer.restore` will fall back past), the newest
+    older step whose metadata reads. One run writes one layout; with no step readable this
+    answers the current layout and the restore reports the damage."""
+    for s in [step, *sorted((s for s in ck.all_steps() if s < step), reverse=True)]:
+        try:
+            return wrapped_params_layout(ck, s)
+        except Exception:  # noqa: BLE001 - a damaged step; Checkpointer.restore names it
+            continue
     return False
 
 

@@ -118,6 +118,36 @@ def test_the_climbs_learner_writes_the_one_layout_and_resumes_either(tmp_path):
                                                   nnx.to_pure_dict(learner.state.params))
 
 
+@pytest.mark.parametrize("layout", ["plain", "old_climb"])
+def test_the_learner_resumes_past_a_truncated_latest_step(tmp_path, layout):
+    """A latest step whose files were cut short (its metadata unreadable too) is set aside with a
+    CheckpointFallback warning and the learner resumes from the previous kept step, in either
+    layout (bench.chaos's corrupt-checkpoint fault, as a unit)."""
+    from hcjax.checkpoint import CheckpointFallback
+    from tests.test_checkpoint import _corrupt
+
+    mesh = make_mesh(MeshConfig(num_devices=1))
+    learner = Learner(create_sharded(CFG, mesh, seed=3), LearnerConfig(seq_len=16), mesh)
+    folder = tmp_path / "checkpoints"
+    ck = Checkpointer(str(folder), CheckpointConfig(async_save=False),
+                      {"model_config": jsonable(CFG)})
+    for step in (4, 5):
+        if layout == "plain":
+            learner.save(ck, step, {"consumed": step}, force=True)
+        else:
+            ck.save(step, learner.state, {"consumed": step}, force=True)
+    ck.close()
+    _corrupt(folder / "5", "truncated")
+    ck = Checkpointer(str(folder), CheckpointConfig(async_save=False),
+                      {"model_config": jsonable(CFG)})
+    other = Learner(create_sharded(CFG, mesh, seed=4), LearnerConfig(seq_len=16), mesh)
+    with pytest.warns(CheckpointFallback, match="step 5 is corrupt or partial"):
+        assert other.restore(ck, 5) == {"consumed": 4}
+    assert ck.restored_step == 4 and ck.all_steps() == [4]
+    assert _leaves_equal(other.state, learner.state)
+    ck.close()
+
+
 def test_a_runs_tokenizer_is_its_hugging_face_sources_or_the_byte_tokenizer(tmp_path):
     write_checkpoint(str(tmp_path / "byte"), _params(seed=0), CFG)
     assert isinstance(run_tokenizer(str(tmp_path / "byte")), ByteTokenizer)

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from hcjax import sharding as shd
 from hcjax.model import ModelConfig, Transformer, head_logits, shard_state, update_correction_bias
-from hcjax.model_io import wrapped_params_layout
+from hcjax.model_io import resumed_layout_wrapped
 from hcjax.rl import batch as batch_lib
 from hcjax.rl.batch import LearnerBatch
 from hcjax.rl.entropy import EntropyController
@@ -426,7 +426,7 @@ class Learner:
     def restore(self, checkpointer, step: int) -> dict[str, Any]:
         """Restore `step` (or, if it is corrupt, the newest good step before it: see
         `checkpointer.restored_step`) into the learner state; returns the data state."""
-        if wrapped_params_layout(checkpointer, step):
+        if resumed_layout_wrapped(checkpointer, step):
             # A climb saved before every job wrote plain dicts: its layout is the in-memory one.
             self.state, data = checkpointer.restore(step, self.state)
             return data
