@@ -24,8 +24,11 @@ def test_chaos_quick(tmp_path):
     faults, climb = result["faults"], result["climb"]
     assert set(faults) == {"replica_sigkill", "replica_sigstop", "bad_rpcs",
                            "learner_kill_in_transfer", "corrupt_checkpoint"}
+    # Every fault first (a fault's error says why the climb stopped), then the climb's end.
     for name, f in faults.items():
         assert "error" not in f, (name, f)
+    assert "error" not in climb, climb
+    for name, f in faults.items():
         assert f["kept_stepping"], (name, f)
         assert f["accepted_rollouts_missing_after"] == 0, (name, f)
     # Every accepted group in the store was trained on or is still buffered at the end.
