@@ -1,6 +1,7 @@
 """`python -m hcjax.bench.real`: a real pretrained model's speed on this machine, beside the tiny
-default in the same run: SmolLM2-135M-Instruct (its GGUF from `make real`) and the tiny climb's
-model, each in its own process (so each peak memory is its own).
+default in the same run: SmolLM2-135M-Instruct (its GGUF from `make real`) and the default climb's
+tiny model (`tiny_cpu.gin`, 327K parameters), each in its own process (so each peak memory is its
+own).
 
 Per model: generation tokens/s through the RolloutServer (the climb's generate path: 64 slots,
 48-token prompts, 64-token responses, sampled at temperature 1, top-p 0.97), the GRPO train
@@ -23,9 +24,9 @@ import numpy as np
 from flax import nnx
 
 from hcjax import config as hcfg
-from hcjax.bench.learner import TINY, matmul_roofline_gflops, prepare, synthetic_rollouts
+from hcjax.bench.learner import matmul_roofline_gflops, prepare, synthetic_rollouts
 from hcjax.display import Phases
-from hcjax.model import Transformer
+from hcjax.model import ModelConfig, Transformer
 from hcjax.model_io import load_hf_model
 from hcjax.rollout import Engine, GenerateRequest, RolloutServer
 
@@ -46,7 +47,8 @@ def _model(name: str):
     if name == "smollm2":
         model, cfg = load_hf_model(hcfg.hf_checkpoint_folder(SMOLLM2))
         return model, cfg
-    return Transformer(TINY, rngs=nnx.Rngs(0)), TINY
+    cfg = ModelConfig()  # tiny_cpu.gin's, bound by `measure`
+    return Transformer(cfg, rngs=nnx.Rngs(0)), cfg
 
 
 def generation(model, cfg, *, slots: int, prompt_len: int, response_len: int,
@@ -94,8 +96,9 @@ def train_step(cfg, *, rollouts: int, prompt_len: int, response_len: int, steps:
 
 
 def measure(name: str, args) -> dict:
-    # The kernel choices every climb runs with (base.gin: "auto" attention and MoE forms).
-    hcfg.bind(["base.gin"], [])
+    # The kernel choices every climb runs with (base.gin: "auto" attention and MoE forms); the
+    # tiny model is the default climb's (tiny_cpu.gin includes base.gin).
+    hcfg.bind(["tiny_cpu.gin" if name == "tiny" else "base.gin"], [])
     phases = Phases(f"hcjax.bench.real {name}")
     with phases.phase(f"{name}: loading"):
         model, cfg = _model(name)
