@@ -293,6 +293,28 @@ def resolve_gin_file(name: str) -> Path:
     raise ConfigError(f"gin file {name!r} not found (looked at {[str(c) for c in candidates]})")
 
 
+# Bindings renamed when the training loop, the climb's sampling options and the task got one
+# config each (2026-12-07): a gin file or --gin_param still naming the old one is told the new.
+RENAMED_BINDINGS = {
+    **{f"SFTConfig.{f}": f"AdamWConfig.{f}" for f in (
+        "peak_lr", "end_lr", "warmup_fraction", "weight_decay", "b1", "b2", "eps", "grad_clip")},
+    "SFTConfig": "TrainerConfig",
+    **{f"ClimbConfig.{f}": f"SamplingOptions.{f}" for f in (
+        "max_tokens", "temperature", "top_p", "token_budget")},
+    "ClimbConfig.suite": "TaskConfig.suite", "ClimbConfig.rewards": "TaskConfig.rewards",
+}
+
+
+def _renamed_hint(text: str) -> str:
+    """' (OLD is now NEW)' for the first renamed binding name `text` uses, else ''."""
+    for old, new in RENAMED_BINDINGS.items():
+        hit = re.search(rf"(?<![\w.]){re.escape(old)}(\.\w+)?\b", text)
+        if hit:
+            field = (hit.group(1) or "") if "." not in old else ""
+            return f" ({old}{field} is now {new}{field})"
+    return ""
+
+
 def bind(gin_files: Sequence[str], gin_params: Sequence[str], *, finalize: bool = True) -> None:
     """Clear gin state, then parse files and bindings; any mistake raises ConfigError naming it.
 
@@ -315,14 +337,14 @@ def bind(gin_files: Sequence[str], gin_params: Sequence[str], *, finalize: bool 
         try:
             gin.parse_config_file(str(path), skip_unknown=skip)
         except Exception as e:  # gin raises several exception types; all are config mistakes
-            raise ConfigError(f"in gin file {str(path)!r}: {e}") from e
+            raise ConfigError(f"in gin file {str(path)!r}: {e}{_renamed_hint(str(e))}") from e
         finally:
             root.setLevel(level)
     for p in gin_params:
         try:
             gin.parse_config(p, skip_unknown=skip)
         except Exception as e:
-            raise ConfigError(f"bad --gin_param {p!r}: {e}") from e
+            raise ConfigError(f"bad --gin_param {p!r}: {e}{_renamed_hint(p)}") from e
     if finalize:
         gin.finalize()
 

@@ -28,6 +28,28 @@ def test_unknown_parameter_is_named():
         hcfg.bind(["tiny_cpu.gin"], ["ModelConfig.num_layerz = 3"])
 
 
+def test_a_renamed_binding_names_its_new_name(tmp_path):
+    import hcjax.rl.climber  # noqa: F401 - registers ClimbConfig and SamplingOptions
+    import hcjax.train.loop  # noqa: F401 - registers TrainerConfig and AdamWConfig
+
+    for old, new in [("ClimbConfig.max_tokens = 5", "ClimbConfig.max_tokens is now "
+                      "SamplingOptions.max_tokens"),
+                     ("SFTConfig.peak_lr = 1e-3", "SFTConfig.peak_lr is now AdamWConfig.peak_lr"),
+                     ("SFTConfig.num_steps = 5", "SFTConfig.num_steps is now "
+                      "TrainerConfig.num_steps"),
+                     ("ClimbConfig.suite = None", "ClimbConfig.suite is now TaskConfig.suite")]:
+        with pytest.raises(hcfg.ConfigError, match=re.escape(new)):
+            hcfg.bind([], [old])
+    old_file = tmp_path / "old.gin"
+    old_file.write_text("ClimbConfig.top_p = 0.9\n")
+    with pytest.raises(hcfg.ConfigError, match=re.escape(
+            "ClimbConfig.top_p is now SamplingOptions.top_p")):
+        hcfg.bind([str(old_file)], [])
+    with pytest.raises(hcfg.ConfigError) as err:  # an unrelated mistake gets no hint
+        hcfg.bind([], ["ModelConfig.num_layerz = 3"])
+    assert "is now" not in str(err.value)
+
+
 def test_malformed_binding_is_named():
     with pytest.raises(hcfg.ConfigError, match="ModelConfig.num_layers = = 3"):
         hcfg.bind(["tiny_cpu.gin"], ["ModelConfig.num_layers = = 3"])
