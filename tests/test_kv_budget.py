@@ -6,6 +6,7 @@ slots to prompt + response rather than the model's context. No weights: abstract
 
 import dataclasses
 import functools
+import gc
 
 import jax
 import pytest
@@ -62,11 +63,18 @@ def test_estimate_on_a_mesh_counts_each_batch_shards_scratch_page():
 
 
 def _refusal(monkeypatch, available: int, **kw):
+    """The refusal's message; no array allocated by the refused engine is left alive. The
+    arrays alive before are held (so their identities stay unique) and compared by identity:
+    a count would move with an earlier test's garbage collected in between."""
     monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: available)
-    before = len(jax.live_arrays())
+    model = _model(SMOLLM2)
+    gc.collect()
+    before = jax.live_arrays()
     with pytest.raises(KVCacheTooLarge) as err:
-        Engine(_model(SMOLLM2), **kw)
-    assert len(jax.live_arrays()) == before  # refused before anything was allocated
+        Engine(model, **kw)
+    gc.collect()
+    new = [a for a in jax.live_arrays() if not any(a is b for b in before)]
+    assert not new, [(a.shape, a.dtype) for a in new]  # refused before anything was allocated
     return str(err.value)
 
 
