@@ -28,10 +28,10 @@ from flax import nnx
 
 from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig
-from hcjax.model.layers import RMSNorm, param, rope, rope_frequencies
+from hcjax.model.layers import RMSNorm, param, project, rope, rope_frequencies
+from pallas_kernels import batch_invariant as bi
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.paged_attention import gather_pages, paged_decode_attention
-from pallas_kernels.projection import project
 from pallas_kernels.self_attention import (
     attention_mask,
     gqa_attention,
@@ -122,7 +122,8 @@ def decode_buckets(slots: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def cached_attention(cache: dict, entries_bt: dict, pos_bt, ring: bool, attend):
+def cached_attention(cache: dict, entries_bt: dict, pos_bt, ring: bool, attend,
+                     write_first: bool = False):
     """(attend(keys, key positions), new cache) of a chunk against a cache layer.
 
     One-token decode writes the token first and reads the cache in place (appending the token
@@ -131,8 +132,13 @@ def cached_attention(cache: dict, entries_bt: dict, pos_bt, ring: bool, attend):
     >= n is empty or later than every query (a ring buffer that has not wrapped stores position
     p at slot p). n is the smallest of `decode_buckets(slots)` above the batch's largest
     position, chosen on device, so decode reads grow with the longest sequence, not with
-    max_target_length. Longer chunks attend to the old cache plus themselves, then write.
+    max_target_length. Longer chunks attend to the old cache plus themselves, then write; with
+    `write_first` (exact mode: every key at index = position) they write, then attend to the
+    whole cache.
     """
+    if pos_bt.shape[1] != 1 and write_first:
+        new_cache = write_cache(cache, entries_bt, pos_bt, ring=ring)
+        return attend({name: new_cache[name] for name in entries_bt}, new_cache["pos"]), new_cache
     if pos_bt.shape[1] != 1:
         keys, k_pos = _cached_keys(cache, entries_bt, pos_bt)
         return attend(keys, k_pos), write_cache(cache, entries_bt, pos_bt, ring=ring)
@@ -276,8 +282,8 @@ class Attention(nnx.Module):
             self.bv = param(rngs, (hkv, hd), ("kv_heads", "head_dim"), value=0.0)
             self.bo = param(rngs, (d,), ("embed",), value=0.0)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, rngs=rngs)
-            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, rngs=rngs)
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, exact=cfg.batch_invariant, rngs=rngs)
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, exact=cfg.batch_invariant, rngs=rngs)
         if cfg.attention_sinks:
             self.sinks = param(rngs, (hq,), ("q_heads",), value=0.0)
         self.has_bias, self.has_qk_norm, self.has_sinks = (
@@ -288,11 +294,15 @@ class Attention(nnx.Module):
         self.rope = _Rope(cfg, hd) if (kind == "local" or cfg.rope_global) else None
         self.dtype = cfg.compute_dtype
         self.attention_impl = cfg.attention_impl
+        self.exact_tile = cfg.exact_tile
 
     @property
     def use_kernel(self) -> bool:
         """Pallas kernels or XLA, decided when traced (for the platform compiled for). The
-        kernels have no sink term; with sinks the XLA path runs on every backend."""
+        kernels have no sink term; with sinks the XLA path runs on every backend. Exact mode
+        runs `pallas_kernels.batch_invariant.attention` everywhere."""
+        if self.exact_tile is not None:
+            return False
         return self_attention_impl(self.attention_impl, sinks=self.has_sinks) == "pallas"
 
     @staticmethod
@@ -300,7 +310,7 @@ class Attention(nnx.Module):
         return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
     def _project(self, x, name):
-        y = project(x, getattr(self, "w" + name)[...].astype(self.dtype))
+        y = project(x, getattr(self, "w" + name)[...].astype(self.dtype), tile=self.exact_tile)
         if self.has_bias:
             y = y + getattr(self, "b" + name)[...].astype(self.dtype)
         return y
@@ -320,7 +330,12 @@ class Attention(nnx.Module):
         ring = self.kind == "local"
 
         new_cache = None
-        if cache is None:
+        exact = self.exact_tile is not None
+        if cache is None and exact:
+            mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt,
+                                  self.window)
+            out = bi.attention(q, k, v, mask, sinks_h=sinks)
+        elif cache is None:
             out = self._attend_self(q, k, v, positions_bt, segment_ids_bt, sinks)
         elif is_paged(cache) and self.use_kernel and q.shape[1] == 1:
             # One-token decode over the page pool on the paged Pallas kernel, per shard.
@@ -338,17 +353,17 @@ class Attention(nnx.Module):
         else:
             def attend(keys, k_pos):
                 mask = attention_mask(positions_bt, k_pos, None, None, self.window)
-                return gqa_attention(q, keys["k"].astype(dt), keys["v"].astype(dt), mask,
-                                     sinks_h=sinks)
+                form = bi.attention if exact else gqa_attention
+                return form(q, keys["k"].astype(dt), keys["v"].astype(dt), mask, sinks_h=sinks)
 
             if is_paged(cache):
                 out, new_cache = paged_cached_attention(cache, {"k": k, "v": v}, positions_bt,
                                                         attend)
             else:
                 out, new_cache = cached_attention(cache, {"k": k, "v": v}, positions_bt, ring,
-                                                  attend)
+                                                  attend, write_first=exact)
         out = shd.constrain(out, _Q_BTHD)
-        y = project(out.astype(dt), self.wo[...].astype(dt), 2)
+        y = project(out.astype(dt), self.wo[...].astype(dt), 2, tile=self.exact_tile)
         if self.has_bias:
             y = y + self.bo[...].astype(dt)
         return y, new_cache
@@ -400,12 +415,12 @@ class MLAttention(nnx.Module):
         r_q, r_kv = cfg.q_lora_rank, cfg.kv_lora_rank
         if r_q:
             self.wq_a = param(rngs, (d, r_q), ("embed", "q_lora"))
-            self.q_norm = RMSNorm(r_q, eps=cfg.norm_eps, rngs=rngs)
+            self.q_norm = RMSNorm(r_q, eps=cfg.norm_eps, exact=cfg.batch_invariant, rngs=rngs)
             self.wq_b = param(rngs, (r_q, h, nope + rd), ("q_lora", "q_heads", "head_dim"))
         else:
             self.wq = param(rngs, (d, h, nope + rd), ("embed", "q_heads", "head_dim"))
         self.wkv_a = param(rngs, (d, r_kv + rd), ("embed", "kv_lora"))
-        self.kv_norm = RMSNorm(r_kv, eps=cfg.norm_eps, rngs=rngs)
+        self.kv_norm = RMSNorm(r_kv, eps=cfg.norm_eps, exact=cfg.batch_invariant, rngs=rngs)
         self.wkv_b = param(rngs, (r_kv, h, nope + vd), ("kv_lora", "q_heads", "head_dim"))
         self.wo = param(rngs, (h, vd, d), ("q_heads", "head_dim", "embed"), std=(h * vd) ** -0.5)
         self.q_lora = bool(r_q)
@@ -416,12 +431,15 @@ class MLAttention(nnx.Module):
         self.scale = mla_softmax_scale(cfg)
         self.dtype = cfg.compute_dtype
         self.attention_impl = cfg.attention_impl
+        self.exact_tile = cfg.exact_tile
 
     @staticmethod
     def cache_entries(cfg: ModelConfig) -> dict:
         return {"c": (cfg.kv_lora_rank,), "k_pe": (cfg.qk_rope_head_dim,)}
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, cache: dict | None = None):
+        if self.exact_tile is not None:
+            return self._exact(x_btd, positions_bt, segment_ids_bt, cache)
         dt = self.dtype
         x = x_btd.astype(dt)
         if self.q_lora:
@@ -473,6 +491,54 @@ class MLAttention(nnx.Module):
             out = jnp.einsum("bthr,rhv->bthv", out_lat.astype(dt), wkv_b[..., self.nope :])
         out = shd.constrain(out, _Q_BTHD)
         y = jnp.einsum("bthv,hvd->btd", out.astype(dt), self.wo[...].astype(dt))
+        return y, new_cache
+
+
+    def _exact(self, x_btd, positions_bt, segment_ids_bt, cache):
+        """Exact mode: batch-invariant projections and attention, and no absorbed form: a
+        cached latent is up-projected to its key and value as the full forward does, so a
+        decode step computes each key to the bit as the learner's forward does."""
+        dt, tile = self.dtype, self.exact_tile
+        x = x_btd.astype(dt)
+        if self.q_lora:
+            q_lat = self.q_norm(project(x, self.wq_a[...].astype(dt), tile=tile)).astype(dt)
+            q = project(q_lat, self.wq_b[...].astype(dt), tile=tile)
+        else:
+            q = project(x, self.wq[...].astype(dt), tile=tile)
+        q = jnp.concatenate([q[..., : self.nope], self.rope(q[..., self.nope :], positions_bt)],
+                            -1)
+        kv_a = project(x, self.wkv_a[...].astype(dt), tile=tile)
+        c = self.kv_norm(kv_a[..., : self.kv_rank]).astype(dt)  # [B, T, R]
+        k_pe = self.rope(kv_a[..., None, self.kv_rank :], positions_bt)[:, :, 0]  # [B, T, P]
+        wkv_b = self.wkv_b[...].astype(dt)
+
+        def attend(c_bsr, k_pe_bsp, mask):
+            kv = project(c_bsr.astype(dt), wkv_b, tile=tile)
+            k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+            k_pe_h = jnp.broadcast_to(k_pe_bsp.astype(dt)[:, :, None],
+                                      (*k_nope.shape[:3], self.rope_dim))
+            return bi.attention(q, jnp.concatenate([k_nope, k_pe_h], -1), v, mask,
+                                scale=self.scale)
+
+        new_cache = None
+        if cache is None:
+            mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt,
+                                  self.window)
+            out = attend(c, k_pe, mask)
+        else:
+            def attend_cached(keys, k_pos):
+                mask = attention_mask(positions_bt, k_pos, None, None, self.window)
+                return attend(keys["c"], keys["k_pe"], mask)
+
+            entries = {"c": c, "k_pe": k_pe}
+            if is_paged(cache):
+                out, new_cache = paged_cached_attention(cache, entries, positions_bt,
+                                                        attend_cached)
+            else:
+                out, new_cache = cached_attention(cache, entries, positions_bt,
+                                                  self.kind == "local", attend_cached,
+                                                  write_first=True)
+        y = project(out.astype(dt), self.wo[...].astype(dt), 2, tile=tile)
         return y, new_cache
 
 

@@ -138,6 +138,17 @@ class ModelConfig:
     swiglu_limit: float = 7.0  # clamped_swiglu
     swiglu_alpha: float = 1.702  # clamped_swiglu
 
+    # --- Exact mode (bitwise on-policy). ---
+    # Every reduction over a token's features runs in an order fixed by the operation, not by
+    # how many tokens share the call (`pallas_kernels.batch_invariant`): matmuls on fixed tiles of
+    # `invariant_tile` rows, sums as aligned pairwise trees, attention over keys at index =
+    # position. The engine's decode and prefill and the learner's forward then give a token the
+    # same logits to the bit, so the learner's log-prob of a sampled token equals the sampler's.
+    # The engine keeps local layers' keys at their positions (no ring buffer) and the learner
+    # packs each rollout at an offset aligned to its power-of-two length.
+    batch_invariant: bool = False
+    invariant_tile: int = 64
+
     def __post_init__(self) -> None:
         # gin may hand lists where tuples are declared; normalise so the config stays hashable.
         object.__setattr__(self, "attention_pattern", tuple(self.attention_pattern))
@@ -265,6 +276,18 @@ class ModelConfig:
                 f"layer pattern ({self.layer_period} layers: lcm of the attention_pattern and "
                 f"ffn_pattern lengths)"
             )
+        if not isinstance(self.invariant_tile, int) or self.invariant_tile < 1:
+            raise ValueError(f"ModelConfig.invariant_tile={self.invariant_tile!r} must be a "
+                             "positive integer (rows per batch-invariant matmul tile)")
+        if self.batch_invariant and self.expert_parallel != "none":
+            raise ValueError(
+                f"ModelConfig.batch_invariant=True runs the routed experts on one program's "
+                f"tokens; expert_parallel={self.expert_parallel!r} is not supported in exact mode "
+                "(use expert_parallel='none')")
+        if self.batch_invariant and self.dropout_rate:
+            raise ValueError(
+                f"ModelConfig.batch_invariant=True needs dropout_rate=0 (got "
+                f"{self.dropout_rate}): dropout in the learner's forward changes the log-probs")
         if self.attention_impl == "pallas" and self.attention_sinks:
             raise ValueError(
                 "ModelConfig.attention_impl='pallas' has no attention sinks (the flash kernel "
@@ -292,6 +315,11 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
+
+    @property
+    def exact_tile(self) -> int | None:
+        """Rows per batch-invariant tile in exact mode, None otherwise."""
+        return self.invariant_tile if self.batch_invariant else None
 
     @property
     def compute_dtype(self):

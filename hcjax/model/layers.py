@@ -15,6 +15,8 @@ import numpy as np
 from flax import nnx
 
 from hcjax import sharding as shd
+from pallas_kernels import batch_invariant as bi
+from pallas_kernels.projection import project as pallas_project
 from pallas_kernels.swiglu import swiglu as pallas_swiglu
 
 
@@ -30,14 +32,28 @@ def param(rngs: nnx.Rngs, shape, axes, *, std: float | None = None, value: float
     return nnx.Param(init, logical_axes=tuple(axes))
 
 
-class RMSNorm(nnx.Module):
-    """RMSNorm in fp32 with a learnt gain (no bias). `init_gain=0` zero-initialises a branch."""
+def project(x, w, n_in: int = 1, *, tile: int | None = None, out_dtype=None):
+    """x contracted with w over w's first `n_in` axes: the kernel package's projection, or in
+    exact mode (`tile`, ModelConfig.exact_tile) its batch-invariant form."""
+    if tile is None:
+        y = pallas_project(x, w, n_in)
+        return y if out_dtype is None else y.astype(out_dtype)
+    return bi.project(x, w, n_in, tile=tile, out_dtype=out_dtype)
 
-    def __init__(self, dim: int, *, eps: float, init_gain: float = 1.0, rngs: nnx.Rngs):
+
+class RMSNorm(nnx.Module):
+    """RMSNorm in fp32 with a learnt gain (no bias). `init_gain=0` zero-initialises a branch;
+    `exact` sums the squares as a batch-invariant tree (exact mode)."""
+
+    def __init__(self, dim: int, *, eps: float, init_gain: float = 1.0, exact: bool = False,
+                 rngs: nnx.Rngs):
         self.scale = param(rngs, (dim,), ("norm",), value=init_gain)
         self.eps = eps
+        self.exact = exact
 
     def __call__(self, x):
+        if self.exact:
+            return bi.rms_norm(x, self.eps) * self.scale[...]
         x32 = x.astype(jnp.float32)
         var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         return x32 * jax.lax.rsqrt(var + self.eps) * self.scale[...]
@@ -123,9 +139,16 @@ def rope_frequencies_plain(theta: float, dim: int) -> np.ndarray:
     return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
 
 
-def swiglu(x, w_gate, w_up, w_down, dtype):
+def swiglu(x, w_gate, w_up, w_down, dtype, tile: int | None = None):
     """SwiGLU MLP: (silu(x Wg) * x Wu) Wd, in the compute dtype, the hidden split over the tensor
-    axis (`pallas_kernels.swiglu`; "auto" picks its backward by platform)."""
+    axis (`pallas_kernels.swiglu`; "auto" picks its backward by platform). In exact mode
+    (`tile`) each product is a batch-invariant projection."""
+    if tile is not None:
+        x = x.astype(dtype)
+        g = project(x, w_gate.astype(dtype), tile=tile)
+        u = project(x, w_up.astype(dtype), tile=tile)
+        h = _constrain_hidden(jax.nn.silu(g) * u)
+        return project(h, w_down.astype(dtype), tile=tile)
     return pallas_swiglu(x.astype(dtype), w_gate.astype(dtype), w_up.astype(dtype),
                          w_down.astype(dtype), constrain_hidden=_constrain_hidden)
 
@@ -139,14 +162,17 @@ def _constrain_hidden(h):
 class DenseMLP(nnx.Module):
     """Dense SwiGLU feed-forward layer without biases."""
 
-    def __init__(self, d_model: int, d_ff: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, d_ff: int, *, dtype, exact_tile: int | None = None,
+                 rngs: nnx.Rngs):
         self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"))
         self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"))
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"))
         self.dtype = dtype
+        self.exact_tile = exact_tile
 
     def __call__(self, x_btd):
-        return swiglu(x_btd, self.w_gate[...], self.w_up[...], self.w_down[...], self.dtype)
+        return swiglu(x_btd, self.w_gate[...], self.w_up[...], self.w_down[...], self.dtype,
+                      self.exact_tile)
 
 
 def dropout(x, rate: float, rng):

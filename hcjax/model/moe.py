@@ -41,6 +41,7 @@ from pallas_kernels.expert_mlp import (
     gather_rows,
     inverse_permutation,
 )
+from pallas_kernels import batch_invariant as bi
 from pallas_kernels.expert_mlp_capacity import default_capacity
 
 
@@ -326,6 +327,33 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, impl: str, c
     return y[:n]
 
 
+def _matmul(x, w, tile: int | None):
+    """x @ w, or its batch-invariant form in exact mode (`tile`)."""
+    return x @ w if tile is None else bi.project(x, w, tile=tile)
+
+
+def exact_expert_mlp(x_nr, w, expert_nk, gates_nk, act, tile: int):
+    """The routed experts' MLP in exact mode: each (token, expert) row through its expert's
+    weights on a fixed tile of that expert's rows (`batch_invariant.grouped_project`), the k
+    experts' outputs summed in choice order. A token's result does not depend on which other
+    tokens share the call."""
+    n, k = expert_nk.shape
+    num_experts = w["gate"].shape[0]
+    expert_a = expert_nk.reshape(n * k)
+    x_ar = jnp.repeat(x_nr, k, axis=0)
+    layout = bi.grouped_layout(expert_a, num_experts, tile)
+    g = bi.grouped_project(x_ar, w["gate"], layout, tile=tile)
+    u = bi.grouped_project(x_ar, w["up"], layout, tile=tile)
+    if "b_gate" in w:
+        g, u = g + w["b_gate"][expert_a], u + w["b_up"][expert_a]
+    y = bi.grouped_project(act(g, u).astype(x_nr.dtype), w["out"], layout, tile=tile)
+    if "b_out" in w:
+        y = y + w["b_out"][expert_a]
+    y_nkr = y.reshape(n, k, -1).astype(jnp.float32)
+    return bi.ordered_sum(gates_nk.astype(jnp.float32)[..., None] * y_nkr, axis=1).astype(
+        x_nr.dtype)
+
+
 def route(cfg: ModelConfig, logits_ne, correction_e, expert_nk=None):
     """Chosen experts [N, k], their gates [N, k] and the router probabilities [N, E] (fp32).
 
@@ -338,30 +366,32 @@ def route(cfg: ModelConfig, logits_ne, correction_e, expert_nk=None):
     gates still come from the current logits, so the router keeps its gradient.
     """
     k, num_experts = cfg.experts_per_token, cfg.num_experts
+    softmax = bi.softmax if cfg.batch_invariant else jax.nn.softmax
+    total = bi.tree_sum if cfg.batch_invariant else jnp.sum
     if cfg.router_type == "softmax":
-        probs = jax.nn.softmax(logits_ne, axis=-1)
+        probs = softmax(logits_ne, axis=-1)
         if expert_nk is None:
             _, expert_nk = jax.lax.top_k(logits_ne, k)
         if cfg.router_renormalize:
-            gates = jax.nn.softmax(jnp.take_along_axis(logits_ne, expert_nk, -1), axis=-1)
+            gates = softmax(jnp.take_along_axis(logits_ne, expert_nk, -1), axis=-1)
         else:
             gates = jnp.take_along_axis(probs, expert_nk, -1)
     else:
         scores = jax.nn.sigmoid(logits_ne)
-        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)  # for the load-balance statistics
+        probs = scores / total(scores, axis=-1)[:, None]  # for the load-balance statistics
         if expert_nk is None:
             choice = scores if correction_e is None else scores + correction_e
             if cfg.router_groups > 1:
                 n = choice.shape[0]
                 grouped = choice.reshape(n, cfg.router_groups, num_experts // cfg.router_groups)
-                group_score = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], -1)
+                group_score = total(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], -1)
                 _, best = jax.lax.top_k(group_score, cfg.router_topk_groups)
                 keep = jnp.sum(jax.nn.one_hot(best, cfg.router_groups, dtype=jnp.bool_), 1)
                 choice = jnp.where(keep[:, :, None], grouped, 0.0).reshape(n, num_experts)
             _, expert_nk = jax.lax.top_k(choice, k)
         gates = jnp.take_along_axis(scores, expert_nk, -1)
         if cfg.router_renormalize:
-            gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+            gates = gates / (total(gates, axis=-1)[:, None] + 1e-20)
     return expert_nk, gates * cfg.routed_scaling, probs
 
 
@@ -394,7 +424,8 @@ class MoE(nnx.Module):
             self.w_up_proj = param(rngs, (r, d), ("latent", "embed"))
         if cfg.num_shared_experts:
             self.shared = DenseMLP(
-                d, cfg.moe_d_ff * cfg.num_shared_experts, dtype=cfg.compute_dtype, rngs=rngs
+                d, cfg.moe_d_ff * cfg.num_shared_experts, dtype=cfg.compute_dtype,
+                exact_tile=cfg.exact_tile, rngs=rngs
             )
         self.cfg = cfg
         self.has_router_bias, self.has_correction = cfg.router_bias, cfg.router_correction_bias
@@ -408,8 +439,9 @@ class MoE(nnx.Module):
         b, t, d = x_btd.shape
         dt = self.dtype
         x = x_btd.reshape(b * t, d)
+        tile = self.cfg.exact_tile
         # Router in fp32 (RECIPE §2 numerics).
-        logits = x.astype(jnp.float32) @ self.router[...]
+        logits = _matmul(x.astype(jnp.float32), self.router[...], tile)
         if self.has_router_bias:
             logits = logits + self.router_bias[...]
         replay = None
@@ -422,7 +454,8 @@ class MoE(nnx.Module):
         correction = self.correction_bias[...] if self.has_correction else None
         expert_nk, gates, probs = route(self.cfg, logits, correction, replay)
 
-        h = x.astype(dt) @ self.w_down[...].astype(dt) if self.latent else x.astype(dt)
+        h = _matmul(x.astype(dt), self.w_down[...].astype(dt), tile) if self.latent else (
+            x.astype(dt))
         w = {"gate": self.w_gate, "up": self.w_up, "out": self.w_out}
         if self.has_expert_bias:
             w.update(b_gate=self.b_gate, b_up=self.b_up, b_out=self.b_out)
@@ -434,11 +467,15 @@ class MoE(nnx.Module):
         # device.
         impl = expert_mlp_impl(self.impl)
         mode, mesh = self.cfg.expert_parallel, _expert_parallel_mesh(self.cfg)
-        if mesh is None and impl == "pallas":
+        if tile is not None:
+            mode, mesh = "exact", None
+        if mesh is None and impl == "pallas" and tile is None:
             # A Pallas gmm cannot be partitioned by XLA: without expert parallelism it still runs
             # on each device's tokens under shard_map, every expert's weights on every device.
             mode, mesh = "local", _multi_device_mesh()
-        if mesh is None:
+        if mode == "exact":
+            y = exact_expert_mlp(h, w, expert_nk, gates, act, tile)
+        elif mesh is None:
             y = expert_mlp(h, w, expert_nk, gates, act, impl=impl)
         else:
             # b_out is added once here, not on every tensor shard inside the shard_map.
@@ -448,7 +485,7 @@ class MoE(nnx.Module):
             if b_out is not None:
                 y = y + jnp.einsum("nk,nkr->nr", gates.astype(dt), b_out[expert_nk])
         if self.latent:
-            y = y.astype(dt) @ self.w_up_proj[...].astype(dt)
+            y = _matmul(y.astype(dt), self.w_up_proj[...].astype(dt), tile)
         if self.has_shared:
             y = y.astype(dt) + self.shared(x)
         out = y.reshape(b, t, d)

@@ -40,6 +40,7 @@ from hcjax.model.attention import (
 from hcjax.model.config import FULL_REMAT, ModelConfig
 from hcjax.model.layers import DenseMLP, RMSNorm, dropout, param
 from hcjax.model.moe import MoE, correction_bias_step, load_balance_loss_from_stats
+from pallas_kernels import batch_invariant as bi
 
 
 @struct.dataclass
@@ -69,17 +70,20 @@ _REMAT_POLICIES = {
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        exact = cfg.batch_invariant
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, exact=exact, rngs=rngs)
         self.attn = make_attention(cfg, cfg.attention_kind(layer), rngs=rngs)
         self.has_attn_out_norm = cfg.attention_output_norm
         if cfg.attention_output_norm:
-            self.attn_out_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, init_gain=0.0, rngs=rngs)
-        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+            self.attn_out_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, init_gain=0.0,
+                                         exact=exact, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, exact=exact, rngs=rngs)
         self.is_moe = cfg.ffn_kind(layer) == "moe"
         if self.is_moe:
             self.ffn = MoE(cfg, rngs=rngs)
         else:
-            self.ffn = DenseMLP(cfg.d_model, cfg.d_ff, dtype=cfg.compute_dtype, rngs=rngs)
+            self.ffn = DenseMLP(cfg.d_model, cfg.d_ff, dtype=cfg.compute_dtype,
+                                exact_tile=cfg.exact_tile, rngs=rngs)
         self.dropout_rate = cfg.dropout_rate
 
     def __call__(self, x_btd, positions, segment_ids, valid, routing, cache, rngs_2):
@@ -270,7 +274,8 @@ class Transformer(nnx.Module):
             self.tail_blocks = nnx.List(trailing)
         else:
             self.blocks = nnx.List(blocks)
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, exact=cfg.batch_invariant,
+                                  rngs=rngs)
 
     def __call__(
         self,
@@ -450,11 +455,16 @@ class Transformer(nnx.Module):
         return (self.embed if self.config.tie_embeddings else self.lm_head)[...]
 
     def _head(self, x_btd):
-        return head_logits(self._head_input(x_btd), self.head_weight())
+        return head_logits(self._head_input(x_btd), self.head_weight(), self.config.exact_tile)
 
 
-def head_logits(hidden_btd, head_vd):
-    """fp32 logits [B, T, V] of the head's input (compute dtype) and weight [V, D]."""
+def head_logits(hidden_btd, head_vd, exact_tile: int | None = None):
+    """fp32 logits [B, T, V] of the head's input (compute dtype) and weight [V, D]; in exact mode
+    (`exact_tile`, ModelConfig.exact_tile) a batch-invariant projection."""
+    if exact_tile is not None:
+        logits = bi.project(hidden_btd, head_vd.astype(hidden_btd.dtype).T, tile=exact_tile,
+                            out_dtype=jnp.float32)
+        return shd.constrain(logits, _LOGITS_BTV)
     logits = jnp.einsum("btd,vd->btv", hidden_btd, head_vd.astype(hidden_btd.dtype),
                         preferred_element_type=jnp.float32)
     return shd.constrain(logits, _LOGITS_BTV)
@@ -638,7 +648,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> t
     entries = attention_cache_entries(cfg)
 
     def layer(i):
-        slots = min(cfg.window, max_len) if cfg.attention_kind(i) == "local" else max_len
+        ring = cfg.attention_kind(i) == "local" and not cfg.batch_invariant
+        slots = min(cfg.window, max_len) if ring else max_len
         return init_layer_cache(batch_size, slots, entries, dtype)
 
     return _cache_layout(cfg, layer)
@@ -660,7 +671,8 @@ def init_paged_cache(cfg: ModelConfig, batch_size: int, max_len: int, num_pages:
                      page_size: int, dtype=None) -> tuple:
     """`init_cache` with the global layers paged: each holds a pool of `num_pages` pages of
     `page_size` positions and a page table [batch_size, ceil(max_len / page_size)] (see
-    attention.init_paged_layer_cache); local layers keep their ring buffers. Scanned layers are
+    attention.init_paged_layer_cache); local layers keep their ring buffers (paged too in exact
+    mode, where keys stay at their positions). Scanned layers are
     stacked per period position as in `init_cache`."""
     for name, value in [("batch_size", batch_size), ("max_len", max_len),
                         ("num_pages", num_pages), ("page_size", page_size)]:
@@ -671,7 +683,7 @@ def init_paged_cache(cfg: ModelConfig, batch_size: int, max_len: int, num_pages:
     max_pages = -(-max_len // page_size)
 
     def layer(i):
-        if cfg.attention_kind(i) == "local":
+        if cfg.attention_kind(i) == "local" and not cfg.batch_invariant:
             return init_layer_cache(batch_size, min(cfg.window, max_len), entries, dtype)
         return init_paged_layer_cache(batch_size, num_pages, page_size, max_pages, entries, dtype)
 

@@ -95,13 +95,18 @@ def pack_rollouts(
     num_rows: int | None = None,
     with_routing: bool = True,
     mask_truncated: bool = True,
+    align_segments: bool = False,
 ) -> LearnerBatch:
     """Pack rollouts (first-fit decreasing) into a numpy `LearnerBatch`.
 
     The number of rows is padded up to a multiple of `micro_batches * row_multiple` (pass the
     data-parallel size as `row_multiple`), or fixed by `num_rows`. Aborted / truncated / fully
     masked rollouts are dropped (see `usable_rollouts`); every kept rollout needs an advantage.
-    With `with_routing`, every kept rollout needs a routing record.
+    With `with_routing`, every kept rollout needs a routing record. `align_segments` (exact mode,
+    `ModelConfig.batch_invariant`): each rollout takes the next power of two of its length (at
+    most seq_len), and decreasing sizes packed first-fit start each one at a multiple of its own
+    power of two, so its keys' sums in the learner's attention follow the same aligned tree as in
+    the engine's cache, where position p sits at index p.
     """
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
@@ -128,7 +133,9 @@ def pack_rollouts(
                 raise ValueError(f"rollout {i} routing [L, ., k]={shape} differs from {routing_shape}")
             routing_shape = shape
 
-    rows = _first_fit_decreasing([r.input_len for r in kept], seq_len)
+    spans = [min(1 << (r.input_len - 1).bit_length(), seq_len) if align_segments else r.input_len
+             for r in kept]
+    rows = _first_fit_decreasing(spans, seq_len)
     step = micro_batches * row_multiple
     padded = -(-len(rows) // step) * step
     if num_rows is not None:
@@ -162,6 +169,8 @@ def pack_rollouts(
         for seg, i in enumerate(members, start=1):
             r = kept[i]
             n, p = r.input_len, r.prompt_len
+            if align_segments and start % spans[i]:
+                raise AssertionError(f"segment at {start} is not aligned to {spans[i]}")
             sl = slice(start, start + n)
             full = np.concatenate([r.prompt_ids, r.response_ids])
             tokens[row, sl] = full[:-1]
@@ -178,7 +187,7 @@ def pack_rollouts(
                 temperature[row, sl] = r.temperature
             if routing is not None:
                 routing[:, row, sl] = r.routing
-            start += n
+            start += spans[i]
 
     m = micro_batches
 

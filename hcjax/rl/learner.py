@@ -40,6 +40,7 @@ from hcjax.rollout.records import (
     support_thresholds,
 )
 from hcjax.sharding import optimizer_state_on_mesh, replicated_scalar
+from pallas_kernels import batch_invariant as bi
 from hcjax.train.step import (
     Objective,
     OptimizerConfig,
@@ -157,37 +158,42 @@ def state_from_disk(like: LearnerState, saved: dict[str, Any]) -> LearnerState:
                            for f in dataclasses.fields(like)})
 
 
-def token_logprobs(logits_btv, targets_bt, temperature_bt, n_kept_bt, replay_top_p: bool):
+def token_logprobs(logits_btv, targets_bt, temperature_bt, n_kept_bt, replay_top_p: bool,
+                   exact: bool = False):
     """log π(target) under the sampler's distribution: temperature, then the replayed support.
 
     Returns (logp [B, T], support_miss [B, T] bool). The target is always kept in the support: if
     learner and sampler rank the logits differently enough that the sampled token falls outside
     the learner's top-n_kept, a -inf log-prob would poison the step, so we keep it and count it.
+    `exact` (exact mode): the normaliser is the batch-invariant one the engine records with
+    (`hcjax.rollout.sampling.exact_logprobs`).
     """
+    logsumexp = bi.logsumexp if exact else jax.nn.logsumexp
     # Divide (not multiply by 1/T) exactly as the sampler does, so ranks and ties match bit for bit.
     logits = logits_btv / temperature_bt[..., None]
     target_logit = jnp.take_along_axis(logits, targets_bt[..., None], axis=-1)[..., 0]
     if not replay_top_p:
-        return target_logit - jax.nn.logsumexp(logits, axis=-1), jnp.zeros(targets_bt.shape, bool)
+        return target_logit - logsumexp(logits, axis=-1), jnp.zeros(targets_bt.shape, bool)
     keep = support_mask_from_record(jax.lax.stop_gradient(logits), n_kept_bt)
     is_target = jnp.arange(logits.shape[-1]) == targets_bt[..., None]
     miss = ~jnp.any(keep & is_target, axis=-1)
     logits = jnp.where(keep | is_target, logits, -jnp.inf)
-    return target_logit - jax.nn.logsumexp(logits, axis=-1), miss
+    return target_logit - logsumexp(logits, axis=-1), miss
 
 
 def _chunk_logprobs(head_vd, hidden_bcd, targets_bc, temperature_bc, n_kept_bc,
-                    replay_top_p: bool):
+                    replay_top_p: bool, exact_tile: int | None = None):
     """`token_logprobs` of one slice of tokens, from the head's input and weight; the kept set
     as thresholds (`support_thresholds`), named so a remat keeps them instead of recounting."""
     # The head gathered over the batch axes, split over the vocabulary only (as the logits are),
     # and the slice's input whole in the width: the product needs no collective.
     head_vd = shd.constrain(head_vd.astype(hidden_bcd.dtype), ("activation_vocab", None))
     hidden_bcd = shd.constrain(hidden_bcd, ("activation_batch", "activation_length", None))
-    logits = head_logits(hidden_bcd, head_vd) / temperature_bc[..., None]
+    logsumexp = jax.nn.logsumexp if exact_tile is None else bi.logsumexp
+    logits = head_logits(hidden_bcd, head_vd, exact_tile) / temperature_bc[..., None]
     target_logit = jnp.take_along_axis(logits, targets_bc[..., None], axis=-1)[..., 0]
     if not replay_top_p:
-        return target_logit - jax.nn.logsumexp(logits, axis=-1), jnp.zeros(targets_bc.shape, bool)
+        return target_logit - logsumexp(logits, axis=-1), jnp.zeros(targets_bc.shape, bool)
     v, cut = support_thresholds(jax.lax.stop_gradient(logits), n_kept_bc)
     v, cut = checkpoint_name(v, "support_v"), checkpoint_name(cut, "support_cut")
     ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
@@ -196,11 +202,11 @@ def _chunk_logprobs(head_vd, hidden_bcd, targets_bc, temperature_bc, n_kept_bc,
     hit = support_mask_from_thresholds(order_keys(jax.lax.stop_gradient(target_logit))[..., None],
                                        targets_bc[..., None], v, cut)[..., 0]
     logits = jnp.where(keep, logits, -jnp.inf)
-    return target_logit - jax.nn.logsumexp(logits, axis=-1), ~hit
+    return target_logit - logsumexp(logits, axis=-1), ~hit
 
 
 def chunked_token_logprobs(hidden_btd, head_vd, targets_bt, temperature_bt, n_kept_bt,
-                           replay_top_p: bool, chunk: int):
+                           replay_top_p: bool, chunk: int, exact_tile: int | None = None):
     """`token_logprobs` from the head's input [B, T, D] and weight [V, D] (`ModelOutput.hidden`,
     `head_weight`), `chunk` tokens of every row at a time: the same values, but no [B, T, V] array.
 
@@ -223,7 +229,7 @@ def chunked_token_logprobs(hidden_btd, head_vd, targets_bt, temperature_bt, n_ke
         return jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)
 
     one = jax.checkpoint(
-        functools.partial(_chunk_logprobs, replay_top_p=replay_top_p),
+        functools.partial(_chunk_logprobs, replay_top_p=replay_top_p, exact_tile=exact_tile),
         policy=jax.checkpoint_policies.save_only_these_names("support_v", "support_cut"))
 
     def body(_, xs):
@@ -237,7 +243,7 @@ def chunked_token_logprobs(hidden_btd, head_vd, targets_bt, temperature_bt, n_ke
 
 
 # Measured on the first micro-batch only, where θ is the sampling policy (see `summarise`).
-_FIRST = ("first_gap_sum", "first_gap_max", "first_tokens")
+_FIRST = ("first_gap_sum", "first_gap_max", "first_tokens", "first_exact")
 _LOSS_FIELDS = ("targets", "loss_mask", "old_logp", "advantages", "n_kept", "temperature")
 
 
@@ -248,6 +254,7 @@ class PolicyObjective(Objective):
     to the forward. loss_state: the clip offset k."""
 
     cfg: LearnerConfig
+    exact_tile: int | None = None  # the model's ModelConfig.exact_tile (exact mode)
 
     def split(self, batch: LearnerBatch):
         inputs = {"tokens": batch.tokens, "positions": batch.positions,
@@ -263,10 +270,10 @@ class PolicyObjective(Objective):
         if out.logits is None:
             logp, miss = chunked_token_logprobs(
                 out.hidden, out.head_weight, d["targets"], d["temperature"], d["n_kept"],
-                self.cfg.replay_top_p, self.cfg.logprob_chunk)
+                self.cfg.replay_top_p, self.cfg.logprob_chunk, self.exact_tile)
         else:
             logp, miss = token_logprobs(out.logits, d["targets"], d["temperature"], d["n_kept"],
-                                        self.cfg.replay_top_p)
+                                        self.cfg.replay_top_p, exact=self.exact_tile is not None)
         policy_loss, metrics = self.cfg.loss.make()(
             logp, d["old_logp"], d["advantages"], d["loss_mask"], k=ctx["k"],
             num_tokens=ctx["num_tokens"], num_sequences=ctx["num_sequences"],
@@ -286,15 +293,20 @@ class PolicyObjective(Objective):
             first_gap_sum=jnp.sum(m * gap),
             first_gap_max=jnp.max(jnp.where(mask, gap, 0.0)),
             first_tokens=jnp.sum(m),
+            first_exact=jnp.sum(jnp.where(mask & (jax.lax.stop_gradient(logp) == d["old_logp"]),
+                                          1.0, 0.0)),
         )
 
     def summarise(self, parts, ctx):
         parts = dict(parts)
-        gap_sum, gap_max, tokens = (parts.pop(name)[0] for name in _FIRST)
+        gap_sum, gap_max, tokens, exact = (parts.pop(name)[0] for name in _FIRST)
         metrics = combine_metrics(parts)
         # Train-inference log-prob gap on the first micro-batch: θ is the sampling policy there.
         metrics["logp_gap_mean"] = gap_sum / jnp.maximum(tokens, 1.0)
         metrics["logp_gap_max"] = gap_max
+        # The share of those tokens whose log-prob equals the sampler's to the bit (1 in exact
+        # mode, ModelConfig.batch_invariant, when the sampler ran the learner's weights).
+        metrics["logp_exact_share"] = exact / jnp.maximum(tokens, 1.0)
         return metrics
 
 
@@ -307,7 +319,7 @@ def make_learner_step(graphdef: nnx.GraphDef, cfg: LearnerConfig, model_config: 
     without building a Learner, whose constructor allocates the parameters.
     """
     train_step = make_train_step(
-        model_forward(graphdef, head=not cfg.logprob_chunk), PolicyObjective(cfg),
+        model_forward(graphdef, head=not cfg.logprob_chunk), PolicyObjective(cfg, model_config.exact_tile),
         make_optimizer(cfg.optimizer()),
         model_cfg=model_config, load_balance_coef=cfg.load_balance_coef,
     )
@@ -359,7 +371,8 @@ class Learner:
         self._state_sharding = jax.tree.map(lambda x: x.sharding, self.state)
         # fn(params, batch, k) -> (loss, grads, metrics) of the parameters given (no update).
         self.loss_and_grad = jax.jit(make_loss_and_grad(
-            model_forward(self.graphdef, head=not cfg.logprob_chunk), PolicyObjective(cfg),
+            model_forward(self.graphdef, head=not cfg.logprob_chunk),
+            PolicyObjective(cfg, model.config.exact_tile),
             model_cfg=model.config,
             load_balance_coef=cfg.load_balance_coef))
         self._step = jax.jit(make_learner_step(self.graphdef, cfg, model.config),
@@ -378,6 +391,7 @@ class Learner:
             rollouts, seq_len=cfg.seq_len, micro_batches=cfg.micro_batches,
             row_multiple=self.data_parallel_size, num_rows=num_rows,
             with_routing=cfg.replay_routing, mask_truncated=cfg.mask_truncated,
+            align_segments=self.model_config.batch_invariant,
         )
 
     def pack_bucketed(self, rollouts: Sequence[Rollout]) -> LearnerBatch | None:
@@ -388,7 +402,8 @@ class Learner:
         if not usable:
             return None
         probe = batch_lib.pack_rollouts(usable, seq_len=cfg.seq_len, with_routing=False,
-                                        mask_truncated=cfg.mask_truncated)
+                                        mask_truncated=cfg.mask_truncated,
+                                        align_segments=self.model_config.batch_invariant)
         step = cfg.micro_batches * self.data_parallel_size
         return self.pack(usable, batch_lib.bucket_rows(max(1, probe.tokens.shape[1]), step))
 

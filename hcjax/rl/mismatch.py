@@ -69,7 +69,7 @@ class MismatchConfig:
                 raise ValueError(f"MismatchConfig.sampler_dtypes has {d!r}: float32 or bfloat16")
 
 
-def _learner_logprobs(graphdef: nnx.GraphDef):
+def _learner_logprobs(graphdef: nnx.GraphDef, exact: bool = False):
     """jit fn(params, micro-batch 0 of a LearnerBatch) -> learner log π [b, T] with replay (the
     routing record forced, the top-p support replayed) and without either: the learner's forward
     (train.step.model_forward) and `token_logprobs`, as PolicyObjective computes them."""
@@ -84,7 +84,7 @@ def _learner_logprobs(graphdef: nnx.GraphDef):
                 else inputs
             logits = forward(params, x, None).logits
             out[replay], _ = token_logprobs(logits, mb["targets"], mb["temperature"], mb["n_kept"],
-                                            replay)
+                                            replay, exact=exact)
         return out
 
     return jax.jit(fn)
@@ -122,7 +122,7 @@ def measure_mismatch(model: Transformer, cfg: MismatchConfig = MismatchConfig(),
     if learner.cfg.seq_len < need - 1:
         raise ValueError(f"learner seq_len={learner.cfg.seq_len} is shorter than a rollout "
                          f"(prompt_len + max_tokens - 1 = {need - 1})")
-    logprobs = _learner_logprobs(learner.graphdef)
+    logprobs = _learner_logprobs(learner.graphdef, mcfg.batch_invariant)
     rng = np.random.default_rng(cfg.seed)
     prompts = rng.integers(1, mcfg.vocab_size, (cfg.prompts, cfg.prompt_len)).tolist()
     # One rollout per packed row, a fixed number of rows: one batch shape, one compile.
@@ -172,6 +172,7 @@ def measure_mismatch(model: Transformer, cfg: MismatchConfig = MismatchConfig(),
                       "steps": cfg.steps, "tokens": int(delta.size),
                       "mean_abs_dlogp": float(np.mean(np.abs(delta))),
                       "max_abs_dlogp": float(np.max(np.abs(delta))),
+                      "exact_share": float(np.mean(delta == 0.0)),
                       "kl": float(np.mean(kl))})
     return table
 
@@ -193,10 +194,11 @@ def check(table: Sequence[dict], bounds: dict | None = None) -> list[str]:
 def format_table(table: Sequence[dict]) -> str:
     """The table as aligned text (one line per row)."""
     head = f"{'family':<12} {'sampler':<9} {'learner':<9} {'replay':<6} {'tokens':>6} " \
-           f"{'mean|dlogp|':>11} {'max|dlogp|':>10} {'KL(s||l)':>9}"
+           f"{'mean|dlogp|':>11} {'max|dlogp|':>10} {'KL(s||l)':>9} {'exact':>6}"
     lines = [head]
     for r in table:
         lines.append(f"{r.get('family', 'model'):<12} {r['sampler_dtype']:<9} "
                      f"{r['learner_dtype']:<9} {str(r['replay']):<6} {r['tokens']:>6} "
-                     f"{r['mean_abs_dlogp']:>11.3g} {r['max_abs_dlogp']:>10.3g} {r['kl']:>9.3g}")
+                     f"{r['mean_abs_dlogp']:>11.3g} {r['max_abs_dlogp']:>10.3g} {r['kl']:>9.3g} "
+                     f"{r['exact_share']:>6.3f}")
     return "\n".join(lines)

@@ -44,7 +44,7 @@ from hcjax.rollout.engine_api import (
 )
 from hcjax.rollout.kv_layout import batch_shards, make_kv_layout
 from hcjax.rollout.request import SamplingOptions
-from hcjax.rollout.sampling import sample, sampling_keys
+from hcjax.rollout.sampling import exact_logprobs, sample, sampling_keys
 
 __all__ = ["Engine", "register_with_jetstream"]
 
@@ -106,6 +106,8 @@ class Engine:
         num_pages: int | None = None,
     ) -> None:
         cfg = getattr(model, "config", None)
+        # Exact mode (ModelConfig.batch_invariant): log-probs recorded as the learner computes them.
+        self._exact = bool(getattr(cfg, "batch_invariant", False))
         if kv_layout not in ("slot", "paged"):
             raise ValueError(f"kv_layout={kv_layout!r} is not 'slot' or 'paged'")
         if kv_layout == "paged" and (cfg is None or init_cache_fn is not None):
@@ -718,6 +720,8 @@ class Engine:
         # the whole batch to the sampler's wider top-p levels.
         temperature = jnp.where(state.active, state.temperature, 0.0)
         drawn = sample(state.logits, keys, temperature, state.top_p)
+        if self._exact:
+            drawn = exact_logprobs(drawn, state.logits, temperature)
         valid = state.active
         # Feed the drawn token at once: its expert ids and the next logits come from this same
         # forward. Idle rows feed a token too (fixed shapes); their cache row is rewritten on

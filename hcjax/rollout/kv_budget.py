@@ -44,7 +44,8 @@ def kv_cache_bytes(cfg: ModelConfig, slots: int, max_len: int, *, kv_layout: str
     positions a slot, a global one max_len (kv_layout="slot"), each with an int32 position; with
     kv_layout="paged" a global layer holds its pool instead, num_pages x page_size positions
     (None: the engine's default, every slot at max_len plus a scratch page per batch shard) and
-    an int32 page table [slots, ceil(max_len / page_size)].
+    an int32 page table [slots, ceil(max_len / page_size)]. In exact mode
+    (`ModelConfig.batch_invariant`) local layers are sized as global ones.
     """
     if kv_layout not in ("slot", "paged"):
         raise ValueError(f"kv_layout={kv_layout!r} is not 'slot' or 'paged'")
@@ -55,7 +56,7 @@ def kv_cache_bytes(cfg: ModelConfig, slots: int, max_len: int, *, kv_layout: str
         num_pages = slots * max_pages + batch_shards
     total = 0
     for layer in range(cfg.num_layers):
-        if cfg.attention_kind(layer) == "local":
+        if cfg.attention_kind(layer) == "local" and not cfg.batch_invariant:
             total += slots * min(cfg.window, max_len) * (position + 4)
         elif kv_layout == "slot":
             total += slots * max_len * (position + 4)
