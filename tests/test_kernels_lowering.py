@@ -102,3 +102,16 @@ def test_paged_decode_lowers(platform, lowering):
 
     module = _lower(decode, q, pool, pool, table, lengths, platform=platform)
     assert ("triton" if platform == "cuda" else "tpu_custom_call") in module
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("platform,lowering", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_invariant_matmul_lowers(platform, lowering, dtype):
+    x = jax.ShapeDtypeStruct((500, 512), dtype)  # 500 rows: padded to 4 row tiles of 128
+    w = jax.ShapeDtypeStruct((512, 256), dtype)
+
+    def matmul(x, w):
+        return pk.invariant_matmul(x, w, impl="pallas", interpret=False, lowering=lowering)
+
+    module = _lower(matmul, x, w, platform=platform)
+    assert ("triton" if platform == "cuda" else "tpu_custom_call") in module
