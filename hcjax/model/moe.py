@@ -34,6 +34,7 @@ from flax import nnx
 from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig
 from hcjax.model.layers import DenseMLP, param
+from pallas_kernels import batch_invariant as bi
 from pallas_kernels.expert_mlp import (
     expert_mlp,
     expert_mlp_impl,
@@ -41,7 +42,6 @@ from pallas_kernels.expert_mlp import (
     gather_rows,
     inverse_permutation,
 )
-from pallas_kernels import batch_invariant as bi
 from pallas_kernels.expert_mlp_capacity import default_capacity
 
 

@@ -40,7 +40,6 @@ from hcjax.rollout.records import (
     support_thresholds,
 )
 from hcjax.sharding import optimizer_state_on_mesh, replicated_scalar
-from pallas_kernels import batch_invariant as bi
 from hcjax.train.step import (
     Objective,
     OptimizerConfig,
@@ -50,6 +49,7 @@ from hcjax.train.step import (
     make_train_step,
     model_forward,
 )
+from pallas_kernels import batch_invariant as bi
 
 __all__ = [
     "Learner",
