@@ -45,6 +45,10 @@ AUTO: dict[str, dict[str, str]] = {
     # `python -m hcjax.bench.moe`), and under a multi-device mesh on CPU the blocked dispatch,
     # which XLA partitions (the capacity form's overflow loop is one device's).
     "expert_mlp": {"cpu": "capacity", "gpu": "pallas", "tpu": "pallas"},
+    # Exact mode's projections (batch_invariant.py): on GPU/TPU the batch-invariant Pallas
+    # matmul (invariant_matmul.py: fixed K chunks in order, whatever the rows); on CPU the same
+    # [tile, K] x [K, N] XLA dot on every row tile, which XLA:CPU computes alike for every tile.
+    "batch_invariant_project": {"cpu": "tiles", "gpu": "pallas", "tpu": "pallas"},
 }
 
 

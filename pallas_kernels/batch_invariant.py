@@ -12,7 +12,11 @@ the two. The forms here fix the order by the operation instead:
 - `project`: a matmul run on fixed tiles of `tile` rows (`jax.lax.map` over [n, tile, K]), so
   every call, whatever its row count, runs the one [tile, K] x [K, N] product the compiler
   chose for that shape. Its backward is the plain one (gradients need no invariance).
-- `rms_norm`, `logsumexp`, `softmax`: their sums are `tree_sum`s; maxima are exact in any order.
+- `rms_norm`, `logsumexp`, `softmax`: their sums are `tree_sum`s, their maxima `tree_max`s
+  (exact in any order, but kept free of reduce operations, see `tree_max`).
+- `product`: a multiply the compiler may not contract into the add that consumes it (`unfused`);
+  every product here that feeds a sum, and the model's elementwise products that feed adds
+  (RoPE, norms before a residual add, the experts' gates), go through it.
 - `attention`: scores as `tree_sum` over the head dimension, one key block at a time; the
   softmax's sum and the weighted sum of values as `tree_sum`s over key index. A query's keys
   must sit at index = position within an aligned power-of-two span (a cache slot p holds
@@ -33,9 +37,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _dispatch
+from pallas_kernels.invariant_matmul import invariant_matmul
 from pallas_kernels.self_attention import gqa_attention
 
 DEFAULT_TILE = 64  # rows per tile of `project`
+PROJECT_IMPLS = ("auto", "tiles", "pallas")
 DEFAULT_KEY_BLOCK = 16  # keys per step of `attention` (a power of two)
 
 
@@ -43,21 +50,59 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
-    """Sum over `axis` as an aligned binary tree: pad to a power of two with zeros, then add
-    entries 2i and 2i+1 until one is left. The order is fixed by the index alone."""
+@jax.custom_jvp
+def unfused(x: jax.Array) -> jax.Array:
+    """x, behind an integer operation the compiler cannot see through, so a multiply producing
+    x and an add consuming it are never contracted into one fused multiply-add. XLA:CPU's code
+    generator contracts them where they meet in one fused loop, and which meet depends on the
+    shapes (measured: the same query's attention scores differed by 1 ulp between 1 and 11
+    queries; with FMA disabled they did not). The operation flips the lowest bit of one NaN
+    pattern only (all exponent and mantissa bits set), which stays a NaN: every value passes
+    unchanged."""
+    utype = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+    bits = jax.lax.bitcast_convert_type(x, utype)
+    ones = jnp.array(jnp.iinfo(utype).max >> 1, utype)  # all bits but the sign
+    flip = ((bits & ones) == ones).astype(utype)
+    return jax.lax.bitcast_convert_type(bits ^ flip, x.dtype)
+
+
+@unfused.defjvp
+def _unfused_jvp(primals, tangents):
+    return unfused(primals[0]), tangents[0]
+
+
+def product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a * b, never contracted into an add that consumes it (`unfused`)."""
+    return unfused(a * b)
+
+
+def _tree(x: jax.Array, axis: int, combine, empty: float) -> jax.Array:
     axis = axis % x.ndim
     x = jnp.moveaxis(x, axis, -1)
     n = x.shape[-1]
     if n == 0:
-        return jnp.zeros(x.shape[:-1], x.dtype)
+        return jnp.full(x.shape[:-1], empty, x.dtype)
     size = _next_pow2(n)
     if size != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)])
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)], constant_values=empty)
     while x.shape[-1] > 1:
         pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
-        x = pairs[..., 0] + pairs[..., 1]
+        x = combine(pairs[..., 0], pairs[..., 1])
     return x[..., 0]
+
+
+def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Sum over `axis` as an aligned binary tree: pad to a power of two with zeros, then add
+    entries 2i and 2i+1 until one is left. The order is fixed by the index alone."""
+    return _tree(x, axis, jnp.add, 0.0)
+
+
+def tree_max(x: jax.Array, axis: int = -1) -> jax.Array:
+    """The maximum over `axis` by the same tree of elementwise maxima. A maximum is exact in any
+    order, but a reduce operation is not safe here: XLA:CPU may hand it to YNNPACK together
+    with the exp that follows it, whose exp then differs from XLA's own (measured: rows of 8
+    or fewer and rows of 33 or more got different bits)."""
+    return _tree(x, axis, jnp.maximum, -jnp.inf)
 
 
 def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -70,7 +115,8 @@ def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def _tiled_rows(fn, x2: jax.Array, tile: int) -> jax.Array:
-    """fn([tile, K]) -> [tile, N] over the rows of x2 [M, K], `tile` rows at a time."""
+    """fn([tile, K]) -> [tile, N] over the rows of x2 [M, K], `tile` rows at a time (one loop
+    body, the same program for every tile; XLA keeps the loop even for one tile)."""
     m = x2.shape[0]
     n = -(-m // tile)
     padded = jnp.pad(x2, ((0, n * tile - m), (0, 0))) if n * tile != m else x2
@@ -83,17 +129,26 @@ def _check_tile(tile: int) -> None:
         raise ValueError(f"tile={tile!r} must be a positive int (rows per batch-invariant tile)")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _project(x2, w2, tile, out_dtype):
-    return _project_fwd(x2, w2, tile, out_dtype)[0]
+def _block(n: int) -> int:
+    """A Pallas block along a weight axis: 128 where it divides, else the whole axis."""
+    return 128 if n % 128 == 0 else n
 
 
-def _project_fwd(x2, w2, tile, out_dtype):
-    y = _tiled_rows(lambda t: jnp.dot(t, w2, preferred_element_type=out_dtype), x2, tile)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _project(x2, w2, tile, out_dtype, impl):
+    return _project_fwd(x2, w2, tile, out_dtype, impl)[0]
+
+
+def _project_fwd(x2, w2, tile, out_dtype, impl):
+    if impl == "pallas":
+        y = invariant_matmul(x2, w2, block_m=tile, block_n=_block(w2.shape[1]),
+                             block_k=_block(w2.shape[0]), out_dtype=out_dtype)
+    else:
+        y = _tiled_rows(lambda t: jnp.dot(t, w2, preferred_element_type=out_dtype), x2, tile)
     return y, (x2, w2)
 
 
-def _project_bwd(tile, out_dtype, res, dy):
+def _project_bwd(tile, out_dtype, impl, res, dy):
     x2, w2 = res
     dy = dy.astype(x2.dtype)
     return (dy @ w2.T).astype(x2.dtype), (x2.T @ dy).astype(w2.dtype)
@@ -103,10 +158,13 @@ _project.defvjp(_project_fwd, _project_bwd)
 
 
 def project(x: jax.Array, w: jax.Array, n_in: int = 1, *, tile: int = DEFAULT_TILE,
-            out_dtype=None) -> jax.Array:
+            out_dtype=None, impl: str = "auto") -> jax.Array:
     """x [..., *in] contracted with w [*in, *out] over w's first `n_in` axes, each token's row
-    computed on a fixed [tile, in] x [in, out] product. out_dtype defaults to x's dtype."""
+    computed on a fixed [tile, in] x [in, out] product: the XLA dot per row tile ("tiles") or
+    the batch-invariant Pallas matmul ("pallas"); "auto" by platform. out_dtype defaults to
+    x's dtype."""
     _check_tile(tile)
+    impl = _dispatch.choose(impl, "batch_invariant_project", PROJECT_IMPLS)
     if not 1 <= n_in <= min(x.ndim, w.ndim) or x.shape[x.ndim - n_in:] != w.shape[:n_in]:
         raise ValueError(f"x.shape={x.shape} does not end with w's first {n_in} axes "
                          f"(w.shape={w.shape})")
@@ -116,7 +174,7 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1, *, tile: int = DEFAULT_TI
     x2 = x.reshape(-1, size_in)
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, *outs), out_dtype)
-    y = _project(x2, w.astype(x.dtype).reshape(size_in, -1), tile, out_dtype)
+    y = _project(x2, w.astype(x.dtype).reshape(size_in, -1), tile, out_dtype, impl)
     return y.reshape(*lead, *outs)
 
 
@@ -175,24 +233,26 @@ def grouped_project(x_ak: jax.Array, w_gkn: jax.Array, layout, *, tile: int) -> 
     return out[dest]
 
 
-def rms_norm(x: jax.Array, eps: float) -> jax.Array:
-    """x / sqrt(mean(x²) + eps) in fp32 over the last axis, the mean a `tree_sum`."""
+def rms_norm(x: jax.Array, eps: float, scale: jax.Array | None = None) -> jax.Array:
+    """x / sqrt(mean(x²) + eps) (times `scale`) in fp32 over the last axis, the mean a
+    `tree_sum`; the result `unfused` (a residual add may consume it)."""
     x32 = x.astype(jnp.float32)
-    mean = tree_sum(jnp.square(x32)) / x32.shape[-1]
-    return x32 * jax.lax.rsqrt(mean + eps)[..., None]
+    mean = tree_sum(product(x32, x32)) / x32.shape[-1]
+    y = x32 * jax.lax.rsqrt(mean + eps)[..., None]
+    return unfused(y if scale is None else y * scale)
 
 
 def logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
     """log Σ exp(x) over `axis`: the maximum (exact in any order) shifted out, the sum a
     `tree_sum`. -inf entries add exact zeros; a row of -inf gives -inf."""
-    top = jnp.max(x, axis=axis, keepdims=True)
+    top = jnp.expand_dims(tree_max(x, axis), axis)
     shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
     total = tree_sum(jnp.exp(x - shift), axis)
     return jnp.log(total) + jnp.squeeze(shift, axis)
 
 
 def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-    top = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    top = jax.lax.stop_gradient(jnp.expand_dims(tree_max(x, axis), axis))
     e = jnp.exp(x - top)
     return e / jnp.expand_dims(tree_sum(e, axis), axis)
 
@@ -214,14 +274,16 @@ def _attention_forward(q, k, v, mask, sinks, scale, block):
     vb = v.astype(jnp.float32).reshape(b, n_blocks, block, hkv, dv).transpose(1, 0, 2, 3, 4)
 
     def scores_of(k_blk):  # [B, block, Hkv, D] -> [B, Hkv, G, T, block]
-        prod = qf[:, :, :, :, None, :] * k_blk.transpose(0, 2, 1, 3)[:, None, :, None, :, :]
+        prod = product(qf[:, :, :, :, None, :],
+                       k_blk.transpose(0, 2, 1, 3)[:, None, :, None, :, :])
         return tree_sum(prod).transpose(0, 2, 3, 1, 4)
 
     scores = jax.lax.map(scores_of, kb)  # [n, B, Hkv, G, T, block]
-    scores = scores.transpose(1, 2, 3, 4, 0, 5).reshape(b, hkv, g, t, n_blocks * block) * scale
+    scores = product(scores.transpose(1, 2, 3, 4, 0, 5).reshape(b, hkv, g, t, n_blocks * block),
+                     jnp.float32(scale))
     visible = mask[:, None, None]
     scores = jnp.where(visible, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1)
+    top = tree_max(scores)
     if sinks is not None:
         sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
         top = jnp.maximum(top, sink)
@@ -234,7 +296,7 @@ def _attention_forward(q, k, v, mask, sinks, scale, block):
 
     def values_of(xs):  # one block's weighted values, summed as the tree's lower levels
         p_blk, v_blk = xs  # [B, Hkv, G, T, block], [B, block, Hkv, Dv]
-        prod = p_blk[..., None] * v_blk.transpose(0, 2, 1, 3)[:, :, None, None, :, :]
+        prod = product(p_blk[..., None], v_blk.transpose(0, 2, 1, 3)[:, :, None, None, :, :])
         return tree_sum(prod, axis=-2)  # [B, Hkv, G, T, Dv]
 
     partial = jax.lax.map(values_of, (pb, vb))  # [n, B, Hkv, G, T, Dv]

@@ -258,9 +258,10 @@ class _Rope:
     def __init__(self, cfg: ModelConfig, dim: int):
         inv_freq, self.scale = rope_frequencies(cfg, dim)
         self.inv_freq = tuple(float(f) for f in inv_freq)
+        self.exact = cfg.batch_invariant
 
     def __call__(self, x_bthd, positions_bt):
-        return rope(x_bthd, positions_bt, self.inv_freq, self.scale)
+        return rope(x_bthd, positions_bt, self.inv_freq, self.scale, exact=self.exact)
 
 
 class Attention(nnx.Module):

@@ -53,7 +53,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         if self.exact:
-            return bi.rms_norm(x, self.eps) * self.scale[...]
+            return bi.rms_norm(x, self.eps, self.scale[...])
         x32 = x.astype(jnp.float32)
         var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         return x32 * jax.lax.rsqrt(var + self.eps) * self.scale[...]
@@ -116,22 +116,24 @@ def rope_frequencies(cfg, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq, 1.0
 
 
-def rope(x_bthd, positions_bt, inv_freq, scale: float = 1.0):
+def rope(x_bthd, positions_bt, inv_freq, scale: float = 1.0, exact: bool = False):
     """Rotary position embedding on the last axis (pairs of halves), computed in fp32.
 
     `inv_freq` is [D/2] (a theta for the plain form, or the table of `rope_frequencies`); `scale`
-    multiplies cos and sin (YaRN's attention factor).
+    multiplies cos and sin (YaRN's attention factor). `exact` (exact mode): no product is
+    contracted into the add or sine that consumes it (`batch_invariant.unfused`).
     """
+    mul = bi.product if exact else jnp.multiply
     d = x_bthd.shape[-1]
     if isinstance(inv_freq, int | float):
         inv_freq = rope_frequencies_plain(inv_freq, d)
     freqs = jnp.asarray(inv_freq, jnp.float32)
-    angles = positions_bt.astype(jnp.float32)[..., None] * freqs  # [B,T,D/2]
+    angles = mul(positions_bt.astype(jnp.float32)[..., None], freqs)  # [B,T,D/2]
     sin = (jnp.sin(angles) * scale)[:, :, None, :]
     cos = (jnp.cos(angles) * scale)[:, :, None, :]
     x = x_bthd.astype(jnp.float32)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = jnp.concatenate([mul(x1, cos) - mul(x2, sin), mul(x2, cos) + mul(x1, sin)], axis=-1)
     return out.astype(x_bthd.dtype)
 
 

@@ -350,7 +350,8 @@ def exact_expert_mlp(x_nr, w, expert_nk, gates_nk, act, tile: int):
     if "b_out" in w:
         y = y + w["b_out"][expert_a]
     y_nkr = y.reshape(n, k, -1).astype(jnp.float32)
-    return bi.ordered_sum(gates_nk.astype(jnp.float32)[..., None] * y_nkr, axis=1).astype(
+    return bi.ordered_sum(bi.product(gates_nk.astype(jnp.float32)[..., None], y_nkr),
+                          axis=1).astype(
         x_nr.dtype)
 
 

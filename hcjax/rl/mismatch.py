@@ -15,6 +15,7 @@ fixtures and by `python -m hcjax.climb --check_mismatch` on any checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -24,13 +25,15 @@ from flax import nnx
 
 from hcjax.model import Transformer
 from hcjax.rl.advantages import assign_advantages
+from hcjax.rl.batch import pack_rollouts
 from hcjax.rl.learner import Learner, LearnerConfig, token_logprobs
 from hcjax.rollout import Engine, generate
 from hcjax.rollout.request import SamplingOptions
 from hcjax.sharding import MeshConfig, make_mesh
 from hcjax.train.step import model_forward
 
-__all__ = ["BOUNDS", "MismatchConfig", "check", "format_table", "measure_mismatch"]
+__all__ = ["BOUNDS", "MismatchConfig", "check", "format_table", "logprob_gaps",
+           "measure_mismatch"]
 
 # The gate on the fp32 sampler with replay (engine and learner both fp32, routing and top-p
 # replayed): only the cached decode's and the full forward's different summation orders remain.
@@ -69,6 +72,7 @@ class MismatchConfig:
                 raise ValueError(f"MismatchConfig.sampler_dtypes has {d!r}: float32 or bfloat16")
 
 
+@functools.cache
 def _learner_logprobs(graphdef: nnx.GraphDef, exact: bool = False):
     """jit fn(params, micro-batch 0 of a LearnerBatch) -> learner log π [b, T] with replay (the
     routing record forced, the top-p support replayed) and without either: the learner's forward
@@ -88,6 +92,25 @@ def _learner_logprobs(graphdef: nnx.GraphDef, exact: bool = False):
         return out
 
     return jax.jit(fn)
+
+
+def logprob_gaps(model: Transformer, rollouts: Sequence) -> np.ndarray:
+    """Δ = log π_learner − log π_samp for every loss token of `rollouts` sampled from `model`'s
+    weights as they are: the learner's forward and `token_logprobs` with routing and top-p
+    replay, over the rollouts packed as the learner packs them (aligned in exact mode, one
+    micro-batch). No training. In exact mode (ModelConfig.batch_invariant) every Δ is 0."""
+    graphdef, params = nnx.split(model)
+    mcfg = model.config
+    rollouts = [dataclasses.replace(r, advantage=0.0 if r.advantage is None else r.advantage)
+                for r in rollouts]
+    seq_len = max(r.input_len for r in rollouts)
+    batch = pack_rollouts(rollouts, seq_len=seq_len, with_routing=mcfg.num_moe_layers > 0,
+                          mask_truncated=False, align_segments=mcfg.batch_invariant)
+    mb = {f.name: None if getattr(batch, f.name) is None else jnp.asarray(getattr(batch, f.name)[0])
+          for f in dataclasses.fields(batch) if f.name not in ("num_tokens", "num_sequences")}
+    logp = _learner_logprobs(graphdef, mcfg.batch_invariant)(params, mb)[True]
+    mask = np.asarray(batch.loss_mask[0])
+    return np.asarray(logp, np.float64)[mask] - np.asarray(batch.old_logp[0], np.float64)[mask]
 
 
 def _reward(rollout) -> float:
