@@ -121,8 +121,11 @@ def test_attention_matches_gqa_attention_with_and_without_sinks(window):
         np.testing.assert_allclose(got, gqa_attention(q, k, v, mask, sinks_h=s), rtol=1e-5,
                                    atol=1e-6)
     # The backward is gqa_attention's.
-    grads = [jax.grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, mask))), argnums=(0, 1, 2))(
-        q, k, v) for f in (bi.attention, gqa_attention)]
+    def grads(form):
+        return jax.grad(lambda q, k, v: jnp.sum(jnp.sin(form(q, k, v, mask))),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    grads = [grads(bi.attention), grads(gqa_attention)]
     for a, b in zip(*grads):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
