@@ -54,8 +54,9 @@ IMPLEMENTATION_FIELDS = (
 )
 
 # Recorded with the model but free to differ on reading: the compute dtype (parameters are fp32
-# masters whatever it is), so e.g. a bf16 climb starts from a base trained in fp32.
-COMPUTE_FIELDS = ("dtype",)
+# masters whatever it is), so e.g. a bf16 climb starts from a base trained in fp32, and exact
+# mode (same weights, another summation order), so an exact climb starts from a default base.
+COMPUTE_FIELDS = ("dtype", "batch_invariant", "invariant_tile")
 
 
 def model_identity(model_cfg: ModelConfig) -> dict[str, Any]:

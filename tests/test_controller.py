@@ -108,7 +108,7 @@ class StubLearner:
         self.batches = []
         self.server = server
 
-    def train(self, rollouts):
+    def train(self, rollouts, policy_version=None):
         self.batches.append(list(rollouts))
         return {"loss": 0.0, "n": float(len(rollouts))}
 

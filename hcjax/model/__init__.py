@@ -15,6 +15,7 @@ from hcjax.model.transformer import (
     param_shardings,
     shard_state,
     update_correction_bias,
+    with_batch_invariant,
     with_compute_dtype,
 )
 from hcjax.model.weight_noise import add_weight_noise
@@ -35,5 +36,6 @@ __all__ = [
     "param_shardings",
     "shard_state",
     "update_correction_bias",
+    "with_batch_invariant",
     "with_compute_dtype",
 ]

@@ -735,9 +735,20 @@ def with_compute_dtype(model: Transformer, dtype: str) -> Transformer:
     """`model`'s parameters (the same arrays, not copied) in a model computing in `dtype`
     (ModelConfig.dtype: activations and matmuls; parameters stay as they are, fp32 masters), e.g.
     a bf16 sampler over an fp32 learner's weights. `model` itself when it computes in `dtype`."""
-    if dtype == model.config.dtype:
+    return _reconfigured(model, dtype=dtype)
+
+
+def with_batch_invariant(model: Transformer, on: bool = True) -> Transformer:
+    """`model`'s parameters (not copied) in a model with ModelConfig.batch_invariant=`on`
+    (exact mode); `model` itself when it already is."""
+    return _reconfigured(model, batch_invariant=on)
+
+
+def _reconfigured(model: Transformer, **changes) -> Transformer:
+    cfg = dataclasses.replace(model.config, **changes)
+    if cfg == model.config:
         return model
-    graphdef, _ = abstract_model(dataclasses.replace(model.config, dtype=dtype))
+    graphdef, _ = abstract_model(cfg)
     return nnx.merge(graphdef, nnx.state(model))
 
 

@@ -43,6 +43,9 @@ class LearnerBatch:
     routing: np.ndarray | jax.Array | None  # int32 [M, L, b, T, k] or None
     num_tokens: np.ndarray | jax.Array  # float32 scalar: loss tokens in the whole batch
     num_sequences: np.ndarray | jax.Array  # float32 scalar: sequences with >= 1 loss token
+    # bool: the target was sampled by the weights the learner holds (`fresh_version`); None =
+    # every target (the exact-equality share of the log-probs is measured over these).
+    fresh: np.ndarray | jax.Array | None = None
 
     @property
     def micro_batches(self) -> int:
@@ -96,6 +99,7 @@ def pack_rollouts(
     with_routing: bool = True,
     mask_truncated: bool = True,
     align_segments: bool = False,
+    fresh_version: int | None = None,
 ) -> LearnerBatch:
     """Pack rollouts (first-fit decreasing) into a numpy `LearnerBatch`.
 
@@ -106,7 +110,8 @@ def pack_rollouts(
     `ModelConfig.batch_invariant`): each rollout takes the next power of two of its length (at
     most seq_len), and decreasing sizes packed first-fit start each one at a multiple of its own
     power of two, so its keys' sums in the learner's attention follow the same aligned tree as in
-    the engine's cache, where position p sits at index p.
+    the engine's cache, where position p sits at index p. `fresh_version`: the policy version of
+    the learner's weights; `fresh` marks the targets sampled by it (None: `fresh` is None).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
@@ -158,6 +163,7 @@ def pack_rollouts(
     advantages = np.zeros((n_rows, t), np.float32)
     n_kept = np.zeros((n_rows, t), np.int32)
     temperature = np.ones((n_rows, t), np.float32)
+    fresh = None if fresh_version is None else np.zeros((n_rows, t), bool)
     routing = None
     if with_routing:
         num_layers, k = routing_shape
@@ -182,6 +188,8 @@ def pack_rollouts(
             loss_mask[row, resp] = r.loss_mask
             old_logp[row, resp] = np.where(r.loss_mask, r.logprobs, 0.0)
             n_kept[row, resp] = r.n_kept
+            if fresh is not None:
+                fresh[row, resp] = r.versions == fresh_version
             advantages[row, sl] = r.advantage
             if r.temperature > 0:
                 temperature[row, sl] = r.temperature
@@ -204,7 +212,7 @@ def pack_rollouts(
         tokens=split(tokens), positions=split(positions), segment_ids=split(segment_ids),
         targets=split(targets), loss_mask=split(loss_mask), old_logp=split(old_logp),
         advantages=split(advantages), n_kept=split(n_kept), temperature=split(temperature),
-        routing=routing,
+        routing=routing, fresh=None if fresh is None else split(fresh),
         num_tokens=np.float32(loss_mask.sum()),
         num_sequences=np.float32(sum(len(members) for members in rows)),
     )

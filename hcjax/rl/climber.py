@@ -28,7 +28,7 @@ from hcjax.data.tokenizer import ByteTokenizer, load_tokenizer
 from hcjax.display import ClimbDisplay, resolve_format
 from hcjax.finite import check_finite
 from hcjax.metrics import MetricsWriter
-from hcjax.model import ModelConfig, with_compute_dtype
+from hcjax.model import ModelConfig, with_batch_invariant, with_compute_dtype
 from hcjax.model.config import DTYPES
 from hcjax.model_io import hf_source_meta, load_hf_model, load_model
 from hcjax.profiling import StepTracer
@@ -343,6 +343,9 @@ class Climb:
         learner_mesh = self.placement.learner_mesh
         if hf_checkpoint is not None:
             model, model_cfg = load_hf_model(hf_checkpoint, learner_mesh)
+            # Exact mode is the one ModelConfig switch an HF model takes from gin.
+            model = with_batch_invariant(model, settings.model.batch_invariant)
+            model_cfg = model.config
             ckpt_meta = hf_source_meta(hf_checkpoint, self.output_dir)
             if self.tok.vocab_size > model_cfg.vocab_size:
                 raise ValueError(f"the tokenizer of {hf_checkpoint!r} has {self.tok.vocab_size} "
@@ -685,6 +688,7 @@ class Climb:
             "accepted_groups_consumed": self.controller.accepted_consumed,
             "buffered_groups": len(self.controller.buffer),
             "logp_gap_mean": mean_metric(metrics, "logp_gap_mean"),
+            "logp_exact_share": mean_metric(metrics, "logp_exact_share"),
             "entropy_within_25pct": entropy_within(metrics, target),
             "entropy_within_25pct_smoothed_10": entropy_within(metrics, target, smooth=10),
             "worker_stats": self.stats.as_dict(),

@@ -83,7 +83,8 @@ class Learner(Protocol):
     cannot use it leaves out), returning host metrics. hcjax.rl.learner.Learner implements it,
     and hcjax.rl.multihost.DistributedLearner for a learner over several processes."""
 
-    def train(self, rollouts: Sequence[Rollout]) -> Mapping[str, float]: ...
+    def train(self, rollouts: Sequence[Rollout], policy_version: int | None = None
+              ) -> Mapping[str, float]: ...
 
 
 class TaskSource(Protocol):
@@ -153,6 +154,9 @@ class Controller:
         self.stats = stats or worker.stats
         self.step = 0
         self.version = 0
+        # The version the learner's current weights were published as; None after a step
+        # that published nothing (the learner is ahead of every served version).
+        self.learner_version: int | None = 0
         self.buffer: collections.deque[GroupResult] = collections.deque()
         self.accepted_total = 0  # groups accepted into the buffer, ever
         self.accepted_consumed = 0  # of those, trained on or dropped as stale (FIFO prefix)
@@ -185,6 +189,7 @@ class Controller:
         (read back from the rollout store), which go back into the buffer in order."""
         self.step = int(state["step"])
         self.version = int(state["version"])
+        self.learner_version = None  # until the restored weights are published
         self.accepted_consumed = int(state["accepted_consumed"])
         self.accepted_total = self.accepted_consumed + len(pending)
         self._tasks_issued = int(state.get("tasks_issued", 0))
@@ -234,15 +239,17 @@ class Controller:
             self.counters["empty_batches"] += 1
             return False
         t0 = time.perf_counter()
-        metrics = dict(self.learner.train(rollouts))
+        metrics = dict(self.learner.train(rollouts, policy_version=self.learner_version))
         t1 = time.perf_counter()
         self.learner_seconds += t1 - t0
         self.steps_timed += 1
         metrics["learner_step_s"] = t1 - t0
         self.step += 1
+        self.learner_version = None  # stepped: weights no version has served yet
         if self.step % self.cfg.push_every == 0:
             self.version += 1
             self.publish(self.version)
+            self.learner_version = self.version
             blocked = time.perf_counter() - t1
             self.publish_seconds += blocked
             self.pushes += 1
@@ -256,6 +263,7 @@ class Controller:
         learner by up to `push_every - 1` steps); returns that version."""
         self.version += 1
         self.publish(self.version)
+        self.learner_version = self.version
         return self.version
 
     def run(self, num_steps: int, stop: threading.Event | None = None) -> None:

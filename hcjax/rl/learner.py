@@ -243,8 +243,9 @@ def chunked_token_logprobs(hidden_btd, head_vd, targets_bt, temperature_bt, n_ke
 
 
 # Measured on the first micro-batch only, where θ is the sampling policy (see `summarise`).
-_FIRST = ("first_gap_sum", "first_gap_max", "first_tokens", "first_exact")
-_LOSS_FIELDS = ("targets", "loss_mask", "old_logp", "advantages", "n_kept", "temperature")
+_FIRST = ("first_gap_sum", "first_gap_max", "first_tokens", "first_exact", "first_fresh")
+_LOSS_FIELDS = ("targets", "loss_mask", "old_logp", "advantages", "n_kept", "temperature",
+                "fresh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +281,7 @@ class PolicyObjective(Objective):
             segment_ids=inputs["segment_ids"],
         )
         mask = d["loss_mask"]
+        fresh = mask if d["fresh"] is None else mask & d["fresh"]
         m = mask.astype(jnp.float32)
         gap = jnp.abs(jax.lax.stop_gradient(logp) - d["old_logp"])
         if self.cfg.router_bias_rate > 0 and out.moe_stats:
@@ -293,20 +295,24 @@ class PolicyObjective(Objective):
             first_gap_sum=jnp.sum(m * gap),
             first_gap_max=jnp.max(jnp.where(mask, gap, 0.0)),
             first_tokens=jnp.sum(m),
-            first_exact=jnp.sum(jnp.where(mask & (jax.lax.stop_gradient(logp) == d["old_logp"]),
+            first_exact=jnp.sum(jnp.where(fresh & (jax.lax.stop_gradient(logp) == d["old_logp"]),
                                           1.0, 0.0)),
+            first_fresh=jnp.sum(jnp.where(fresh, 1.0, 0.0)),
         )
 
     def summarise(self, parts, ctx):
         parts = dict(parts)
-        gap_sum, gap_max, tokens, exact = (parts.pop(name)[0] for name in _FIRST)
+        gap_sum, gap_max, tokens, exact, fresh = (parts.pop(name)[0] for name in _FIRST)
         metrics = combine_metrics(parts)
         # Train-inference log-prob gap on the first micro-batch: θ is the sampling policy there.
         metrics["logp_gap_mean"] = gap_sum / jnp.maximum(tokens, 1.0)
         metrics["logp_gap_max"] = gap_max
-        # The share of those tokens whose log-prob equals the sampler's to the bit (1 in exact
-        # mode, ModelConfig.batch_invariant, when the sampler ran the learner's weights).
-        metrics["logp_exact_share"] = exact / jnp.maximum(tokens, 1.0)
+        # Of those tokens, the ones the learner's own weights sampled (`fresh`, all when the
+        # batch does not say), and their share whose log-prob equals the sampler's to the bit
+        # (1 in exact mode, ModelConfig.batch_invariant).
+        metrics["fresh_token_share"] = fresh / jnp.maximum(tokens, 1.0)
+        metrics["logp_exact_share"] = jnp.where(fresh > 0, exact / jnp.maximum(fresh, 1.0),
+                                                jnp.nan)
         return metrics
 
 
@@ -383,18 +389,21 @@ class Learner:
         return int(np.prod([self.mesh.shape[a] for a in batch_lib.BATCH_AXES
                             if a in self.mesh.axis_names]))
 
-    def pack(self, rollouts: Sequence[Rollout], num_rows: int | None = None) -> LearnerBatch:
+    def pack(self, rollouts: Sequence[Rollout], num_rows: int | None = None,
+             policy_version: int | None = None) -> LearnerBatch:
         """Pack rollouts into a host (numpy) batch laid out for this learner: rows padded to a
-        multiple of the micro-batch x data-parallel step, or `num_rows`."""
+        multiple of the micro-batch x data-parallel step, or `num_rows`. `policy_version`: the
+        version the learner's weights were served as (`LearnerBatch.fresh`)."""
         cfg = self.cfg
         return batch_lib.pack_rollouts(
             rollouts, seq_len=cfg.seq_len, micro_batches=cfg.micro_batches,
             row_multiple=self.data_parallel_size, num_rows=num_rows,
             with_routing=cfg.replay_routing, mask_truncated=cfg.mask_truncated,
-            align_segments=self.model_config.batch_invariant,
+            align_segments=self.model_config.batch_invariant, fresh_version=policy_version,
         )
 
-    def pack_bucketed(self, rollouts: Sequence[Rollout]) -> LearnerBatch | None:
+    def pack_bucketed(self, rollouts: Sequence[Rollout], policy_version: int | None = None
+                      ) -> LearnerBatch | None:
         """`pack` with the rows padded by `batch.bucket_rows`, so only a handful of batch shapes
         is ever compiled; None when no rollout is usable (`batch.usable_rollouts`)."""
         cfg = self.cfg
@@ -405,7 +414,8 @@ class Learner:
                                         mask_truncated=cfg.mask_truncated,
                                         align_segments=self.model_config.batch_invariant)
         step = cfg.micro_batches * self.data_parallel_size
-        return self.pack(usable, batch_lib.bucket_rows(max(1, probe.tokens.shape[1]), step))
+        return self.pack(usable, batch_lib.bucket_rows(max(1, probe.tokens.shape[1]), step),
+                         policy_version)
 
     def make_batch(self, rollouts: Sequence[Rollout], num_rows: int | None = None) -> LearnerBatch:
         """`pack`, placed on this learner's mesh."""
@@ -421,10 +431,12 @@ class Learner:
         self.state, metrics = self._step(self.state, batch)
         return {name: float(v) for name, v in jax.device_get(metrics).items()}
 
-    def train(self, rollouts: Sequence[Rollout]) -> Mapping[str, float]:
+    def train(self, rollouts: Sequence[Rollout], policy_version: int | None = None
+              ) -> Mapping[str, float]:
         """The controller's step: `pack_bucketed`, then `step`; {"skipped": 1.0} when no
-        rollout is usable."""
-        batch = self.pack_bucketed(rollouts)
+        rollout is usable. `policy_version`: the version this learner's weights were served as,
+        if they were (None: unknown)."""
+        batch = self.pack_bucketed(rollouts, policy_version)
         if batch is None:
             return {"skipped": 1.0}
         return {**self.step(batch), "rows": float(batch.rows),

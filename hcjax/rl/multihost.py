@@ -266,10 +266,11 @@ class DistributedLearner:
         """Pack rollouts into a host (numpy) batch for this learner's mesh; `step` places it."""
         return self.learner.pack(rollouts, num_rows)
 
-    def train(self, rollouts: Sequence[Rollout]) -> Mapping[str, float]:
+    def train(self, rollouts: Sequence[Rollout], policy_version: int | None = None
+              ) -> Mapping[str, float]:
         """Leader: the controller's step, as `Learner.train` (bucketed rows), run by every
         process; {"skipped": 1.0} when no rollout is usable."""
-        batch = self.learner.pack_bucketed(rollouts)
+        batch = self.learner.pack_bucketed(rollouts, policy_version)
         if batch is None:
             return {"skipped": 1.0}
         return {**self.step(batch), "rows": float(batch.rows),

@@ -298,6 +298,8 @@ def step_record(report, entropy_target: float, stats, counters, step_seconds: fl
         "k": m.get("k", float("nan")),
         "logp_gap_mean": m.get("logp_gap_mean", float("nan")),
         "logp_gap_max": m.get("logp_gap_max", float("nan")),
+        "logp_exact_share": m.get("logp_exact_share", float("nan")),
+        "fresh_token_share": m.get("fresh_token_share", float("nan")),
         "loss": m.get("loss", float("nan")),
         "grad_norm": m.get("grad_norm", float("nan")),
         "staleness_mean": float(np.mean(report.staleness)) if report.staleness else 0.0,

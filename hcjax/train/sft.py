@@ -158,7 +158,10 @@ def pretrain_base(output_dir: str, progress: bool = False) -> str:
     OUTPUT_DIR/base, resuming a previous run there, for a job that starts from it (the climb's
     default); no evaluation. progress: its step bar with the ETA. Returns the base's folder."""
     base_dir = os.path.join(output_dir, "base")
-    run_sft(base_dir, progress=progress, eval_problems=0)
+    # Exact mode changes arithmetic, not weights: the base is pre-trained in the default mode,
+    # so a climb in exact mode starts from the same base as a default one.
+    cfg = dataclasses.replace(ModelConfig(), batch_invariant=False)
+    run_sft(base_dir, model_cfg=cfg, progress=progress, eval_problems=0)
     return base_dir
 
 
