@@ -60,8 +60,9 @@ def _prompts(vocab: int, lengths, shared: int = 0, seed: int = 0) -> list[list[i
     return [head + rng.integers(1, vocab, n - shared).tolist() for n in lengths]
 
 
-# Continuous batching: 5 prompts x 2 samples on 3 slots, prompts of 3 to 17 tokens.
-LENGTHS = (3, 17, 9, 12, 5)
+# Continuous batching: 5 prompts x 2 samples on 3 slots, prompts of 9 to 16 tokens (one
+# prefill bucket: one compile).
+LENGTHS = (9, 16, 11, 14, 10)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -78,6 +78,11 @@ class ControllerConfig:
         return 1 if self.mode == "on_policy" else self.sync_every
 
 
+# `Learner.train`'s policy_version when the learner's weights have not been served (it stepped
+# since the last push): no rollout token was sampled by them.
+UNSERVED = -1
+
+
 class Learner(Protocol):
     """What the controller needs from a learner: one gradient step on graded rollouts (those it
     cannot use it leaves out), returning host metrics. hcjax.rl.learner.Learner implements it,
@@ -239,7 +244,8 @@ class Controller:
             self.counters["empty_batches"] += 1
             return False
         t0 = time.perf_counter()
-        metrics = dict(self.learner.train(rollouts, policy_version=self.learner_version))
+        served = UNSERVED if self.learner_version is None else self.learner_version
+        metrics = dict(self.learner.train(rollouts, policy_version=served))
         t1 = time.perf_counter()
         self.learner_seconds += t1 - t0
         self.steps_timed += 1

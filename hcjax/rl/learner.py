@@ -434,8 +434,8 @@ class Learner:
     def train(self, rollouts: Sequence[Rollout], policy_version: int | None = None
               ) -> Mapping[str, float]:
         """The controller's step: `pack_bucketed`, then `step`; {"skipped": 1.0} when no
-        rollout is usable. `policy_version`: the version this learner's weights were served as,
-        if they were (None: unknown)."""
+        rollout is usable. `policy_version`: the version this learner's weights were served as
+        (`controller.UNSERVED`, -1: not served; None: every token counts as sampled by them)."""
         batch = self.pack_bucketed(rollouts, policy_version)
         if batch is None:
             return {"skipped": 1.0}

@@ -73,17 +73,19 @@ class MismatchConfig:
 
 
 @functools.cache
-def _learner_logprobs(graphdef: nnx.GraphDef, exact: bool = False):
+def _learner_logprobs(graphdef: nnx.GraphDef, exact: bool = False,
+                      replays: tuple[bool, ...] = (True, False)):
     """jit fn(params, micro-batch 0 of a LearnerBatch) -> learner log π [b, T] with replay (the
-    routing record forced, the top-p support replayed) and without either: the learner's forward
-    (train.step.model_forward) and `token_logprobs`, as PolicyObjective computes them."""
+    routing record forced, the top-p support replayed) and without either (`replays`): the
+    learner's forward (train.step.model_forward) and `token_logprobs`, as PolicyObjective
+    computes them."""
     forward = model_forward(graphdef)
 
     def fn(params, mb):
         inputs = {"tokens": mb["tokens"], "positions": mb["positions"],
                   "segment_ids": mb["segment_ids"]}
         out = {}
-        for replay in (True, False):
+        for replay in replays:
             x = dict(inputs, routing=mb["routing"]) if replay and mb["routing"] is not None \
                 else inputs
             logits = forward(params, x, None).logits
@@ -108,7 +110,7 @@ def logprob_gaps(model: Transformer, rollouts: Sequence) -> np.ndarray:
                           mask_truncated=False, align_segments=mcfg.batch_invariant)
     mb = {f.name: None if getattr(batch, f.name) is None else jnp.asarray(getattr(batch, f.name)[0])
           for f in dataclasses.fields(batch) if f.name not in ("num_tokens", "num_sequences")}
-    logp = _learner_logprobs(graphdef, mcfg.batch_invariant)(params, mb)[True]
+    logp = _learner_logprobs(graphdef, mcfg.batch_invariant, (True,))(params, mb)[True]
     mask = np.asarray(batch.loss_mask[0])
     return np.asarray(logp, np.float64)[mask] - np.asarray(batch.old_logp[0], np.float64)[mask]
 
