@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from hcjax import sharding as shd
+from pallas_kernels import _dispatch
 from pallas_kernels import batch_invariant as bi
 from pallas_kernels.projection import project as pallas_project
 from pallas_kernels.swiglu import swiglu as pallas_swiglu
@@ -34,11 +35,23 @@ def param(rngs: nnx.Rngs, shape, axes, *, std: float | None = None, value: float
 
 def project(x, w, n_in: int = 1, *, tile: int | None = None, out_dtype=None):
     """x contracted with w over w's first `n_in` axes: the kernel package's projection, or in
-    exact mode (`tile`, ModelConfig.exact_tile) its batch-invariant form."""
+    exact mode (`tile`, ModelConfig.exact_tile) its batch-invariant form. Where that form is the
+    Pallas kernel (GPU, TPU) under a mesh, it runs on each device's rows (`shard_map` over the
+    activation batch axes, the weight whole): XLA cannot partition a Pallas call."""
     if tile is None:
         y = pallas_project(x, w, n_in)
         return y if out_dtype is None else y.astype(out_dtype)
-    return bi.project(x, w, n_in, tile=tile, out_dtype=out_dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    impl = _dispatch.choose("auto", "batch_invariant_project", bi.PROJECT_IMPLS)
+    if impl != "pallas" or mesh.empty or not mesh.auto_axes or mesh.size == 1 or x.ndim < 2:
+        return bi.project(x, w, n_in, tile=tile, out_dtype=out_dtype)
+    batch = shd.activation_spec(x.shape[:1], ("activation_batch",), mesh)[0]
+    P = jax.sharding.PartitionSpec
+    rows = P(batch, *([None] * (x.ndim - n_in - 1 + w.ndim - n_in)))
+    return jax.shard_map(
+        lambda x, w: bi.project(x, w, n_in, tile=tile, out_dtype=out_dtype), mesh=mesh,
+        in_specs=(P(batch, *([None] * (x.ndim - 1))), P()), out_specs=rows,
+        check_vma=False)(x, w)
 
 
 class RMSNorm(nnx.Module):

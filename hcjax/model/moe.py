@@ -33,7 +33,7 @@ from flax import nnx
 
 from hcjax import sharding as shd
 from hcjax.model.config import ModelConfig
-from hcjax.model.layers import DenseMLP, param
+from hcjax.model.layers import DenseMLP, param, project
 from pallas_kernels import batch_invariant as bi
 from pallas_kernels.expert_mlp import (
     expert_mlp,
@@ -329,7 +329,7 @@ def _expert_parallel(mode, mesh, x_nr, w, expert_nk, gates_nk, act, impl: str, c
 
 def _matmul(x, w, tile: int | None):
     """x @ w, or its batch-invariant form in exact mode (`tile`)."""
-    return x @ w if tile is None else bi.project(x, w, tile=tile)
+    return x @ w if tile is None else project(x, w, tile=tile)
 
 
 def exact_expert_mlp(x_nr, w, expert_nk, gates_nk, act, tile: int):

@@ -38,9 +38,8 @@ from hcjax.model.attention import (
     make_attention,
 )
 from hcjax.model.config import FULL_REMAT, ModelConfig
-from hcjax.model.layers import DenseMLP, RMSNorm, dropout, param
+from hcjax.model.layers import DenseMLP, RMSNorm, dropout, param, project
 from hcjax.model.moe import MoE, correction_bias_step, load_balance_loss_from_stats
-from pallas_kernels import batch_invariant as bi
 
 
 @struct.dataclass
@@ -462,8 +461,8 @@ def head_logits(hidden_btd, head_vd, exact_tile: int | None = None):
     """fp32 logits [B, T, V] of the head's input (compute dtype) and weight [V, D]; in exact mode
     (`exact_tile`, ModelConfig.exact_tile) a batch-invariant projection."""
     if exact_tile is not None:
-        logits = bi.project(hidden_btd, head_vd.astype(hidden_btd.dtype).T, tile=exact_tile,
-                            out_dtype=jnp.float32)
+        logits = project(hidden_btd, head_vd.astype(hidden_btd.dtype).T, tile=exact_tile,
+                         out_dtype=jnp.float32)
         return shd.constrain(logits, _LOGITS_BTV)
     logits = jnp.einsum("btd,vd->btv", hidden_btd, head_vd.astype(hidden_btd.dtype),
                         preferred_element_type=jnp.float32)
