@@ -24,8 +24,8 @@ from tests.hf_fixtures import FAMILIES, fixture, golden
 from tests.rollout_fixtures import tiny_model
 
 pytestmark = pytest.mark.usefixtures("sort_only_sampler")
-SAMPLED = SamplingOptions(max_tokens=8, temperature=0.9, top_p=0.8, seed=7)
-GREEDY = SamplingOptions(max_tokens=8, temperature=0.0)
+SAMPLED = SamplingOptions(max_tokens=6, temperature=0.9, top_p=0.8, seed=7)
+GREEDY = SamplingOptions(max_tokens=6, temperature=0.0)
 
 
 def _exact(model: Transformer, dtype: str, exact: bool = True) -> Transformer:
@@ -46,10 +46,10 @@ def _tiny() -> Transformer:
 
 
 def _gaps(model, engine, prompts) -> np.ndarray:
-    """Δ over every sampled token of `prompts` x 2, sampled then greedy, through `engine`."""
+    """Δ over every token of `prompts` sampled twice, then once greedily, through `engine`."""
     records = []
-    for options in (SAMPLED, GREEDY):
-        records += generate(None, prompts, options, n=2, engine=engine)
+    for options, n in ((SAMPLED, 2), (GREEDY, 1)):
+        records += generate(None, prompts, options, n=n, engine=engine)
     assert any(r.n_kept is not None and (np.asarray(r.n_kept) > 1).any() for r in records)
     return logprob_gaps(model, records)
 
@@ -60,29 +60,29 @@ def _prompts(vocab: int, lengths, shared: int = 0, seed: int = 0) -> list[list[i
     return [head + rng.integers(1, vocab, n - shared).tolist() for n in lengths]
 
 
-# Continuous batching: 5 prompts x 2 samples on 3 slots, prompts of 9 to 16 tokens (one
+# Continuous batching: 4 prompts x 2 samples on 3 slots, prompts of 9 to 16 tokens (one
 # prefill bucket: one compile).
-LENGTHS = (9, 16, 11, 14, 10)
+LENGTHS = (9, 16, 11, 14)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layout", ["slot", "paged"])
+@pytest.mark.parametrize("dtype,layout", [("float32", "slot"), ("bfloat16", "paged")])
 def test_tiny_models_learner_logprobs_equal_the_engines_bit_for_bit(dtype, layout):
-    """The slot engine serves the climb's tiny model and reuses prefixes (prompts sharing a
-    16-token head: the first ones prefill it, later ones take it from the cache); the paged one
-    serves TINY_TEST_CONFIG, whose local layers see 8 keys (prompts and responses run well past
-    them: the default mode's ring buffer would wrap; exact mode keeps every key at its
-    position), and prefills every prompt whole."""
+    """fp32 on the slot layout: the climb's tiny model, reusing prefixes (prompts sharing a
+    16-token head: the first ones prefill it, later ones take it from the cache). bf16 on the
+    paged layout: TINY_TEST_CONFIG, whose local layers see 8 keys (prompts and responses run
+    well past them: the default mode's ring buffer would wrap; exact mode keeps every key at its
+    position), every prompt prefilled whole. (Each family below runs both dtypes, one layout
+    each.)"""
     reuse = layout == "slot"
     model = _exact(_tiny() if reuse else tiny_model(1), dtype)
     engine = Engine(model, max_concurrent_decodes=3, max_prefill_length=24, max_target_length=40,
                     kv_layout=layout, page_size=8, prefix_cache_blocks=8 if reuse else 0,
                     prefix_block_size=8)
-    lengths = (20, 23, 18, 21, 17) if reuse else LENGTHS
+    lengths = (20, 23, 18, 21) if reuse else LENGTHS
     gaps = _gaps(model, engine, _prompts(model.config.vocab_size, lengths, 16 if reuse else 0))
     if reuse:
         assert engine.prefill_stats()["reused_tokens"] > 0
-    assert gaps.size > 100 and np.max(np.abs(gaps)) == 0.0
+    assert gaps.size > 50 and np.max(np.abs(gaps)) == 0.0
 
 
 def test_default_mode_is_close_but_not_bit_equal():
@@ -127,5 +127,5 @@ def test_family_learner_logprobs_equal_the_engines_in_fp32_and_bf16(family):
         engine = Engine(model, max_concurrent_decodes=2, max_prefill_length=12,
                         max_target_length=24, kv_layout=layout, page_size=8)
         gaps = _gaps(model, engine, prompts)
-        assert gaps.size > 60 and np.max(np.abs(gaps)) == 0.0, (family, dtype, layout)
+        assert gaps.size > 40 and np.max(np.abs(gaps)) == 0.0, (family, dtype, layout)
     jax.clear_caches()
