@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hcjax.rollout.engine_api import next_pow2
 from hcjax.rollout.records import Rollout
 
 __all__ = ["BATCH_AXES", "LearnerBatch", "bucket_rows", "pack_rollouts", "to_device", "usable_rollouts"]
@@ -138,7 +139,7 @@ def pack_rollouts(
                 raise ValueError(f"rollout {i} routing [L, ., k]={shape} differs from {routing_shape}")
             routing_shape = shape
 
-    spans = [min(1 << (r.input_len - 1).bit_length(), seq_len) if align_segments else r.input_len
+    spans = [min(next_pow2(r.input_len), seq_len) if align_segments else r.input_len
              for r in kept]
     rows = _first_fit_decreasing(spans, seq_len)
     step = micro_batches * row_multiple
