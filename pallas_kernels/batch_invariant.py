@@ -43,7 +43,7 @@ from pallas_kernels.self_attention import gqa_attention
 
 DEFAULT_TILE = 64  # rows per tile of `project`
 PROJECT_IMPLS = ("auto", "tiles", "pallas")
-DEFAULT_KEY_BLOCK = 16  # keys per step of `attention` (a power of two)
+PRODUCT_CHUNK = 8  # entries `product_sum` adds left to right before its tree
 
 
 def _next_pow2(n: int) -> int:
@@ -78,22 +78,25 @@ def product(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _tree(x: jax.Array, axis: int, combine, empty: float) -> jax.Array:
     axis = axis % x.ndim
-    x = jnp.moveaxis(x, axis, -1)
-    n = x.shape[-1]
+    n = x.shape[axis]
     if n == 0:
-        return jnp.full(x.shape[:-1], empty, x.dtype)
+        return jnp.full(x.shape[:axis] + x.shape[axis + 1:], empty, x.dtype)
     size = _next_pow2(n)
     if size != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - n)], constant_values=empty)
-    while x.shape[-1] > 1:
-        pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
-        x = combine(pairs[..., 0], pairs[..., 1])
-    return x[..., 0]
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, size - n)
+        x = jnp.pad(x, pad, constant_values=empty)
+    while x.shape[axis] > 1:
+        half = x.shape[axis] // 2
+        x = combine(jax.lax.slice_in_dim(x, 0, half, axis=axis),
+                    jax.lax.slice_in_dim(x, half, 2 * half, axis=axis))
+    return jnp.squeeze(x, axis)
 
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
-    """Sum over `axis` as an aligned binary tree: pad to a power of two with zeros, then add
-    entries 2i and 2i+1 until one is left. The order is fixed by the index alone."""
+    """Sum over `axis` as a binary tree fixed by the index alone: pad to a power of two with
+    zeros, then add the upper half onto the lower half, entry by entry, until one is left
+    (contiguous halves: no strided reads, no transposes)."""
     return _tree(x, axis, jnp.add, 0.0)
 
 
@@ -103,6 +106,39 @@ def tree_max(x: jax.Array, axis: int = -1) -> jax.Array:
     with the exp that follows it, whose exp then differs from XLA's own (measured: rows of 8
     or fewer and rows of 33 or more got different bits)."""
     return _tree(x, axis, jnp.maximum, -jnp.inf)
+
+
+def product_sum(a: jax.Array, b: jax.Array, axis: int = -1, chunk: int = PRODUCT_CHUNK
+                ) -> jax.Array:
+    """Σ a·b over `axis` (a and b broadcast against each other, the same rank): the products
+    `unfused`, added left to right within chunks of `chunk` entries, the chunks' sums a
+    `tree_sum`. Each product is read once, so the compiler keeps the chunk in one loop instead
+    of storing every product. The order is fixed by the index: entries past the last non-zero,
+    or zeros around an aligned span (as in `tree_sum`), add exact zeros."""
+    axis = axis % a.ndim
+    n = max(a.shape[axis], b.shape[axis])
+    if n == 0:
+        shape = jnp.broadcast_shapes(a.shape, b.shape)
+        return jnp.zeros(shape[:axis] + shape[axis + 1:], jnp.result_type(a, b))
+    chunk = min(chunk, _next_pow2(n))
+    size = chunk * _next_pow2(-(-n // chunk))
+
+    def split(x):  # pad the axis to `size`, then [.., size / chunk, chunk, ..]
+        if x.shape[axis] == 1:
+            return jnp.expand_dims(x, axis + 1)
+        if x.shape[axis] != size:
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, size - x.shape[axis])
+            x = jnp.pad(x, pad)
+        return x.reshape(*x.shape[:axis], size // chunk, chunk, *x.shape[axis + 1:])
+
+    a, b = split(a), split(b)
+    total = None
+    for j in range(chunk):
+        term = product(jax.lax.index_in_dim(a, min(j, a.shape[axis + 1] - 1), axis + 1, False),
+                       jax.lax.index_in_dim(b, min(j, b.shape[axis + 1] - 1), axis + 1, False))
+        total = term if total is None else total + term
+    return tree_sum(total, axis)
 
 
 def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -178,23 +214,28 @@ def project(x: jax.Array, w: jax.Array, n_in: int = 1, *, tile: int = DEFAULT_TI
     return y.reshape(*lead, *outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _grouped_tiles(buffer, w, tile_group, group_sizes, tile):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_tiles(buffer, w, tile_group, tile):
     tiles = buffer.reshape(-1, tile, buffer.shape[-1])
     out = jax.lax.map(lambda a: jnp.dot(a[0], w[a[1]], preferred_element_type=buffer.dtype),
                       (tiles, tile_group))
     return out.reshape(buffer.shape[0], w.shape[-1])
 
 
-def _grouped_tiles_fwd(buffer, w, tile_group, group_sizes, tile):
-    return _grouped_tiles(buffer, w, tile_group, group_sizes, tile), (buffer, w, group_sizes)
+def _grouped_tiles_fwd(buffer, w, tile_group, tile):
+    return _grouped_tiles(buffer, w, tile_group, tile), (buffer, w, tile_group)
 
 
 def _grouped_tiles_bwd(tile, res, dy):
-    buffer, w, group_sizes = res
-    _, vjp = jax.vjp(lambda b, w: jax.lax.ragged_dot(b, w, group_sizes), buffer, w)
-    db, dw = vjp(dy.astype(buffer.dtype))
-    return db, dw, None, None
+    """Per tile (each one group's rows): d buffer = dy @ w[g]ᵀ, d w[g] += tileᵀ @ dy. The work
+    is the forward's; a ragged dot's backward on CPU runs every group over every row."""
+    buffer, w, tile_group = res
+    tiles = buffer.reshape(-1, tile, buffer.shape[-1])
+    dy = dy.astype(buffer.dtype).reshape(tiles.shape[0], tile, w.shape[-1])
+    db = jnp.einsum("tmn,tkn->tmk", dy, w[tile_group]).reshape(buffer.shape)
+    dw = jax.ops.segment_sum(jnp.einsum("tmk,tmn->tkn", tiles, dy), tile_group,
+                             num_segments=w.shape[0])
+    return db, dw.astype(w.dtype), None
 
 
 _grouped_tiles.defvjp(_grouped_tiles_fwd, _grouped_tiles_bwd)
@@ -203,9 +244,8 @@ _grouped_tiles.defvjp(_grouped_tiles_fwd, _grouped_tiles_bwd)
 def grouped_layout(group_a: jax.Array, num_groups: int, tile: int):
     """Where each of A rows goes in a buffer of whole tiles, each tile one group's: rows sorted
     by group (in row order within one), every group padded to a multiple of `tile`. Returns
-    (dest [A] row index in the buffer, tile_group [n_tiles], group_sizes [G] rows of each group
-    in the buffer, the last group also holding the unused tail), n_tiles = ceil(A / tile) + G
-    (static)."""
+    (dest [A] row index in the buffer, tile_group [n_tiles] the group of each tile; the unused
+    tail's tiles count as the last group's), n_tiles = ceil(A / tile) + G (static)."""
     _check_tile(tile)
     a = group_a.shape[0]
     n_tiles = -(-a // tile) + num_groups
@@ -218,18 +258,17 @@ def grouped_layout(group_a: jax.Array, num_groups: int, tile: int):
     ends = jnp.cumsum(padded)
     tile_group = jnp.minimum(
         jnp.searchsorted(ends, jnp.arange(n_tiles) * tile, side="right"), num_groups - 1)
-    sizes = padded.at[num_groups - 1].add(n_tiles * tile - ends[-1])
-    return dest, tile_group.astype(jnp.int32), sizes.astype(jnp.int32)
+    return dest, tile_group.astype(jnp.int32)
 
 
 def grouped_project(x_ak: jax.Array, w_gkn: jax.Array, layout, *, tile: int) -> jax.Array:
     """Row a of x [A, K] times its group's weight w[g] [K, N] -> [A, N], each row on a fixed
     [tile, K] x [K, N] product of its group's tile (`grouped_layout`'s layout). The backward
-    is `jax.lax.ragged_dot`'s."""
-    dest, tile_group, sizes = layout
+    runs on the same tiles."""
+    dest, tile_group = layout
     n_rows = tile_group.shape[0] * tile
     buffer = jnp.zeros((n_rows, x_ak.shape[1]), x_ak.dtype).at[dest].set(x_ak)
-    out = _grouped_tiles(buffer, w_gkn.astype(x_ak.dtype), tile_group, sizes, tile)
+    out = _grouped_tiles(buffer, w_gkn.astype(x_ak.dtype), tile_group, tile)
     return out[dest]
 
 
@@ -257,71 +296,83 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     return e / jnp.expand_dims(tree_sum(e, axis), axis)
 
 
-def _attention_forward(q, k, v, mask, sinks, scale, block):
+def _query_block(b: int, t: int, hq: int, s: int, causal: bool) -> int:
+    """Queries per chunk of `attention`. Chunks never change a query's bits (its sums run over
+    keys only); they bound the scores held at once (about 2**22 of them) and, when causal,
+    let each chunk stop at its last query's keys. At most 16 chunks (one program each)."""
+    per_query = max(1, b * hq * s)
+    rows = max(1, (1 << 22) // per_query)
+    if causal:
+        rows = min(rows, max(16, -(-t // 4)))
+    return max(rows, -(-t // 16))
+
+
+def _attention_forward(q, k, v, mask, sinks, scale, causal):
     """q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, T, S] -> [B, T, Hq, Dv]."""
     b, t, hq, d = q.shape
     s, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
-    n_blocks = -(-s // block)
-    pad = n_blocks * block - s
-    if pad:
-        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
-    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d)
-    # Key blocks lead: [n, B, block, Hkv, D].
-    kb = k.astype(jnp.float32).reshape(b, n_blocks, block, hkv, d).transpose(1, 0, 2, 3, 4)
-    vb = v.astype(jnp.float32).reshape(b, n_blocks, block, hkv, dv).transpose(1, 0, 2, 3, 4)
-
-    def scores_of(k_blk):  # [B, block, Hkv, D] -> [B, Hkv, G, T, block]
-        prod = product(qf[:, :, :, :, None, :],
-                       k_blk.transpose(0, 2, 1, 3)[:, None, :, None, :, :])
-        return tree_sum(prod).transpose(0, 2, 3, 1, 4)
-
-    scores = jax.lax.map(scores_of, kb)  # [n, B, Hkv, G, T, block]
-    scores = product(scores.transpose(1, 2, 3, 4, 0, 5).reshape(b, hkv, g, t, n_blocks * block),
-                     jnp.float32(scale))
-    visible = mask[:, None, None]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    top = tree_max(scores)
-    if sinks is not None:
-        sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
-        top = jnp.maximum(top, sink)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    p = jnp.where(visible, jnp.exp(scores - top[..., None]), 0.0)
-    total = tree_sum(p)
-    if sinks is not None:
-        total = total + jnp.exp(sink - top)
-    pb = p.reshape(b, hkv, g, t, n_blocks, block).transpose(4, 0, 1, 2, 3, 5)
-
-    def values_of(xs):  # one block's weighted values, summed as the tree's lower levels
-        p_blk, v_blk = xs  # [B, Hkv, G, T, block], [B, block, Hkv, Dv]
-        prod = product(p_blk[..., None], v_blk.transpose(0, 2, 1, 3)[:, :, None, None, :, :])
-        return tree_sum(prod, axis=-2)  # [B, Hkv, G, T, Dv]
-
-    partial = jax.lax.map(values_of, (pb, vb))  # [n, B, Hkv, G, T, Dv]
-    out = tree_sum(partial, axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    if causal:  # no key past the query's index (what lets a chunk stop at its last query)
+        mask = mask & (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])[None]
+    # `unfused` pins q, k and v to their own dtype's bits: XLA may otherwise keep a bf16
+    # producer's fp32 value when it fuses it into the fp32 arithmetic below (excess precision),
+    # and whether it fuses depends on the program.
+    q, k, v = unfused(q), unfused(k), unfused(v)
+    qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B,Hkv,G,T,D]
+    kf = k.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None, None]  # [B,Hkv,1,1,S,D]
+    vf = v.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None, None]  # [B,Hkv,1,1,S,Dv]
+    rows = _query_block(b, t, hq, s, causal)
+    outs = []
+    for lo in range(0, t, rows):
+        hi = min(t, lo + rows)
+        # Causal: keys past the chunk's last query are masked, so they add exact zeros; the
+        # tree over the first `keys` (padded to a power of two) has the full axis's bits.
+        keys = min(s, hi) if causal else s
+        scores = product_sum(qf[:, :, :, lo:hi, None, :], kf[..., :keys, :])
+        scores = product(scores, jnp.float32(scale))  # [B, Hkv, G, rows, keys]
+        visible = mask[:, None, None, lo:hi, :keys]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        top = tree_max(scores)
+        if sinks is not None:
+            sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
+            top = jnp.maximum(top, sink)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        p = jnp.where(visible, jnp.exp(scores - top[..., None]), 0.0)
+        total = tree_sum(p)
+        if sinks is not None:
+            total = total + jnp.exp(sink - top)
+        weighted = product_sum(p[..., None], vf[..., :keys, :], axis=-2)
+        outs.append(weighted / jnp.where(total > 0, total, 1.0)[..., None])
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)  # [B,Hkv,G,T,Dv]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, dv).astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, mask, sinks, scale, block):
-    return _attention_forward(q, k, v, mask, sinks, scale, block)
+def _dense_grad(q, k, v, sinks, mask, *, scale):
+    """The backward form `attention` uses when the caller names none: `gqa_attention`."""
+    return gqa_attention(q, k, v, mask, scale=scale, sinks_h=sinks)
 
 
-def _attention_fwd(q, k, v, mask, sinks, scale, block):
-    return _attention_forward(q, k, v, mask, sinks, scale, block), (q, k, v, mask, sinks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(q, k, v, mask, sinks, grad_args, scale, causal, grad_form):
+    return _attention_forward(q, k, v, mask, sinks, scale, causal)
 
 
-def _attention_bwd(scale, block, res, dout):
-    q, k, v, mask, sinks = res
+def _attention_fwd(q, k, v, mask, sinks, grad_args, scale, causal, grad_form):
+    out = _attention_forward(q, k, v, mask, sinks, scale, causal)
+    return out, (q, k, v, mask, sinks, grad_args)
+
+
+def _attention_bwd(scale, causal, grad_form, res, dout):
+    q, k, v, mask, sinks, grad_args = res
+    no_grads = tuple(None for _ in grad_args)
+    if grad_form is None:
+        grad_form, grad_args = functools.partial(_dense_grad, scale=scale), (mask,)
     if sinks is None:
-        _, vjp = jax.vjp(lambda q, k, v: gqa_attention(q, k, v, mask, scale=scale), q, k, v)
-        return (*vjp(dout), None, None)
-    _, vjp = jax.vjp(lambda q, k, v, s: gqa_attention(q, k, v, mask, scale=scale, sinks_h=s),
-                     q, k, v, sinks)
+        _, vjp = jax.vjp(lambda q, k, v: grad_form(q, k, v, None, *grad_args), q, k, v)
+        return (*vjp(dout), None, None, no_grads)
+    _, vjp = jax.vjp(lambda q, k, v, s: grad_form(q, k, v, s, *grad_args), q, k, v, sinks)
     dq, dk, dv, ds = vjp(dout)
-    return dq, dk, dv, None, ds
+    return dq, dk, dv, None, ds, no_grads
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -329,13 +380,19 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask_bts: jax.Array, *,
               scale: float | None = None, sinks_h: jax.Array | None = None,
-              block: int = DEFAULT_KEY_BLOCK) -> jax.Array:
+              causal: bool = False, grad_form=None, grad_args: tuple = ()) -> jax.Array:
     """Batch-invariant softmax attention (`gqa_attention`'s contract): q [B, T, Hq, D],
     k [B, S, Hkv, D], v [B, S, Hkv, Dv], mask [B, T, S] bool; fp32 arithmetic, out in v's dtype.
-    Keys must lie at index = position (see the module docstring)."""
-    if block < 1 or block & (block - 1):
-        raise ValueError(f"block={block} must be a power of two (keys per attention step)")
+    Keys must lie at index = position (see the module docstring). `causal`: query t sees
+    no key past index t (a training row; the mask is cut there), so chunks of queries skip the
+    keys after them. The backward is `grad_form(q, k, v, sinks, *grad_args)`'s (any form with
+    the same value, e.g. the blocked attention over positions and segment ids; gradients need
+    no invariance), by default `gqa_attention`'s over the mask."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} are not a multiple of KV heads {k.shape[2]}")
+    if causal and k.shape[1] != q.shape[1]:
+        raise ValueError(f"causal=True needs as many keys as queries (got {k.shape[1]} keys "
+                         f"for {q.shape[1]} queries)")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _attention(q, k, v, mask_bts, sinks_h, float(scale), int(block))
+    return _attention(q, k, v, mask_bts, sinks_h, tuple(grad_args), float(scale), bool(causal),
+                      grad_form)

@@ -82,8 +82,9 @@ def test_bad_tile_and_shapes_are_named():
     with pytest.raises(ValueError, match="impl='nope'"):
         bi.project(x, w, impl="nope")
     q = jnp.ones((1, 2, 3, 4))
-    with pytest.raises(ValueError, match="block=12"):
-        bi.attention(q, q, q, jnp.ones((1, 2, 2), bool), block=12)
+    with pytest.raises(ValueError, match="3 keys for 2 queries"):
+        bi.attention(q, jnp.ones((1, 3, 3, 4)), jnp.ones((1, 3, 3, 4)),
+                     jnp.ones((1, 2, 3), bool), causal=True)
 
 
 def test_norm_logsumexp_and_softmax_rows_keep_their_bits():
@@ -117,7 +118,7 @@ def test_attention_matches_gqa_attention_with_and_without_sinks(window):
     mask = attention_mask(pos, pos, None, None, window)
     sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
     for s in (None, sinks):
-        got = bi.attention(q, k, v, mask, sinks_h=s, block=4)
+        got = bi.attention(q, k, v, mask, sinks_h=s)
         np.testing.assert_allclose(got, gqa_attention(q, k, v, mask, sinks_h=s), rtol=1e-5,
                                    atol=1e-6)
     # The backward is gqa_attention's.
@@ -145,7 +146,7 @@ def test_a_query_gets_the_same_bits_in_a_cache_and_in_a_packed_row(dtype):
         v = jnp.zeros((1, slots, hkv, d), dtype).at[:, :n].set(v_seq)
         k_pos = jnp.where(jnp.arange(slots) < n, jnp.arange(slots), -1)[None]
         mask = attention_mask(jnp.asarray([[n - 1]]), k_pos, None, None, None)
-        outs.append(bi.attention(q, k, v, mask, block=4))
+        outs.append(bi.attention(q, k, v, mask))
     # Packed row of 32: a 16-token segment at 0, ours at 16..26, padding after.
     other_q, other_k, other_v = (x.astype(dtype) for x in _attention_inputs(rng, 1, 16, 16))
     row_q = jnp.zeros((1, 32, hq, d), dtype).at[:, :16].set(other_q).at[:, 16:27].set(q_all)
@@ -154,7 +155,7 @@ def test_a_query_gets_the_same_bits_in_a_cache_and_in_a_packed_row(dtype):
     seg = jnp.asarray([[1] * 16 + [2] * 11 + [0] * 5])
     pos = jnp.asarray([list(range(16)) + list(range(11)) + [-1] * 5])
     mask = attention_mask(pos, pos, seg, seg, None)
-    outs.append(bi.attention(row_q, row_k, row_v, mask, block=4)[:, 26:27])
+    outs.append(bi.attention(row_q, row_k, row_v, mask)[:, 26:27])
     bits = {np.asarray(o.astype(jnp.float32)).tobytes() for o in outs}
     assert len(bits) == 1
     want = gqa_attention(q_all, k_seq, v_seq, attention_mask(
@@ -180,11 +181,13 @@ def test_grouped_project_rows_keep_their_bits_and_match_a_per_row_product():
     assert np.array_equal(run(x[3:4], groups[3:4])[0], got[3])
     assert np.array_equal(run(x[:9], groups[:9])[3], got[3])
 
-    def loss(w_):
+    def loss(x_, w_):
         layout = bi.grouped_layout(jnp.asarray(groups), 5, 4)
-        return jnp.sum(jnp.sin(bi.grouped_project(jnp.asarray(x), w_, layout, tile=4)))
+        return jnp.sum(jnp.sin(bi.grouped_project(x_, w_, layout, tile=4)))
 
-    dw = jax.grad(loss)(w)
-    ref = jax.grad(lambda w_: jnp.sum(jnp.sin(jnp.einsum("ak,akn->an", jnp.asarray(x),
-                                                         w_[groups]))))(w)
-    np.testing.assert_allclose(dw, ref, rtol=1e-4, atol=1e-5)
+    # The backward runs on the forward's tiles: both gradients against the per-row product's.
+    grads = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x), w)
+    ref = jax.grad(lambda x_, w_: jnp.sum(jnp.sin(jnp.einsum("ak,akn->an", x_, w_[groups]))),
+                   argnums=(0, 1))(jnp.asarray(x), w)
+    for got_grad, want_grad in zip(grads, ref):
+        np.testing.assert_allclose(got_grad, want_grad, rtol=1e-4, atol=1e-5)

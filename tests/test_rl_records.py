@@ -8,6 +8,7 @@ import pytest
 from hcjax.rollout.records import (
     Rollout,
     order_keys,
+    support_mask_at_threshold,
     support_mask_from_record,
 )
 from hcjax.rollout.sampling import sample, sampling_keys
@@ -50,6 +51,22 @@ def test_support_mask_equals_the_sort_rank_on_real_valued_rows(seed):
     for i in range(40):
         np.testing.assert_array_equal(got[i], _reference_mask(x[i] + 0.0, n[i]), err_msg=f"row {i}")
         np.testing.assert_array_equal(jitted[i], got[i], err_msg=f"row {i}, jitted")
+
+
+def test_support_mask_at_the_recorded_threshold_equals_the_counted_one():
+    # Exact mode rebuilds the kept set from the threshold the sampler recorded (the n-th largest
+    # value) instead of counting for it: the same set, ties at the threshold included.
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, size=(64, 23)).astype(np.float32)  # many ties
+    x[:8] = rng.standard_normal((8, 23)).astype(np.float32)  # and rows without
+    n = rng.integers(1, 24, size=(64,))
+    nth = -np.sort(-x, axis=-1)[np.arange(64), n - 1]
+    at = jax.jit(support_mask_at_threshold)
+    np.testing.assert_array_equal(at(x, n, nth), support_mask_from_record(x, n))
+    for i in range(64):
+        np.testing.assert_array_equal(np.asarray(at(x, n, nth))[i], _reference_mask(x[i], n[i]))
+    # n_kept 0 (no record) keeps every entry, as support_mask_from_record does.
+    assert np.asarray(at(x[:2], np.zeros(2, np.int32), nth[:2])).all()
 
 
 @pytest.mark.parametrize("jit", [False, True])

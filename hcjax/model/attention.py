@@ -20,6 +20,7 @@ key positions are implied and no `pos` is kept.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -335,7 +336,10 @@ class Attention(nnx.Module):
         if cache is None and exact:
             mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt,
                                   self.window)
-            out = bi.attention(q, k, v, mask, sinks_h=sinks)
+            grad = functools.partial(_attend_self_grad, window=self.window,
+                                     impl=self.attention_impl)
+            out = bi.attention(q, k, v, mask, sinks_h=sinks, causal=True, grad_form=grad,
+                               grad_args=(positions_bt, segment_ids_bt))
         elif cache is None:
             out = self._attend_self(q, k, v, positions_bt, segment_ids_bt, sinks)
         elif is_paged(cache) and self.use_kernel and q.shape[1] == 1:
@@ -372,6 +376,13 @@ class Attention(nnx.Module):
     def _attend_self(self, q, k, v, positions_bt, segment_ids_bt, sinks):
         return attend_self(q, k, v, positions_bt, segment_ids_bt, window=self.window,
                            sinks_h=sinks, impl=self.attention_impl)
+
+
+def _attend_self_grad(q, k, v, sinks_h, positions_bt, segment_ids_bt, *, window, impl):
+    """Exact mode's backward form of the training forward's attention: `attend_self`, the
+    default mode's (blocked, or the flash kernel); the forward's bits are not its concern."""
+    return attend_self(q, k, v, positions_bt, segment_ids_bt, window=window, impl=impl,
+                       sinks_h=sinks_h)
 
 
 def attend_self(q, k, v, positions_bt, segment_ids_bt, *, window: int | None,
@@ -513,19 +524,19 @@ class MLAttention(nnx.Module):
         k_pe = self.rope(kv_a[..., None, self.kv_rank :], positions_bt)[:, :, 0]  # [B, T, P]
         wkv_b = self.wkv_b[...].astype(dt)
 
-        def attend(c_bsr, k_pe_bsp, mask):
+        def attend(c_bsr, k_pe_bsp, mask, causal=False):
             kv = project(c_bsr.astype(dt), wkv_b, tile=tile)
             k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
             k_pe_h = jnp.broadcast_to(k_pe_bsp.astype(dt)[:, :, None],
                                       (*k_nope.shape[:3], self.rope_dim))
             return bi.attention(q, jnp.concatenate([k_nope, k_pe_h], -1), v, mask,
-                                scale=self.scale)
+                                scale=self.scale, causal=causal)
 
         new_cache = None
         if cache is None:
             mask = attention_mask(positions_bt, positions_bt, segment_ids_bt, segment_ids_bt,
                                   self.window)
-            out = attend(c, k_pe, mask)
+            out = attend(c, k_pe, mask, causal=True)
         else:
             def attend_cached(keys, k_pos):
                 mask = attention_mask(positions_bt, k_pos, None, None, self.window)

@@ -41,6 +41,7 @@ __all__ = [
     "rollout_arrays",
     "rollout_from_parts",
     "rollout_scalars",
+    "support_mask_at_threshold",
     "support_mask_from_record",
     "support_mask_from_thresholds",
     "support_thresholds",
@@ -369,6 +370,29 @@ def support_thresholds(logits_v: jax.Array, n_kept: jax.Array) -> tuple[jax.Arra
     keep_all = jnp.full_like(slots, (1 << bits) - 1)
     cut = jax.lax.cond(jnp.any(n_tied > slots), cut_ids, lambda: keep_all)
     return v, cut
+
+
+def support_mask_at_threshold(logits_v: jax.Array, n_kept: jax.Array,
+                              threshold: jax.Array) -> jax.Array:
+    """`support_mask_from_record(logits_v, n_kept)` when the n_kept-th largest value is known:
+    `threshold` [...] is it (the sampler records it, `SampleOutput.threshold_logit`). Then no
+    counting passes find it: entries above it are kept, and of those tied with it the lowest ids
+    fill the slots left (a running count of the ties, only when some row has more ties than
+    slots). Same result as `support_mask_from_record` whenever `threshold` is that value."""
+    logits_v = jnp.asarray(logits_v)
+    vocab = logits_v.shape[-1]
+    n_kept = jnp.asarray(n_kept, jnp.int32)[..., None]
+    keys = order_keys(logits_v)
+    v = order_keys(jnp.asarray(threshold))[..., None]
+    above, tied = keys > v, keys == v
+    slots = jnp.minimum(n_kept, vocab) - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+
+    def lowest_ties():
+        return above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= slots))
+
+    too_many = jnp.any(jnp.sum(tied, axis=-1, keepdims=True, dtype=jnp.int32) > slots)
+    mask = jax.lax.cond(too_many, lowest_ties, lambda: above | tied)
+    return mask | (n_kept <= 0)
 
 
 def support_mask_from_thresholds(keys_v: jax.Array, ids_v: jax.Array, v: jax.Array,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from hcjax.rollout.gumbel import BLOCK_STREAM, gumbel_at, gumbel_range
-from hcjax.rollout.records import order_keys, support_mask_from_record
+from hcjax.rollout.records import order_keys, support_mask_at_threshold
 from pallas_kernels import backend
 from pallas_kernels import batch_invariant as bi
 
@@ -694,14 +694,15 @@ def exact_logprobs(drawn: SampleOutput, logits_bv: jax.Array, temperature: jax.A
                    ) -> SampleOutput:
     """`drawn` with its log-probs recomputed as the learner computes them in exact mode
     (`hcjax.rl.learner.token_logprobs(..., exact=True)`): the temperature-scaled logits (1 for
-    greedy rows), the recorded support kept (`support_mask_from_record`), and the normaliser a
+    greedy rows), the recorded support kept (`support_mask_at_threshold`: the learner's
+    `support_mask_from_record` from the threshold the draw recorded), and the normaliser a
     batch-invariant log-sum-exp. A greedy row keeps one token and gets 0, as before."""
     logits = logits_bv.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)
     scaled = logits / jnp.where(temperature <= 0.0, 1.0, temperature)[:, None]
     ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
     chosen = ids == drawn.tokens[:, None]
-    keep = support_mask_from_record(scaled, drawn.n_kept) | chosen
+    keep = support_mask_at_threshold(scaled, drawn.n_kept, drawn.threshold_logit) | chosen
     kept = jnp.where(keep, scaled, -jnp.inf)
     logprob = _at(scaled, drawn.tokens) - bi.logsumexp(kept)
     raw = _at(logits, drawn.tokens) - bi.logsumexp(logits)
