@@ -5,10 +5,12 @@ Libraries pick their reduction order by shape (XLA:CPU's dot changes kernel with
 its row reductions change strategy below eight rows), so the same token gets different bits in
 the two. The forms here fix the order by the operation instead:
 
-- `tree_sum`: the pairwise sum of adjacent entries, level by level, over the axis padded with
-  zeros to a power of two. Only elementwise adds, so a row's sum does not depend on the other
-  rows; and entries past the last non-zero add exact zeros, so the sum of a prefix is the same
-  whatever the padded length (a decode step's cache and a training row differ in length).
+- `tree_sum`: a binary tree over the axis padded with zeros to a power of two, each level adding
+  the upper half onto the lower half. Only elementwise adds, so a row's sum does not depend on
+  the other rows; and entries past the last non-zero add exact zeros, so the sum of a prefix is
+  the same whatever the padded length (a decode step's cache and a training row differ in
+  length), as is the sum of an aligned span (length a power of two, offset a multiple of it)
+  with zeros around it.
 - `project`: a matmul run on fixed tiles of `tile` rows (`jax.lax.map` over [n, tile, K]), so
   every call, whatever its row count, runs the one [tile, K] x [K, N] product the compiler
   chose for that shape. Its backward is the plain one (gradients need no invariance).
@@ -16,13 +18,16 @@ the two. The forms here fix the order by the operation instead:
   (exact in any order, but kept free of reduce operations, see `tree_max`).
 - `product`: a multiply the compiler may not contract into the add that consumes it (`unfused`);
   every product here that feeds a sum, and the model's elementwise products that feed adds
-  (RoPE, norms before a residual add, the experts' gates), go through it.
-- `attention`: scores as `tree_sum` over the head dimension, one key block at a time; the
-  softmax's sum and the weighted sum of values as `tree_sum`s over key index. A query's keys
-  must sit at index = position within an aligned power-of-two span (a cache slot p holds
-  position p; a packed training row starts each segment at a multiple of its power-of-two
-  length): then its sums are the same in a decode step and a training forward. The backward
-  is `gqa_attention`'s.
+  (RoPE, norms before a residual add, the experts' gates), go through it. `product_sum` is
+  Σ a·b: chunks of 8 products added left to right, the chunks' sums a `tree_sum` (the same
+  prefix and aligned-span properties, without storing every product).
+- `attention`: scores as `product_sum` over the head dimension, the softmax's sum a `tree_sum`
+  and the weighted sum of values a `product_sum` over key index, queries in chunks (a query's
+  sums never involve another query). A query's keys must sit at index = position within an
+  aligned power-of-two span (a cache slot p holds position p; a packed training row starts each
+  segment at a multiple of its power-of-two length): then its sums are the same in a decode
+  step and a training forward. The backward is any form with the same value (the caller's
+  blocked attention, else `gqa_attention`).
 
 The references are the plain forms (`jnp.sum`, a matmul, `gqa_attention`); tests check that
 these forms agree with them to rounding and that a row's bits do not move with the batch.
@@ -123,22 +128,20 @@ def product_sum(a: jax.Array, b: jax.Array, axis: int = -1, chunk: int = PRODUCT
     chunk = min(chunk, _next_pow2(n))
     size = chunk * _next_pow2(-(-n // chunk))
 
-    def split(x):  # pad the axis to `size`, then [.., size / chunk, chunk, ..]
-        if x.shape[axis] == 1:
-            return jnp.expand_dims(x, axis + 1)
-        if x.shape[axis] != size:
-            pad = [(0, 0)] * x.ndim
-            pad[axis] = (0, size - x.shape[axis])
-            x = jnp.pad(x, pad)
-        return x.reshape(*x.shape[:axis], size // chunk, chunk, *x.shape[axis + 1:])
+    def split(x):  # the summed axis first, padded to `size`: [size / chunk, chunk, ...]
+        x = jnp.moveaxis(x, axis, 0)  # each term is then one contiguous block
+        if x.shape[0] == 1:
+            return x[None]
+        if x.shape[0] != size:
+            x = jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(size // chunk, chunk, *x.shape[1:])
 
     a, b = split(a), split(b)
     total = None
     for j in range(chunk):
-        term = product(jax.lax.index_in_dim(a, min(j, a.shape[axis + 1] - 1), axis + 1, False),
-                       jax.lax.index_in_dim(b, min(j, b.shape[axis + 1] - 1), axis + 1, False))
+        term = product(a[:, min(j, a.shape[1] - 1)], b[:, min(j, b.shape[1] - 1)])
         total = term if total is None else total + term
-    return tree_sum(total, axis)
+    return tree_sum(total, 0)
 
 
 def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -318,6 +321,12 @@ def _attention_forward(q, k, v, mask, sinks, scale, causal):
     # producer's fp32 value when it fuses it into the fp32 arithmetic below (excess precision),
     # and whether it fuses depends on the program.
     q, k, v = unfused(q), unfused(k), unfused(v)
+    if s != _next_pow2(s):  # keys padded once to a power of two: no tree pads them again
+        pad = _next_pow2(s) - s
+        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+        s = s + pad
     qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B,Hkv,G,T,D]
     kf = k.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None, None]  # [B,Hkv,1,1,S,D]
     vf = v.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None, None]  # [B,Hkv,1,1,S,Dv]
@@ -326,8 +335,8 @@ def _attention_forward(q, k, v, mask, sinks, scale, causal):
     for lo in range(0, t, rows):
         hi = min(t, lo + rows)
         # Causal: keys past the chunk's last query are masked, so they add exact zeros; the
-        # tree over the first `keys` (padded to a power of two) has the full axis's bits.
-        keys = min(s, hi) if causal else s
+        # tree over the first `keys` (a power of two) has the full axis's bits.
+        keys = min(s, _next_pow2(hi)) if causal else s
         scores = product_sum(qf[:, :, :, lo:hi, None, :], kf[..., :keys, :])
         scores = product(scores, jnp.float32(scale))  # [B, Hkv, G, rows, keys]
         visible = mask[:, None, None, lo:hi, :keys]

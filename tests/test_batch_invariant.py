@@ -40,6 +40,33 @@ def test_tree_sum_is_a_sum_whose_prefix_bits_ignore_trailing_zeros():
     assert bi.tree_sum(jnp.zeros((2, 0))).shape == (2,)
 
 
+def test_sums_of_an_aligned_span_keep_their_bits_among_zeros():
+    """tree_sum and product_sum: 11 entries at offset 0 of 16 or 40, or at offset 16 (a multiple
+    of their span, 16) of 64 with zeros around them, give one sum to the bit; product_sum is
+    Σ a·b to rounding, with b broadcast along the summed axis or not."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 11)).astype(np.float32)
+    y = rng.standard_normal((4, 11)).astype(np.float32)
+
+    def placed(v, n, offset):
+        return jnp.asarray(np.pad(v, ((0, 0), (offset, n - offset - 11))))
+
+    for total in (bi.tree_sum, lambda v: bi.product_sum(v, placed(y, v.shape[1], 0))):
+        outs = [np.asarray(total(placed(x, n, 0))) for n in (11, 16, 40)]
+        if total is bi.tree_sum:
+            outs.append(np.asarray(total(placed(x, 64, 16))))
+        assert len({o.tobytes() for o in outs}) == 1
+    spans = [np.asarray(bi.product_sum(placed(x, n, off), placed(y, n, off)))
+             for n, off in ((16, 0), (64, 16), (64, 48))]
+    assert len({o.tobytes() for o in spans}) == 1
+    np.testing.assert_allclose(spans[0], np.sum(x * y, -1), rtol=1e-5, atol=1e-6)
+    # b broadcast along the summed axis ([.., 1]) and a sum along a leading axis.
+    np.testing.assert_allclose(bi.product_sum(jnp.asarray(x), jnp.asarray(y[:, :1])),
+                               np.sum(x * y[:, :1], -1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bi.product_sum(jnp.asarray(x.T), jnp.asarray(y.T), axis=0),
+                               np.sum(x * y, -1), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["tiles", "pallas"])
 def test_project_rows_keep_their_bits_whatever_the_batch(dtype, impl):

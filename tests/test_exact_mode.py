@@ -117,6 +117,21 @@ def test_aligned_packing_starts_each_rollout_at_a_multiple_of_its_span():
     assert batch.num_sequences == 5
 
 
+def test_a_token_is_fresh_only_when_its_whole_context_is_the_learners_version():
+    """A weight push in the middle of a rollout leaves the earlier keys in the engine's cache from
+    the older weights: only tokens whose versions up to their own all equal the learner's can
+    match its forward to the bit, and only those count toward `logp_exact_share`."""
+    versions = [[3, 3, 3], [2, 3, 3], [3, 3, 2, 3]]
+    rollouts = [dataclasses.replace(_rollout(4, len(v)), versions=np.asarray(v, np.int32))
+                for v in versions]
+    batch = pack_rollouts(rollouts, seq_len=16, with_routing=False, align_segments=True,
+                          fresh_version=3)
+    seg, fresh, loss = batch.segment_ids[0], batch.fresh[0], batch.loss_mask[0]
+    got = sorted(fresh[row][(seg[row] == s) & loss[row]].astype(int).tolist()
+                 for row in range(seg.shape[0]) for s in set(seg[row].tolist()) - {0})
+    assert got == sorted([[1, 1, 1], [0, 0, 0], [1, 1, 0, 0]])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_learner_logprobs_equal_the_engines_in_fp32_and_bf16(family):
     loaded, _ = hf.load(fixture(family))

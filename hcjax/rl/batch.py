@@ -44,8 +44,9 @@ class LearnerBatch:
     routing: np.ndarray | jax.Array | None  # int32 [M, L, b, T, k] or None
     num_tokens: np.ndarray | jax.Array  # float32 scalar: loss tokens in the whole batch
     num_sequences: np.ndarray | jax.Array  # float32 scalar: sequences with >= 1 loss token
-    # bool: the target was sampled by the weights the learner holds (`fresh_version`); None =
-    # every target (the exact-equality share of the log-probs is measured over these).
+    # bool: the target, and every position before it, was computed by the weights the learner
+    # holds (`fresh_version`); None = every target (the exact-equality share of the log-probs is
+    # measured over these).
     fresh: np.ndarray | jax.Array | None = None
 
     @property
@@ -112,7 +113,11 @@ def pack_rollouts(
     most seq_len), and decreasing sizes packed first-fit start each one at a multiple of its own
     power of two, so its keys' sums in the learner's attention follow the same aligned tree as in
     the engine's cache, where position p sits at index p. `fresh_version`: the policy version of
-    the learner's weights; `fresh` marks the targets sampled by it (None: `fresh` is None).
+    the learner's weights; `fresh` marks the targets whose whole context it computed too (None:
+    `fresh` is None). A token's version is that of the forward that gave its logits, which also
+    wrote the previous token's keys: a weight push in the middle of a rollout leaves the keys
+    before it in the engine's cache from the older weights, so a token counts only when every
+    version up to its own is the learner's (the first one stands for the prompt's prefill).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
@@ -190,7 +195,7 @@ def pack_rollouts(
             old_logp[row, resp] = np.where(r.loss_mask, r.logprobs, 0.0)
             n_kept[row, resp] = r.n_kept
             if fresh is not None:
-                fresh[row, resp] = r.versions == fresh_version
+                fresh[row, resp] = np.logical_and.accumulate(r.versions == fresh_version)
             advantages[row, sl] = r.advantage
             if r.temperature > 0:
                 temperature[row, sl] = r.temperature
