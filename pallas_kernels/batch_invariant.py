@@ -128,20 +128,29 @@ def product_sum(a: jax.Array, b: jax.Array, axis: int = -1, chunk: int = PRODUCT
     chunk = min(chunk, _next_pow2(n))
     size = chunk * _next_pow2(-(-n // chunk))
 
-    def split(x):  # the summed axis first, padded to `size`: [size / chunk, chunk, ...]
-        x = jnp.moveaxis(x, axis, 0)  # each term is then one contiguous block
-        if x.shape[0] == 1:
-            return x[None]
-        if x.shape[0] != size:
-            x = jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(size // chunk, chunk, *x.shape[1:])
+    # A term is one slice of the summed axis. Along the last axis that slice is strided, so the
+    # axis is moved first (each term one contiguous block); along another it is kept in place.
+    at = 0 if axis == a.ndim - 1 else axis
+
+    def split(x):  # pad the summed axis to `size`, then [.., size / chunk, chunk, ..] at `at`
+        x = jnp.moveaxis(x, axis, at)
+        if x.shape[at] == 1:
+            return jnp.expand_dims(x, at)
+        if x.shape[at] != size:
+            pad = [(0, 0)] * x.ndim
+            pad[at] = (0, size - x.shape[at])
+            x = jnp.pad(x, pad)
+        return x.reshape(*x.shape[:at], size // chunk, chunk, *x.shape[at + 1:])
+
+    def term(x, j):
+        return jax.lax.index_in_dim(x, min(j, x.shape[at + 1] - 1), at + 1, keepdims=False)
 
     a, b = split(a), split(b)
     total = None
     for j in range(chunk):
-        term = product(a[:, min(j, a.shape[1] - 1)], b[:, min(j, b.shape[1] - 1)])
-        total = term if total is None else total + term
-    return tree_sum(total, 0)
+        t = product(term(a, j), term(b, j))
+        total = t if total is None else total + t
+    return tree_sum(total, at)
 
 
 def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
