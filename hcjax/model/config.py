@@ -141,7 +141,7 @@ class ModelConfig:
     # --- Exact mode (bitwise on-policy). ---
     # Every reduction over a token's features runs in an order fixed by the operation, not by
     # how many tokens share the call (`pallas_kernels.batch_invariant`): matmuls on fixed tiles of
-    # `invariant_tile` rows, sums as aligned pairwise trees, attention over keys at index =
+    # `invariant_tile` rows, sums as fixed trees over the index, attention over keys at index =
     # position. The engine's decode and prefill and the learner's forward then give a token the
     # same logits to the bit, so the learner's log-prob of a sampled token equals the sampler's.
     # The engine keeps local layers' keys at their positions (no ring buffer) and the learner
