@@ -330,12 +330,6 @@ def _attention_forward(q, k, v, mask, sinks, scale, causal):
     # producer's fp32 value when it fuses it into the fp32 arithmetic below (excess precision),
     # and whether it fuses depends on the program.
     q, k, v = unfused(q), unfused(k), unfused(v)
-    if s != _next_pow2(s):  # keys padded once to a power of two: no tree pads them again
-        pad = _next_pow2(s) - s
-        k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
-        s = s + pad
     qf = q.astype(jnp.float32).reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B,Hkv,G,T,D]
     kf = k.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None, None]  # [B,Hkv,1,1,S,D]
     vf = v.astype(jnp.float32).transpose(0, 2, 1, 3)[:, :, None, None]  # [B,Hkv,1,1,S,Dv]
