@@ -3,9 +3,11 @@ helper process that is killed and restarted on timeout (signals only work in the
 
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,17 +30,31 @@ def call_with_time_limit(fn: Callable[..., Any], args: tuple, timeout_s: float) 
     return _HELPER.call(fn, args, timeout_s)
 
 
-_REPEAT_S = 0.05  # the alarm repeats until disarmed: one raise may land where Python drops it
+_REPEAT_S = 0.05  # the alarm repeats until disarmed: a deferred or dropped raise is retried
+
+
+def _raise_would_be_dropped(frame) -> bool:
+    """True when `frame` runs inside code whose exceptions Python prints as "Exception ignored"
+    and drops: a __del__, the unraisable hook (which is formatting such an exception), or a GC
+    callback.  A raise there would not stop `fn`, and inside the hook it breaks the hook itself."""
+    hook = getattr(sys.unraisablehook, "func", sys.unraisablehook)
+    dropping = {getattr(f, "__code__", None) for f in (hook, *gc.callbacks)} - {None}
+    while frame is not None:
+        if frame.f_code.co_name == "__del__" or frame.f_code in dropping:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _with_alarm(fn, args, timeout_s):
-    # A raise from the handler can land in a weakref callback, a __del__ or a GC callback, where
-    # Python prints it as "Exception ignored" and goes on; a one-shot alarm would then leave `fn`
-    # running with no limit at all.  So the timer repeats every _REPEAT_S until the call returns.
+    # The handler raises only where the raise reaches `fn`'s caller: inside a __del__, the
+    # unraisable hook or a GC callback it waits, and the timer, repeating every _REPEAT_S until
+    # the call returns, tries again once that code has finished.  A raise can still land where
+    # Python drops it unseen (a weakref callback); the repeat covers that too.
     armed = [True]
 
     def on_alarm(signum, frame):
-        if armed[0]:
+        if armed[0] and not _raise_would_be_dropped(frame):
             raise TimeLimitExceeded(f"exceeded {timeout_s} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
