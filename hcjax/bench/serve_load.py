@@ -197,20 +197,23 @@ def _flood_host(source: str, port: int, streams: int, stop, out) -> None:
     proxy.close()
 
 
-def _health_prober(address: str, stop, out) -> None:
-    """The learner's Health probe (its own process, like the learner): every 50 ms."""
+def _health_prober(address: str, stop, probing, out) -> None:
+    """The learner's Health probe (its own process, like the learner): every 50 ms. `probing` is
+    set once the first probe has been sent, so that the flood is not over before the probe starts
+    (on a loaded machine this process's imports alone can outlast a short flood)."""
     # after the flags: --help stays fast (this loads JAX)
     from hcjax.rollout.service import RolloutClient
 
     latencies, errors = [], []
     with RolloutClient(address, Security()) as client:
-        while not stop.is_set():
+        while not (stop.is_set() and latencies + errors):
             t0 = time.perf_counter()
             try:
                 client.health(timeout=5)
                 latencies.append(time.perf_counter() - t0)
             except grpc.RpcError as err:
                 errors.append(err.code().name)
+            probing.set()
             time.sleep(0.05)
     out.put({"latencies": latencies, "errors": errors})
 
@@ -426,10 +429,13 @@ def run_size(slots: int, *, light_requests: int, flood_streams: int, flood_hosts
         children += [ctx.Process(target=_flood_host, args=(f"127.0.0.{2 + i}", serving["port"],
                                                            flood_streams, stop, out),
                                  daemon=True) for i in range(flood_hosts)]
-        children.append(ctx.Process(target=_health_prober, args=(address, stop, out),
+        probing = ctx.Event()
+        children.append(ctx.Process(target=_health_prober, args=(address, stop, probing, out),
                                     daemon=True))
         for child in children[1:]:
             child.start()
+        if not probing.wait(timeout=300):
+            raise RuntimeError("the Health prober sent no probe in 300 s")
 
         share: dict = {}
         held_max: dict[str, dict] = {}
