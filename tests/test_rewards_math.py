@@ -1,13 +1,18 @@
 """Math grader: answer extraction, symbolic/numeric equivalence, adversarial inputs, time limit."""
 
+import os
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from hcjax.rewards import math as math_grader
 from hcjax.rewards.timelimit import TimeLimitExceeded, call_with_time_limit
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("response, answer", [
@@ -146,3 +151,15 @@ def test_time_limit_works_off_the_main_thread():
 def test_bad_reference_is_an_error():
     with pytest.raises(ValueError, match="reference=''"):
         math_grader.grade("\\boxed{1}", "")
+
+
+def test_a_climb_process_does_not_import_sympy_until_it_grades_math():
+    """math-verify (and sympy under it) load on the first math comparison: a climb on arithmetic
+    or code starts without them, and a grade still works."""
+    code = ("import sys\nimport hcjax.rl.climber\nfrom hcjax.rewards import math as m\n"
+            "before = 'sympy' in sys.modules\n"
+            "print(before, m.grade('\\\\boxed{0.5}', '1/2').reward, 'sympy' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "1.0", "True"]

@@ -4,21 +4,34 @@ equations, units stripped) under a wall-clock limit.  Must not import JAX."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-
-import math_verify
-import math_verify.grader
-import math_verify.parser
 
 from hcjax.rewards.timelimit import TimeLimitExceeded, call_with_time_limit
 from hcjax.rewards.types import Grade
 
-# We enforce our own limit around the whole comparison (math-verify's alarm-based one only works
-# in the main thread), so silence its "timeout disabled" warning.
-math_verify.parser.TIMEOUT_WARNING_SHOWN = True
-math_verify.grader.TIMEOUT_WARNING_SHOWN = True
-logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+@functools.cache
+def _verifier():
+    """math-verify, imported on the first comparison: it brings in sympy (0.6 s and more of every
+    process start), which a climb on arithmetic or code never uses."""
+    import math_verify
+    import math_verify.grader
+    import math_verify.parser
+
+    # We enforce our own limit around the whole comparison (math-verify's alarm-based one only
+    # works in the main thread), so silence its "timeout disabled" warning.
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return math_verify
+
+
+def before_time_limit() -> None:
+    """Imports what a comparison needs, outside its time limit (hcjax.rewards.timelimit's helper
+    process calls it once when it starts)."""
+    _verifier()
 
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers, and would only feed the parser
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -57,9 +70,9 @@ def extract_answer(response: str) -> str | None:
 
 
 def _parse(text: str) -> list:
-    parsed = math_verify.parse(f"${text}$", parsing_timeout=None)
+    parsed = _verifier().parse(f"${text}$", parsing_timeout=None)
     if not parsed:  # plain expressions such as "1/2" or "sqrt(2)"
-        parsed = math_verify.parse(text, parsing_timeout=None)
+        parsed = _verifier().parse(text, parsing_timeout=None)
     return parsed
 
 
@@ -68,7 +81,7 @@ def _equivalent(answer: str, reference: str) -> bool:
     pred = _parse(answer)
     if not gold or not pred:
         return False
-    return bool(math_verify.verify(gold, pred, timeout_seconds=None))
+    return bool(_verifier().verify(gold, pred, timeout_seconds=None))
 
 
 def grade(response: str, reference: str, *, timeout_s: float = 5.0) -> Grade:
@@ -80,6 +93,7 @@ def grade(response: str, reference: str, *, timeout_s: float = 5.0) -> Grade:
         return Grade(0.0, "no final answer (<answer> tags or \\boxed{})")
     if len(answer) > MAX_ANSWER_CHARS:
         return Grade(0.0, f"answer has {len(answer)} chars > {MAX_ANSWER_CHARS}")
+    before_time_limit()  # the import is not the comparison's time
     try:
         same = call_with_time_limit(_equivalent, (answer, reference), timeout_s)
     except TimeLimitExceeded:

@@ -72,7 +72,11 @@ def _with_alarm(fn, args, timeout_s):
 
 
 def _import(module: str) -> None:
-    importlib.import_module(module)
+    """The helper's start: `module` imported, and its `before_time_limit()` run if it has one
+    (what its functions import lazily), so that no call's limit pays for imports."""
+    prepare = getattr(importlib.import_module(module), "before_time_limit", None)
+    if prepare is not None:
+        prepare()
 
 
 def _serve(conn) -> None:
