@@ -16,6 +16,7 @@ from hcjax.rewards.types import Grade
 def _verifier():
     """math-verify, imported on the first comparison: it brings in sympy (0.6 s and more of every
     process start), which a climb on arithmetic or code never uses."""
+    # here, not at the top: sympy's import is most of a process start that never grades math
     import math_verify
     import math_verify.grader
     import math_verify.parser
