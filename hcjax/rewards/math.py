@@ -11,6 +11,10 @@ import re
 from hcjax.rewards.timelimit import TimeLimitExceeded, call_with_time_limit
 from hcjax.rewards.types import Grade
 
+MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers, and would only feed the parser
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
 
 @functools.cache
 def _verifier():
@@ -33,10 +37,6 @@ def before_time_limit() -> None:
     """Imports what a comparison needs, outside its time limit (hcjax.rewards.timelimit's helper
     process calls it once when it starts)."""
     _verifier()
-
-MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers, and would only feed the parser
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def last_boxed(text: str) -> str | None:
